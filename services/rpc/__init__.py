@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/splitserve/v1 (checked in; `python -m services.rpc.regen`)."""

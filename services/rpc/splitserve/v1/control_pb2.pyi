@@ -1,0 +1,77 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch", "device", "memory_bytes", "step_address", "model")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    device: str
+    memory_bytes: int
+    step_address: str
+    model: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIST_INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    pp_rank: int
+    tp_rank: int
+    pp_size: int
+    tp_size: int
+    first_layer: int
+    end_layer: int
+    block_size: int
+    output_address: str
+    dtype: str
+    dist_init_method: str
+    def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ...) -> None: ...
+
+class CapacityReport(_message.Message):
+    __slots__ = ("worker_id", "epoch", "num_kv_blocks", "kv_bytes_per_block")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class CapacityAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,217 @@
+"""Step messages: every per-step message between scheduler, workers and kvcache_svc.
+
+MessagePack-encoded msgspec structs (array-like, tagged). `services.codec` decodes them with
+type validation and the size limits declared here; nothing is ever pickled. Tensors never
+travel in these messages (pipeline activations go over torch.distributed).
+
+Scheduler -> worker: `StepInput`, `InitCache`.        Worker -> scheduler: `StepOutput`,
+`CacheReady`, `WorkerFailure`.   Scheduler -> kvcache_svc: `PlanRequest`, `ConfigurePool`,
+`DropPool`; kvcache_svc answers `PlanReply` or `KvAck`.
+
+Step messages are diffs (shared/DESIGN.md section 2): a request travels in full once as a
+`NewRequest` (again after preemption, since preemption drops the worker's state); afterwards
+only what changed travels as a `RunningRequest`.
+"""
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+MAX_TOKENS_PER_REQUEST = 1 << 20   # token ids in one request (prompt + output)
+MAX_BLOCKS_PER_REQUEST = 1 << 18   # block ids held by one request
+MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
+MAX_ID_LEN = 256                   # characters of a request or worker id
+MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
+BlockHash = Annotated[int, Meta(ge=0)]  # u64; msgpack caps it
+Count = Annotated[int, Meta(ge=0, lt=1 << 40)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
+BlockIds = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
+BlockHashes = Annotated[list[BlockHash], Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
+RequestIds = Annotated[list[RequestId], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+
+
+class _Wire(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
+    """Base of every wire struct: positional encoding, tagged with the class name."""
+
+
+# --------------------------------------------------------------------------- scheduler <-> worker
+
+
+class SamplingSpec(_Wire, frozen=True):
+    """What a worker needs to sample one request; validated by the scheduler's API edge."""
+
+    temperature: Annotated[float, Meta(ge=0.0)]       # 0 = greedy
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)]     # nucleus mass kept
+    top_k: Annotated[int, Meta(ge=-1)]                # -1 or 0 = off
+    seed: Annotated[int, Meta(ge=0)] | None  # per-request generator seed
+    num_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None  # None = no logprobs
+
+
+class NewRequest(_Wire):
+    """A request the worker has no state for: first schedule, or resume after preemption."""
+
+    request_id: RequestId
+    token_ids: TokenIds                 # every known token: prompt + output so far
+    num_prompt_tokens: Count            # prompt length (tokens after it are outputs)
+    sampling: SamplingSpec
+    block_ids: BlockIds                 # all KV blocks the request holds, in order
+    num_computed_tokens: Count          # tokens whose KV is already in the cache (prefix hit)
+    num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # tokens to compute this step
+
+
+class RunningRequest(_Wire):
+    """A request the worker already holds; only what changed since its last step."""
+
+    request_id: RequestId
+    num_computed_tokens: Count          # tokens whose KV is in the cache before this step
+    num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # tokens to compute this step
+    new_block_ids: BlockIds             # blocks appended since the last step
+    # Tokens sampled since this request's last step, for non-last pipeline ranks, which do not
+    # sample; written at `num_computed_tokens`. Always empty with one pipeline stage.
+    new_token_ids: TokenIds
+
+
+class StepInput(_Wire):
+    """One engine step for one replica; every rank of the replica receives the same message."""
+
+    step_id: Count                      # per replica, strictly increasing
+    new_requests: Annotated[list[NewRequest], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    running: Annotated[list[RunningRequest], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    finished_ids: RequestIds            # finished, aborted or preempted: drop their state first
+
+
+class InitCache(_Wire):
+    """Allocate the KV tensors: the replica-wide block count is now agreed."""
+
+    num_blocks: Annotated[int, Meta(ge=2, lt=1 << 31)]   # including the null block 0
+    block_size: Annotated[int, Meta(ge=1, le=1024)]      # tokens per block
+
+
+class TokenLogprobs(_Wire):
+    """Log probabilities for one sampled token."""
+
+    logprob: float                      # of the sampled token
+    top_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_TOP_LOGPROBS)]
+    top_logprobs: Annotated[list[float], Meta(max_length=MAX_TOP_LOGPROBS)]
+
+
+class StepTimings(_Wire):
+    """Where the worker's time went in one step, in milliseconds."""
+
+    prepare_ms: float                   # applying the diff and building input tensors
+    forward_ms: float                   # model forward (all layers of this rank)
+    sample_ms: float                    # logits + sampling (last stage only)
+    num_tokens: Count                   # tokens computed in the step
+
+
+class StepOutput(_Wire):
+    """The last stage's answer to one StepInput (tp_rank 0 only)."""
+
+    step_id: Count
+    worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
+    # Requests that sampled a token this step, in step order; a request whose scheduled tokens
+    # end inside its prompt (a non-final prefill chunk) samples nothing and is not listed.
+    request_ids: RequestIds
+    sampled_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    logprobs: Annotated[list[TokenLogprobs | None], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    timings: StepTimings
+
+
+class CacheReady(_Wire):
+    """The worker allocated its KV tensors after InitCache."""
+
+    worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
+    num_blocks: Count
+
+
+class WorkerFailure(_Wire):
+    """A step the worker could not run; the scheduler fails or retries what it held."""
+
+    worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
+    step_id: Count
+    message: Annotated[str, Meta(max_length=4096)]
+
+
+ToWorker = StepInput | InitCache
+FromWorker = StepOutput | CacheReady | WorkerFailure
+
+# ---------------------------------------------------------------------- scheduler <-> kvcache_svc
+
+
+class GrowOp(_Wire):
+    """Make a running request's blocks cover `num_tokens` tokens."""
+
+    request_id: RequestId
+    num_tokens: Count                   # tokens the blocks must hold after this step
+    # Hashes of blocks that become full with this step and were not committed before, in block
+    # order; they enter the prefix index (prefix caching on).
+    new_block_hashes: BlockHashes
+
+
+class AdmitOp(_Wire):
+    """Admit a waiting request: reuse its longest cached prefix, allocate for the rest."""
+
+    request_id: RequestId
+    num_tokens: Count                   # every known token of the request
+    block_hashes: BlockHashes           # hashes of its full blocks, in order
+    max_num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # token budget given to it
+    allow_partial: bool                 # chunked prefill: may schedule fewer than all tokens
+
+
+class PlanRequest(_Wire):
+    """One step's batched block plan for one replica, applied in field order.
+
+    Frees first; then grows in order (a grow that does not fit fails alone); then admissions
+    in order, stopping at the first that does not fit (first come, first served).
+    """
+
+    replica_id: Count
+    plan_id: Count                      # echoed in the reply
+    free_ids: RequestIds                # requests whose blocks are released (reverse order)
+    grows: Annotated[list[GrowOp], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    admits: Annotated[list[AdmitOp], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+
+
+class AdmitResult(_Wire):
+    request_id: RequestId
+    num_cached_tokens: Count            # prefix served from cache (at most num_tokens - 1)
+    num_new_tokens: Count               # tokens to compute this step
+    block_ids: BlockIds                 # every block the request now holds
+    num_committed_blocks: Count         # of block_hashes, how many the index now holds
+
+
+class PlanReply(_Wire):
+    plan_id: Count
+    # Per grow op, in order: the appended block ids, or None when it did not fit.
+    grown: Annotated[list[BlockIds | None], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    admitted: Annotated[list[AdmitResult], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    num_free_blocks: Count              # free + evictable blocks after this plan
+    error: Annotated[str, Meta(max_length=4096)] | None  # the plan was refused as a whole
+
+
+class ConfigurePool(_Wire):
+    """Create (or re-create, dropping all state) the block pool of one replica."""
+
+    replica_id: Count
+    num_blocks: Annotated[int, Meta(ge=2, lt=1 << 31)]   # including the null block 0
+    block_size: Annotated[int, Meta(ge=1, le=1024)]
+    enable_prefix_caching: bool
+
+
+class DropPool(_Wire):
+    """Forget one replica's pool and prefix index (the replica went down)."""
+
+    replica_id: Count
+
+
+class KvAck(_Wire):
+    error: Annotated[str, Meta(max_length=4096)] | None
+
+
+ToKvCache = PlanRequest | ConfigurePool | DropPool
+FromKvCache = PlanReply | KvAck

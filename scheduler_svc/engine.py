@@ -1,0 +1,260 @@
+"""One replica's engine loop: plan with kvcache_svc, run the step on the workers, publish.
+
+Runs in its own thread. Everything that touches the replica's `Scheduler` happens in this
+thread; the gRPC side talks to it only through `submit` / `abort` (a command queue) and
+receives results through each request's `OutputSink`.
+
+    while serving:
+        take new requests and aborts
+        plan  = scheduler.schedule()          # draft
+        reply = kvcache.plan(plan)            # one batched call per step
+        step  = scheduler.apply_plan(reply)   # StepInput diff
+        send step to every rank; wait for the last stage's StepOutput
+        publish scheduler.update(output)
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.tokenizer import TextTokenizer
+from services.channels import Receiver, RequestClient, Sender
+from services.codec import Codec
+from services.wire import (
+    CacheReady,
+    ConfigurePool,
+    FromKvCache,
+    FromWorker,
+    InitCache,
+    KvAck,
+    PlanReply,
+    StepOutput,
+    ToWorker,
+    WorkerFailure,
+)
+
+log = logging.getLogger(__name__)
+
+OutputSink = Callable[[RequestOutput], None]  # thread-safe; called from the engine thread
+
+
+class EngineError(RuntimeError):
+    """The replica cannot continue (a worker or kvcache_svc stopped answering)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    replica_id: int
+    scheduler: SchedulerConfig
+    num_kv_blocks: int                 # including the null block 0
+    kvcache_address: str
+    kv_timeout_s: float
+    step_timeout_s: float
+    ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    sink: OutputSink
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class ReplicaEngine:
+    def __init__(self, config: EngineConfig, tokenizer: TextTokenizer,
+                 eos_token_ids: tuple[int, ...], ctx: zmq.Context,
+                 step_addresses: list[str], outputs: Receiver[FromWorker],
+                 on_down: Callable[[int, str], None]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, config.replica_id)
+        self.scheduler.ship_sampled_tokens = config.ship_sampled_tokens
+        self.scheduler.set_capacity(config.num_kv_blocks)
+        self._ctx = ctx
+        self._step_addresses = step_addresses
+        self._outputs = outputs
+        self._on_down = on_down
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, OutputSink] = {}
+        self._thread = threading.Thread(target=self._run, name=f"replica-{config.replica_id}",
+                                        daemon=True)
+        self._stopping = False
+        self.ready = threading.Event()
+        self.num_live = 0            # requests submitted and not yet finished (any thread reads)
+        self.num_steps = 0
+        self.last_step_gap_ms = 0.0
+
+    # ---------------------------------------------------------------- called from other threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+               sink: OutputSink) -> None:
+        self.num_live += 1
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        kv: RequestClient[FromKvCache] = RequestClient(self._ctx, Codec(FromKvCache),
+                                                       self.config.kvcache_address)
+        senders = [Sender(self._ctx, Codec(ToWorker), addr) for addr in self._step_addresses]
+        try:
+            self._bring_up(kv, senders)
+            self.ready.set()
+            while not self._stopping:
+                self._take_commands(block=not self.scheduler.has_work())
+                if self.scheduler.has_work():
+                    self._step(kv, senders)
+        except EngineError as exc:
+            log.error("replica %d down: %s", self.config.replica_id, exc)
+            self._fail_all(str(exc))
+            self._on_down(self.config.replica_id, str(exc))
+        except Exception as exc:  # a bug: fail loudly, never leave clients hanging
+            log.exception("replica %d engine crashed", self.config.replica_id)
+            self._fail_all(f"internal error: {exc}")
+            self._on_down(self.config.replica_id, str(exc))
+        finally:
+            kv.close()
+            for sender in senders:
+                sender.close()
+
+    def _bring_up(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
+        cfg = self.config
+        ack = kv.call(ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
+                                    block_size=cfg.scheduler.block_size,
+                                    enable_prefix_caching=cfg.scheduler.prefix_caching),
+                      timeout_ms=int(cfg.kv_timeout_s * 1000))
+        if not isinstance(ack, KvAck) or ack.error is not None:
+            raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
+        init = InitCache(num_blocks=cfg.num_kv_blocks, block_size=cfg.scheduler.block_size)
+        for sender in senders:
+            sender.send(init)
+        ready = 0
+        deadline = time.monotonic() + cfg.step_timeout_s
+        while ready < len(senders):
+            msg = self._outputs.recv(timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+            if msg is None:
+                raise EngineError("workers did not allocate their KV cache in time")
+            if isinstance(msg, WorkerFailure):
+                raise EngineError(f"worker {msg.worker_id} failed: {msg.message}")
+            if isinstance(msg, CacheReady):
+                ready += 1
+        log.info("replica %d ready: %d KV blocks of %d tokens", cfg.replica_id,
+                 cfg.num_kv_blocks, cfg.scheduler.block_size)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._apply_command(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply_command(self, command: _Add | _Abort | None) -> None:
+        if isinstance(command, _Add):
+            request = Request(command.request_id, command.prompt_token_ids, command.sampling,
+                              self.eos_token_ids, self.config.scheduler.max_model_len,
+                              self.config.scheduler.block_size,
+                              hash_blocks=self.config.scheduler.prefix_caching)
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, command.prompt_token_ids, command.sampling.skip_special_tokens,
+                command.sampling.stop)
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                self.num_live -= 1
+                command.sink(RequestOutput(command.request_id, [], "", [], FinishReason.ABORT,
+                                           error=str(exc)))
+                return
+            self._sinks[command.request_id] = command.sink
+        elif isinstance(command, _Abort):
+            final = self.scheduler.abort(command.request_id)
+            if final is not None:
+                self._publish([final])
+
+    def _step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
+        cfg = self.config
+        plan = self.scheduler.schedule()
+        reply = kv.call(plan, timeout_ms=int(cfg.kv_timeout_s * 1000))
+        if not isinstance(reply, PlanReply):
+            raise EngineError(f"kvcache_svc did not answer the plan call ({reply})")
+        step = self.scheduler.apply_plan(reply)
+        if step is None:
+            # Nothing fit this step (the free-block estimate was off); the next plan starts
+            # from kvcache_svc's exact count. Wait briefly for news instead of spinning.
+            self._take_commands_timeout(0.002)
+            return
+        for sender in senders:
+            sender.send(step)
+        output = self._wait_output(step.step_id)
+        self.num_steps += 1
+        self._publish(self.scheduler.update(output))
+
+    def _take_commands_timeout(self, seconds: float) -> None:
+        try:
+            command = self._commands.get(timeout=seconds)
+        except queue.Empty:
+            return
+        self._apply_command(command)
+
+    def _wait_output(self, step_id: int) -> StepOutput:
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            msg = self._outputs.recv(timeout_ms=max(1, remaining_ms))
+            if msg is None:
+                raise EngineError(f"no output for step {step_id} within "
+                                  f"{self.config.step_timeout_s:.0f}s")
+            if isinstance(msg, WorkerFailure):
+                raise EngineError(f"worker {msg.worker_id} failed step {msg.step_id}: "
+                                  f"{msg.message}")
+            if isinstance(msg, StepOutput) and msg.step_id == step_id:
+                return msg
+            log.warning("ignoring stale worker message %s", type(msg).__name__)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finish_reason is not None:
+                del self._sinks[out.request_id]
+                self.num_live -= 1
+            sink(out)
+
+    def _fail_all(self, message: str) -> None:
+        """Ends every live request with an explicit error (nothing is lost silently)."""
+        for request_id, sink in list(self._sinks.items()):
+            sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT, error=message))
+        self._sinks.clear()
+        self.num_live = 0

@@ -1,0 +1,134 @@
+"""Request state owned by the scheduler: tokens, progress, blocks, sampling and stop settings.
+
+`num_computed_tokens` is the one progress counter (shared/DESIGN.md section 2): it advances
+when a step is scheduled and catches up with `num_tokens`; preemption resets it to 0.
+"""
+
+import enum
+import time
+from dataclasses import dataclass
+
+from services.block_hash import NONE_HASH, hash_full_blocks
+from services.wire import SamplingSpec, TokenLogprobs
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the context length reached
+    ABORT = "abort"      # the client aborted or cancelled
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling and stop settings of one request (see scheduler_svc.validation)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int = 256
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def to_spec(self) -> SamplingSpec:
+        return SamplingSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                            seed=self.seed, num_logprobs=self.logprobs)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request, on its way to the client stream."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None           # the request ended without finishing (replica lost, ...)
+
+
+class Request:
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "sampling", "eos_token_ids",
+        "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
+        "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
+        "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
+        "hash_blocks",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_model_len: int, block_size: int,
+                 hash_blocks: bool) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)       # prompt + outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.eos_token_ids = eos_token_ids
+        # The request stops at max_tokens outputs or at the context length, whichever is first.
+        self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_size = block_size
+        self.hash_blocks = hash_blocks
+        self.block_hashes: list[int] = []            # hashes of full blocks of token_ids
+        self.num_committed_blocks = 0                # of those, how many kvcache_svc indexed
+        self.num_cached_tokens: int | None = None    # prefix hit at first admission
+        self.on_worker = False                       # the worker holds state for it
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        self.detokenizer: object | None = None      # set by the engine (IncrementalDetokenizer)
+        self._extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.hash_blocks and self.num_tokens % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        if not self.hash_blocks:
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
+        self.block_hashes.extend(hash_full_blocks(
+            self.token_ids, self.block_size, parent, start_block=len(self.block_hashes)))
+
+    def reset_for_preemption(self) -> None:
+        """Back to waiting with no blocks; outputs are kept and recomputed on resume."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_committed_blocks = 0
+        self.on_worker = False
+        self.num_preemptions += 1

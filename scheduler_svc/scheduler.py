@@ -1,0 +1,319 @@
+"""Continuous batching for one replica: which requests run each step, and what comes back.
+
+A step has three phases, and the scheduler owns the state between them (no network here):
+
+1. `schedule()` drafts a `PlanRequest` for kvcache_svc: frees, grows of running requests (in
+   arrival order, each capped by the token budget; when the free-block estimate runs out the
+   latest running request is preempted by recompute), then admissions of waiting requests.
+2. `apply_plan(reply)` takes what kvcache_svc granted and returns the `StepInput` diff for the
+   workers (or None when nothing runs). `num_computed_tokens` advances here.
+3. `update(output)` appends sampled tokens, checks stop conditions, detokenizes, and returns
+   one `RequestOutput` per request that produced something.
+
+The free-block count is an estimate between plans (blocks shared through the prefix cache free
+nothing when one holder lets go); kvcache_svc is the authority: a grow it refuses simply does
+not run this step, and the next plan starts from its exact count.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
+from services.wire import (
+    AdmitOp,
+    GrowOp,
+    NewRequest,
+    PlanReply,
+    PlanRequest,
+    RunningRequest,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _Draft:
+    """What `schedule()` asked kvcache_svc for, kept until the reply comes back."""
+
+    plan: PlanRequest
+    grow_reqs: list[tuple[Request, int]]   # (request, num_new_tokens) per grow op
+    admit_reqs: list[Request]              # per admit op
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, replica_id: int = 0) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_free_blocks = 0            # as of the last plan reply
+        self.num_total_blocks = 0
+        self._free_ids: list[str] = []      # requests whose blocks kvcache_svc must release
+        self._finished_ids: list[str] = []  # requests whose worker state must be dropped
+        self._new_token_ids: dict[str, list[int]] = {}  # sampled since last step (PP > 1)
+        self.ship_sampled_tokens = False   # PP > 1: non-last ranks need sampled tokens
+        self._draft: _Draft | None = None
+        self._plan_id = 0
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens_admitted = 0
+        self.num_cached_tokens_admitted = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finishes a live request with reason ABORT; None if it is not live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self._finish(request, FinishReason.ABORT, None)
+        return self._final_output(request, [], [])
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._free_ids or self._finished_ids)
+
+    def set_capacity(self, num_blocks: int) -> None:
+        """The pool holds `num_blocks` blocks including the null block 0."""
+        self.num_total_blocks = num_blocks - 1
+        self.num_free_blocks = num_blocks - 1
+
+    def preempt_all(self) -> None:
+        """kvcache_svc lost its state: every running request goes back to waiting."""
+        for request in reversed(self.running):
+            self._preempt(request, release_blocks=False)
+        self.running.clear()
+        self._free_ids.clear()
+        self.num_free_blocks = self.num_total_blocks
+
+    # ------------------------------------------------------------------ phase 1: draft a plan
+
+    def schedule(self) -> PlanRequest:
+        cfg = self.config
+        budget = cfg.token_budget
+        free = self.num_free_blocks
+        grow_reqs: list[tuple[Request, int]] = []
+        grows: list[GrowOp] = []
+        preempted = False
+
+        queue = list(self.running)
+        i = 0
+        while i < len(queue) and budget > 0:
+            request = queue[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            needed = cdiv(request.num_computed_tokens + num_new, cfg.block_size) - len(
+                request.block_ids)
+            while needed > free:
+                victim = queue.pop()       # the latest arrival gives its blocks back
+                free += len(victim.block_ids)
+                self._preempt(victim, release_blocks=True)
+                self.running.remove(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            free -= max(0, needed)
+            budget -= num_new
+            grow_reqs.append((request, num_new))
+            grows.append(GrowOp(request_id=request.request_id,
+                                num_tokens=request.num_computed_tokens + num_new,
+                                new_block_hashes=self._hashes_to_commit(
+                                    request, request.num_computed_tokens + num_new)))
+            i += 1
+
+        admit_reqs: list[Request] = []
+        admits: list[AdmitOp] = []
+        # After a preemption nothing new is admitted this step (the pool is under pressure).
+        num_slots = cfg.max_num_seqs - len(self.running)
+        for request in self.waiting if not preempted else ():
+            if len(admits) >= num_slots or budget <= 0:
+                break
+            num_tokens = request.num_tokens
+            max_new = min(budget, num_tokens)
+            if cfg.long_prefill_token_threshold > 0 and cfg.chunked_prefill:
+                max_new = min(max_new, cfg.long_prefill_token_threshold)
+            if not cfg.chunked_prefill and num_tokens > budget:
+                break
+            needed = cdiv(max_new, cfg.block_size)
+            if needed > free:
+                break
+            free -= needed
+            budget -= max_new
+            admit_reqs.append(request)
+            admits.append(AdmitOp(request_id=request.request_id, num_tokens=num_tokens,
+                                  block_hashes=list(request.block_hashes),
+                                  max_num_new_tokens=max_new,
+                                  allow_partial=cfg.chunked_prefill))
+
+        self._plan_id += 1
+        plan = PlanRequest(replica_id=self.replica_id, plan_id=self._plan_id,
+                           free_ids=self._free_ids, grows=grows, admits=admits)
+        self._free_ids = []
+        self._draft = _Draft(plan, grow_reqs, admit_reqs)
+        return plan
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.config.chunked_prefill:
+            if self.config.long_prefill_token_threshold > 0:
+                num_new = min(num_new, self.config.long_prefill_token_threshold)
+            return min(num_new, budget)
+        return num_new if num_new <= budget else 0
+
+    def _hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[int]:
+        """Hashes of blocks that this step fills and kvcache_svc has not indexed yet."""
+        if not self.config.prefix_caching:
+            return []
+        num_full = min(num_tokens_after // self.config.block_size, len(request.block_hashes))
+        return request.block_hashes[request.num_committed_blocks:num_full]
+
+    def _preempt(self, request: Request, release_blocks: bool) -> None:
+        if release_blocks:
+            self._free_ids.append(request.request_id)
+        if request.on_worker:
+            self._finished_ids.append(request.request_id)
+        self._new_token_ids.pop(request.request_id, None)
+        request.reset_for_preemption()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ phase 2: apply reply
+
+    def apply_plan(self, reply: PlanReply) -> StepInput | None:
+        """Commits what kvcache_svc granted; the StepInput to run, or None if nothing runs."""
+        draft, self._draft = self._draft, None
+        if draft is None or reply.plan_id != draft.plan.plan_id:
+            raise RuntimeError("plan reply does not match the drafted plan")
+        if reply.error is not None:
+            raise RuntimeError(f"kvcache_svc refused the plan: {reply.error}")
+        self.num_free_blocks = reply.num_free_blocks
+
+        running: list[RunningRequest] = []
+        for (request, num_new), new_blocks in zip(draft.grow_reqs, reply.grown, strict=True):
+            if new_blocks is None or request.status is not RequestStatus.RUNNING:
+                continue  # did not fit this step; it keeps its place and retries
+            request.block_ids.extend(new_blocks)
+            request.num_committed_blocks += len(
+                self._hashes_to_commit(request, request.num_computed_tokens + num_new))
+            running.append(RunningRequest(
+                request_id=request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new,
+                new_block_ids=new_blocks,
+                new_token_ids=self._new_token_ids.pop(request.request_id, [])))
+            request.num_computed_tokens += num_new
+
+        new_requests: list[NewRequest] = []
+        for request, result in zip(draft.admit_reqs, reply.admitted):
+            if result.request_id != request.request_id:
+                raise RuntimeError("plan reply admitted requests out of order")
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.block_ids = list(result.block_ids)
+            request.num_committed_blocks = result.num_committed_blocks
+            request.num_computed_tokens = result.num_cached_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = result.num_cached_tokens
+                self.num_prompt_tokens_admitted += request.num_prompt_tokens
+                self.num_cached_tokens_admitted += result.num_cached_tokens
+            self.running.append(request)
+            new_requests.append(NewRequest(
+                request_id=request.request_id, token_ids=list(request.token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=request.sampling.to_spec(), block_ids=list(result.block_ids),
+                num_computed_tokens=result.num_cached_tokens,
+                num_new_tokens=result.num_new_tokens))
+            request.on_worker = True
+            request.num_computed_tokens += result.num_new_tokens
+
+        if not running and not new_requests:
+            return None
+        self._step_id += 1
+        step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
+                         finished_ids=self._finished_ids)
+        self._finished_ids = []
+        return step
+
+    # ------------------------------------------------------------------ phase 3: outputs
+
+    def update(self, output: StepOutput) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
+                                                  output.logprobs, strict=True):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran: the token is dropped
+            if request.num_computed_tokens != request.num_tokens:
+                continue  # a non-final prefill chunk (the worker should not sample those)
+            request.append_token(token_id)
+            if self.ship_sampled_tokens:
+                self._new_token_ids.setdefault(request_id, []).append(token_id)
+            outputs.append(self._after_token(request, token_id, logprobs))
+        return outputs
+
+    def _after_token(self, request: Request, token_id: int,
+                     logprobs: TokenLogprobs | None) -> RequestOutput:
+        sampling = request.sampling
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None
+        past_min = request.num_output_tokens >= sampling.min_tokens
+        if past_min and not sampling.ignore_eos and token_id in request.eos_token_ids:
+            reason = FinishReason.STOP
+        elif past_min and token_id in sampling.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token_id
+        detok = request.detokenizer
+        if isinstance(detok, IncrementalDetokenizer) and reason is None:
+            matched = detok.update(request.token_ids)
+            if matched is not None and past_min:
+                reason, stop_reason = FinishReason.STOP, matched
+        if reason is None and request.num_tokens >= request.max_num_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason, stop_reason)
+            return self._final_output(request, [token_id], [logprobs])
+        text = detok.take_delta(False) if isinstance(detok, IncrementalDetokenizer) else ""
+        return RequestOutput(request.request_id, [token_id], text, [logprobs])
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None,
+                ) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        if request.block_ids:
+            self._free_ids.append(request.request_id)
+        if request.on_worker:
+            self._finished_ids.append(request.request_id)
+        self._new_token_ids.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def _final_output(self, request: Request, token_ids: list[int],
+                      logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        detok = request.detokenizer
+        text = detok.take_delta(True) if isinstance(detok, IncrementalDetokenizer) else ""
+        return RequestOutput(
+            request.request_id, token_ids, text, logprobs, request.finish_reason,
+            request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0)

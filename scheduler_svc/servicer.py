@@ -1,0 +1,208 @@
+"""gRPC adapters of scheduler_svc: `Generation` (public) and `WorkerControl` (workers).
+
+Thin by design: convert protobuf to core types (`from_pb`), call the core, convert back
+(`to_pb`), and map core exceptions to status codes. Policy lives in Frontend and Cluster.
+"""
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from scheduler_svc.cluster import Cluster, RegistrationError
+from scheduler_svc.frontend import (
+    Frontend,
+    NoReplica,
+    PromptInput,
+    QueueFull,
+    RequestFailed,
+)
+from scheduler_svc.request import RequestOutput
+from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.validation import InvalidRequest, RawSampling
+from services.model_config import ModelConfig
+from services.rpc.splitserve.v1 import (
+    control_pb2,
+    control_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+
+def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,
+                   ) -> PromptInput:
+    which = request.WhichOneof("input")
+    if which == "text":
+        return PromptInput(text=request.text)
+    if which == "token_ids":
+        return PromptInput(token_ids=list(request.token_ids.ids))
+    if which == "chat":
+        return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
+    raise InvalidRequest("no prompt: set one of text, token_ids or chat")
+
+
+def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
+    s = request.sampling
+
+    def opt(name: str) -> object | None:
+        return getattr(s, name) if s.HasField(name) else None
+
+    return RawSampling(
+        temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
+        seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
+        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
+        keep_special_tokens=request.keep_special_tokens)
+
+
+def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
+                                          text=out.text)
+    for token_id, lp in zip(out.new_token_ids, out.logprobs):
+        if lp is not None:
+            msg.logprobs.append(generation_pb2.TokenLogprob(
+                token_id=token_id, logprob=lp.logprob,
+                top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    if out.finish_reason is not None:
+        msg.finish_reason = out.finish_reason.value
+        msg.usage.prompt_tokens = out.num_prompt_tokens
+        msg.usage.completion_tokens = out.num_output_tokens
+        msg.usage.cached_prompt_tokens = out.num_cached_tokens
+        if out.stop_reason is not None:
+            msg.stop_reason = str(out.stop_reason)
+    return msg
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend, model: ModelConfig, dtype: str) -> None:
+        self.frontend = frontend
+        self.model = model
+        self.dtype = dtype
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext,
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        async for out in self._run(request, context):
+            yield output_to_pb(out)
+
+    async def GenerateOnce(self, request: generation_pb2.GenerateRequest,
+                           context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        merged = generation_pb2.GenerateResponse()
+        async for out in self._run(request, context):
+            part = output_to_pb(out)
+            merged.request_id = part.request_id
+            merged.token_ids.extend(part.token_ids)
+            merged.text += part.text
+            merged.logprobs.extend(part.logprobs)
+            if part.finish_reason:
+                merged.finish_reason = part.finish_reason
+                merged.usage.CopyFrom(part.usage)
+                if part.HasField("stop_reason"):
+                    merged.stop_reason = part.stop_reason
+        return merged
+
+    async def _run(self, request: generation_pb2.GenerateRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
+        try:
+            prepared = self.frontend.prepare(request.request_id, request.model,
+                                             prompt_from_pb(request), sampling_from_pb(request))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            async for out in self.frontend.generate(prepared):
+                yield out
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NoReplica as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RequestFailed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request failed: {exc}")
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        try:
+            if request.model and request.model != self.model.name:
+                raise InvalidRequest(f"unknown model {request.model!r}")
+            text, ids = self.frontend.render(prompt_from_pb(request),
+                                             add_generation_prompt=request.add_generation_prompt
+                                             or request.WhichOneof("input") != "chat")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text)
+
+    async def Abort(self, request: generation_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        return generation_pb2.AbortResponse(found=self.frontend.abort(request.request_id))
+
+    async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
+        m = self.model
+        return generation_pb2.ModelInfoResponse(
+            model=m.name, architecture=m.architecture, vocab_size=m.vocab_size,
+            max_model_len=m.max_model_len, num_layers=m.num_layers, hidden_size=m.hidden_size,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, dtype=self.dtype,
+            eos_token_ids=list(m.eos_token_ids),
+            has_chat_template=self.frontend.tokenizer.chat_template is not None)
+
+    async def ServerInfo(self, request: generation_pb2.ServerInfoRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ServerInfoResponse:
+        cluster = self.frontend.cluster
+        sc = cluster.sched_config
+        info = generation_pb2.ServerInfoResponse(
+            model=self.model.name, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, chunked_prefill=sc.chunked_prefill,
+            prefix_caching=sc.prefix_caching,
+            num_requests_total=self.frontend.num_requests_total)
+        num_prompt = num_cached = 0
+        for replica in list(cluster.replicas.values()):
+            r = info.replicas.add(replica_id=replica.replica_id, state=replica.state,
+                                  block_size=sc.block_size)
+            for w in replica.workers:
+                r.workers.add(worker_id=w.worker_id, epoch=w.epoch, pp_rank=w.pp_rank,
+                              tp_rank=w.tp_rank, device=w.device,
+                              num_kv_blocks=w.num_kv_blocks or 0, state=w.state)
+            engine = replica.engine
+            if engine is not None:
+                sched = engine.scheduler
+                r.num_kv_blocks = engine.config.num_kv_blocks
+                r.num_free_blocks = sched.num_free_blocks
+                r.num_running = len(sched.running)
+                r.num_waiting = len(sched.waiting)
+                num_prompt += sched.num_prompt_tokens_admitted
+                num_cached += sched.num_cached_tokens_admitted
+        info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0
+        return info
+
+
+class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    async def Register(self, request: control_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> control_pb2.RegisterResponse:
+        try:
+            p = self.cluster.register(request.worker_id, request.epoch, request.device,
+                                      request.memory_bytes, request.step_address, request.model)
+        except RegistrationError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return control_pb2.RegisterResponse(
+            replica_id=p.replica_id, pp_rank=p.pp_rank, tp_rank=p.tp_rank, pp_size=p.pp_size,
+            tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
+            block_size=self.cluster.sched_config.block_size, output_address=p.output_address,
+            dtype=self.cluster.config.dtype)
+
+    async def ReportCapacity(self, request: control_pb2.CapacityReport,
+                             context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:
+        try:
+            self.cluster.report_capacity(request.worker_id, request.epoch, request.num_kv_blocks)
+        except RegistrationError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return control_pb2.CapacityAck()
+
+    async def Heartbeat(self, request: control_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> control_pb2.HeartbeatResponse:
+        return control_pb2.HeartbeatResponse(
+            known=self.cluster.heartbeat(request.worker_id, request.epoch))

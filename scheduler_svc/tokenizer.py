@@ -1,0 +1,153 @@
+"""The scheduler's tokenizer: built from a GGUF file's vocabulary or an HF `tokenizer.json`,
+plus the model's chat template.
+
+GGUF byte-level BPE (`tokenizer.ggml.model == "gpt2"`) becomes a `tokenizers` BPE with the
+GPT-2 byte alphabet; the control tokens (token type 3) become special tokens. The pre-tokenizer
+follows `tokenizer.ggml.pre`: "smollm" splits every digit on its own before the GPT-2 split, as
+SmolLM2's own tokenizer.json does. tests/scheduler_svc/test_tokenizer.py checks the result
+against transformers' GGUF tokenizer.
+"""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+CONTROL_TOKEN_TYPE = 3
+USER_DEFINED_TOKEN_TYPE = 4
+
+# Pre-tokenizer splits that run before the byte-level step, by GGUF `tokenizer.ggml.pre`.
+_DIGIT_SPLIT = pre_tokenizers.Digits(individual_digits=True)
+_PRE_SPLITS = {"smollm": [_DIGIT_SPLIT], "starcoder": [_DIGIT_SPLIT], "refact": [_DIGIT_SPLIT]}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class TemplateError(ValueError):
+    """The chat template is missing or failed to render the messages."""
+
+
+class TextTokenizer:
+    """Encode/decode plus chat-template rendering; immutable after construction."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None,
+                 bos_token: str | None, eos_token: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(
+            tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
+            if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values()
+                       if t.special})
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise TemplateError("the model has no chat template; send text or token ids")
+        try:
+            return self._template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
+def load_tokenizer(model_path: str | Path) -> TextTokenizer:
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return _from_hf_dir(path)
+    raise ValueError(f"{path}: no tokenizer found (expected .gguf or a dir with tokenizer.json)")
+
+
+def _from_gguf(path: Path) -> TextTokenizer:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def value(name: str) -> object | None:
+        field = fields.get(name)
+        return field.contents() if field is not None else None
+
+    model = value("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"{path}: tokenizer model {model!r} is not supported (gpt2 BPE only)")
+    tokens: list[str] = value("tokenizer.ggml.tokens")  # type: ignore[assignment]
+    token_types: list[int] = value("tokenizer.ggml.token_type") or []  # type: ignore[assignment]
+    merges: list[str] = value("tokenizer.ggml.merges") or []  # type: ignore[assignment]
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],  # type: ignore[misc]
+              fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    pre = str(value("tokenizer.ggml.pre") or "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*_PRE_SPLITS.get(pre, []), byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+
+    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    specials = [AddedToken(tok, special=True, normalized=False)
+                for tok, kind in zip(tokens, token_types)
+                if kind == CONTROL_TOKEN_TYPE and set(tok) <= byte_alphabet]
+    tokenizer.add_special_tokens(specials)
+    user_defined = [AddedToken(tok, special=False, normalized=False)
+                    for tok, kind in zip(tokens, token_types) if kind == USER_DEFINED_TOKEN_TYPE]
+    if user_defined:
+        tokenizer.add_tokens(user_defined)
+
+    def token_name(key: str) -> str | None:
+        tid = value(key)
+        return tokens[int(tid)] if tid is not None else None  # type: ignore[call-overload]
+
+    return TextTokenizer(tokenizer, value("tokenizer.chat_template"),  # type: ignore[arg-type]
+                         token_name("tokenizer.ggml.bos_token_id"),
+                         token_name("tokenizer.ggml.eos_token_id"))
+
+
+def _from_hf_dir(path: Path) -> TextTokenizer:
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    cfg: dict[str, object] = {}
+    if (path / "tokenizer_config.json").is_file():
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    template = cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+
+    def token_name(key: str) -> str | None:
+        tok = cfg.get(key)
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        return tok if isinstance(tok, str) else None
+
+    return TextTokenizer(tokenizer, template if isinstance(template, str) else None,
+                         token_name("bos_token"), token_name("eos_token"))

@@ -1,0 +1,66 @@
+"""`python -m worker_svc --scheduler HOST:PORT`: one model shard (a pipeline stage and a
+tensor-parallel slice) serving steps for its replica.
+
+Life: bind the StepInput socket, register with the scheduler (placement comes back), load the
+shard, size the KV cache from the memory budget, report the block count, then serve steps
+until told to stop. Flags fall back to SPLITSERVE_* environment variables.
+"""
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+
+from services.model_config import default_model_path
+from worker_svc.server import WorkerConfig, WorkerServer
+
+log = logging.getLogger("worker_svc")
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SPLITSERVE_{name}", default)
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
+    p.add_argument("--scheduler", default=env("SCHEDULER", "127.0.0.1:50051"),
+                   help="scheduler gRPC address HOST:PORT")
+    p.add_argument("--model", default=env("MODEL"), help="GGUF file or HF directory")
+    p.add_argument("--host", default=env("WORKER_HOST", "127.0.0.1"),
+                   help="interface to bind the step socket on")
+    p.add_argument("--advertise-host", default=env("WORKER_ADVERTISE_HOST"),
+                   help="address the scheduler uses to reach this worker (default: --host)")
+    p.add_argument("--port", type=int, default=int(env("WORKER_PORT", "0") or 0),
+                   help="step socket port (0: any free port)")
+    p.add_argument("--worker-id", default=env("WORKER_ID"))
+    p.add_argument("--device", default=env("DEVICE", "cpu"))
+    p.add_argument("--kv-cache-memory-gib", type=float,
+                   default=float(env("KV_CACHE_MEMORY_GIB", "2") or 2),
+                   help="CPU: bytes of memory given to the KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--threads", type=int, default=int(env("THREADS", "0") or 0),
+                   help="torch intra-op threads (0: all cores)")
+    p.add_argument("--register-timeout", type=float, default=60.0)
+    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    return WorkerConfig(
+        scheduler_address=a.scheduler, model_path=str(a.model or default_model_path()),
+        host=a.host, advertise_host=a.advertise_host or a.host, port=a.port,
+        worker_id=worker_id, epoch=time.time_ns(), device=a.device,
+        kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
+        gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
+        register_timeout_s=a.register_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    return WorkerServer(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The worker process around a `ModelRunner`: registration, heartbeats and the step loop.
+
+Only the last pipeline stage's tp_rank 0 answers steps; every rank answers InitCache so the
+scheduler knows the whole replica allocated its KV tensors. A step that raises is answered
+with `WorkerFailure` (the scheduler decides what to do); the worker keeps serving.
+"""
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+import zmq
+
+from services.channels import Receiver, Sender
+from services.codec import Codec
+from services.grpc_server import CHANNEL_OPTIONS
+from services.model_config import load_model_config
+from services.rpc.splitserve.v1 import control_pb2, control_pb2_grpc
+from services.wire import (
+    CacheReady,
+    FromWorker,
+    InitCache,
+    StepInput,
+    ToWorker,
+    WorkerFailure,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    scheduler_address: str          # scheduler gRPC HOST:PORT
+    model_path: str
+    host: str                       # interface for the step socket
+    advertise_host: str             # how the scheduler reaches it
+    port: int                       # 0 = any free port
+    worker_id: str
+    epoch: int                      # incarnation, ns since the Unix epoch at start
+    device: str
+    kv_cache_bytes: int             # CPU KV budget
+    gpu_memory_utilization: float
+    num_threads: int                # 0 = all cores
+    register_timeout_s: float
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self._stop = threading.Event()
+        self._exit_code = 0
+
+    def run(self) -> int:
+        cfg = self.config
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        if cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        ctx = zmq.Context()
+        steps: Receiver[ToWorker] = Receiver(ctx, Codec(ToWorker), f"tcp://{cfg.host}:{cfg.port}")
+        step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
+        channel = grpc.insecure_channel(cfg.scheduler_address, options=CHANNEL_OPTIONS)
+        control = control_pb2_grpc.WorkerControlStub(channel)
+        try:
+            placement = self._register(control, step_address)
+            if placement is None:
+                return 1
+            runner = self._load(placement)
+            if runner is None:
+                return 1
+            num_blocks = runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size)
+            control.ReportCapacity(control_pb2.CapacityReport(
+                worker_id=cfg.worker_id, epoch=cfg.epoch, num_kv_blocks=num_blocks,
+                kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size)), timeout=10.0)
+            outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
+            heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True)
+            heartbeat.start()
+            self._serve(runner, num_blocks, steps, outputs, placement)
+            outputs.close()
+            return self._exit_code
+        finally:
+            steps.close()
+            channel.close()
+            ctx.destroy(linger=0)
+
+    def _register(self, control: control_pb2_grpc.WorkerControlStub,
+                  step_address: str) -> control_pb2.RegisterResponse | None:
+        cfg = self.config
+        model = load_model_config(cfg.model_path)
+        request = control_pb2.RegisterRequest(
+            worker_id=cfg.worker_id, epoch=cfg.epoch, device=cfg.device,
+            memory_bytes=cfg.kv_cache_bytes, step_address=step_address, model=model.name)
+        deadline = time.monotonic() + cfg.register_timeout_s
+        while not self._stop.is_set():
+            try:
+                placement = control.Register(request, timeout=5.0)
+                log.info("registered %s as replica %d pp_rank %d/%d tp_rank %d/%d layers "
+                         "[%d, %d)", cfg.worker_id, placement.replica_id, placement.pp_rank,
+                         placement.pp_size, placement.tp_rank, placement.tp_size,
+                         placement.first_layer, placement.end_layer)
+                return placement
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):
+                    log.error("registration refused: %s", exc.details())
+                    return None
+                if time.monotonic() > deadline:
+                    log.error("scheduler %s unreachable for %.0fs", cfg.scheduler_address,
+                              cfg.register_timeout_s)
+                    return None
+                time.sleep(0.5)
+        return None
+
+    def _load(self, placement: control_pb2.RegisterResponse) -> "ModelRunner | None":  # noqa: F821
+        from worker_svc.runner import ModelRunner
+
+        cfg = self.config
+        if placement.tp_size != 1:
+            log.error("tensor parallelism is not supported by this worker build yet")
+            return None
+        model = load_model_config(cfg.model_path)
+        started = time.monotonic()
+        runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
+                             first_layer=placement.first_layer, end_layer=placement.end_layer,
+                             is_last_stage=placement.pp_rank == placement.pp_size - 1)
+        log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
+                 "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
+                 time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),
+                 runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size),
+                 placement.block_size, runner.kv_bytes_per_block(placement.block_size))
+        return runner
+
+    def _serve(self, runner: "ModelRunner", num_blocks: int,  # noqa: F821
+               steps: Receiver[ToWorker], outputs: Sender,
+               placement: control_pb2.RegisterResponse) -> None:
+        cfg = self.config
+        reports = placement.pp_rank == placement.pp_size - 1 and placement.tp_rank == 0
+        while not self._stop.is_set():
+            message = steps.recv(timeout_ms=200)
+            if message is None:
+                continue
+            if isinstance(message, InitCache):
+                if message.num_blocks > num_blocks:
+                    log.warning("asked for %d KV blocks; the budget fits %d",
+                                message.num_blocks, num_blocks)
+                runner.init_cache(message.num_blocks, message.block_size)
+                log.info("KV cache allocated: %d blocks of %d tokens (replica-wide choice; "
+                         "this worker fits %d)", message.num_blocks, message.block_size,
+                         num_blocks)
+                outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
+            elif isinstance(message, StepInput):
+                try:
+                    result = runner.execute(message)
+                except Exception as exc:
+                    log.exception("step %d failed", message.step_id)
+                    outputs.send(WorkerFailure(worker_id=cfg.worker_id, step_id=message.step_id,
+                                               message=f"{type(exc).__name__}: {exc}"[:4000]))
+                    continue
+                if reports and result is not None:
+                    outputs.send(result)
+        log.info("worker %s stopping", cfg.worker_id)
+
+    def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
+        cfg = self.config
+        request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=cfg.epoch)
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                if not control.Heartbeat(request, timeout=2.0).known:
+                    log.error("the scheduler no longer knows this worker; exiting so a "
+                              "restart registers a new incarnation")
+                    self._exit_code = 3
+                    self._stop.set()
+            except grpc.RpcError as exc:
+                log.warning("heartbeat failed: %s", exc.code().name)

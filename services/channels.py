@@ -32,10 +32,14 @@ class Sender:
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
-        if bind:
-            self.socket.bind(address)
-        else:
-            self.socket.connect(address)
+        try:
+            if bind:
+                self.socket.bind(address)
+            else:
+                self.socket.connect(address)
+        except zmq.ZMQError:
+            self.socket.close(linger=0)  # an open socket would hang ctx.term()
+            raise
 
     def send(self, message: msgspec.Struct) -> None:
         self.socket.send(self.codec.encode(message), copy=False)
@@ -52,14 +56,18 @@ class Receiver(Generic[T]):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        if bind:
-            if address.endswith(":0"):
-                port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
-                address = f"{address.rsplit(':', 1)[0]}:{port}"
+        try:
+            if bind:
+                if address.endswith(":0"):
+                    port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
+                    address = f"{address.rsplit(':', 1)[0]}:{port}"
+                else:
+                    self.socket.bind(address)
             else:
-                self.socket.bind(address)
-        else:
-            self.socket.connect(address)
+                self.socket.connect(address)
+        except zmq.ZMQError:
+            self.socket.close(linger=0)
+            raise
         self.address = address
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
@@ -118,7 +126,11 @@ class ReplyServer(Generic[T]):
         self.codec = codec
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(address)
+        try:
+            self.socket.bind(address)
+        except zmq.ZMQError:
+            self.socket.close(linger=0)
+            raise
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes, T] | None:
         """(peer identity, message), or None on timeout. Malformed frames are logged and

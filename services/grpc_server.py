@@ -33,7 +33,10 @@ def make_server() -> grpc.aio.Server:
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     """Binds host:port (port 0 picks one) and returns the port; fails loudly if taken."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpcio raises on a taken port; older versions returned 0
+        raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")
     return bound

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 MAX_TOKENS_PER_REQUEST = 1 << 20   # token ids in one request (prompt + output)
-MAX_BLOCKS_PER_REQUEST = 1 << 18   # block ids held by one request
+MAX_BLOCKS_PER_REQUEST = MAX_TOKENS_PER_REQUEST  # block ids held by one request (block_size >= 1)
 MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
 MAX_ID_LEN = 256                   # characters of a request or worker id
 MAX_TOP_LOGPROBS = 20              # alternatives per sampled token

@@ -1,0 +1,77 @@
+"""`python -m kvcache_svc`: parse the config once, serve until SIGTERM/SIGINT.
+
+Exit codes: 0 after a signal, 1 when a port cannot be bound or the plan loop fails.
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcache_svc.server import KvCacheServer
+
+log = logging.getLogger("kvcache_svc")
+
+
+@dataclass(frozen=True)
+class KvCacheConfig:
+    host: str           # interface both servers bind
+    plan_port: int      # ZMQ ROUTER for plan calls from the scheduler
+    admin_port: int     # gRPC KvCacheAdmin + health + reflection
+    log_level: str
+
+
+def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="python -m kvcache_svc",
+                                     description="splitserve KV-block manager")
+    parser.add_argument("--host", default=env.get("SPLITSERVE_KV_HOST", "127.0.0.1"),
+                        help="interface to bind (env SPLITSERVE_KV_HOST)")
+    parser.add_argument("--plan-port", type=int,
+                        default=env.get("SPLITSERVE_KV_PLAN_PORT", "50053"),
+                        help="ZMQ plan port (env SPLITSERVE_KV_PLAN_PORT)")
+    parser.add_argument("--admin-port", type=int,
+                        default=env.get("SPLITSERVE_KV_ADMIN_PORT", "50054"),
+                        help="gRPC admin port (env SPLITSERVE_KV_ADMIN_PORT)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    for name in ("plan_port", "admin_port"):
+        if not 1 <= getattr(args, name) <= 65535:
+            parser.error(f"--{name.replace('_', '-')} must be in [1, 65535]")
+    return KvCacheConfig(args.host, args.plan_port, args.admin_port, args.log_level)
+
+
+async def serve(config: KvCacheConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server = KvCacheServer(config.host, config.plan_port, config.admin_port,
+                           on_fatal=lambda: loop.call_soon_threadsafe(stop.set))
+    try:
+        await server.start()
+    except OSError as exc:
+        log.error("kvcache_svc cannot start: %s", exc)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("kvcache_svc ready: plan=%s admin=%s:%d",
+             server.plan_address, config.host, server.admin_port)
+    await stop.wait()
+    log.info("kvcache_svc stopping")
+    await server.stop()
+    return 1 if server.failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

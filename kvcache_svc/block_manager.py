@@ -1,0 +1,221 @@
+"""Block bookkeeping of one replica: applies the scheduler's batched per-step plan to a pool.
+
+`ReplicaBlockManager.apply` implements the semantics documented on `services.wire.PlanRequest`:
+frees, then grows (each fails alone), then admissions (first come, first served: the first
+that does not fit stops the rest). A plan is validated in full before anything changes, so a
+refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
+`kvcache_svc.server` under its lock; needs no network.
+"""
+
+from dataclasses import dataclass
+
+from kvcache_svc.block_pool import BlockPool, KVBlock
+from services.wire import (
+    MAX_BLOCKS_PER_REQUEST,
+    AdmitOp,
+    AdmitResult,
+    GrowOp,
+    PlanReply,
+    PlanRequest,
+)
+
+
+class PlanError(ValueError):
+    """A plan that breaks the contract (unknown or repeated ids, inconsistent sizes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    block_size: int             # tokens per block
+    num_blocks: int             # usable blocks (null block excluded)
+    num_used_blocks: int        # referenced by at least one request
+    num_free_blocks: int        # not referenced, cached ones included
+    num_cached_blocks: int      # in the prefix index, referenced or not
+    num_queries: int            # tokens of admitted requests looked up in the index
+    num_hits: int               # of those, tokens served from cache
+    num_requests: int           # requests holding blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+
+class RequestBlocks:
+    """The blocks one request holds, in token order."""
+
+    __slots__ = ("blocks", "num_committed_blocks")
+
+    def __init__(self, blocks: list[KVBlock], num_committed_blocks: int) -> None:
+        self.blocks = blocks
+        # Leading blocks whose hashes were handed to the prefix index (the scheduler keeps the
+        # same count and sends hashes for the blocks after them).
+        self.num_committed_blocks = num_committed_blocks
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class ReplicaBlockManager:
+    """One replica's pool plus the blocks of each request on it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, RequestBlocks] = {}
+        self.num_queries = 0
+        self.num_hits = 0
+
+    # ------------------------------------------------------------------------------ the plan
+
+    def apply(self, plan: PlanRequest) -> PlanReply:
+        try:
+            self._validate(plan)
+        except PlanError as exc:
+            return PlanReply(plan.plan_id, [], [], self.pool.num_free_blocks, str(exc))
+        for request_id in plan.free_ids:
+            self._free(request_id)
+        grown = [self._grow(op) for op in plan.grows]
+        admitted: list[AdmitResult] = []
+        for op in plan.admits:
+            result = self._admit(op)
+            if result is None:
+                break
+            admitted.append(result)
+        return PlanReply(plan.plan_id, grown, admitted, self.pool.num_free_blocks, None)
+
+    def _validate(self, plan: PlanRequest) -> None:
+        """Raises PlanError unless every op of `plan` can be applied in order. Whether a grow or
+        an admission fits is not checked here: not fitting is an answer, not an error."""
+        freed = _unique(plan.free_ids, "free")
+        for request_id in freed:
+            if request_id not in self.requests:
+                raise PlanError(f"free of unknown request {request_id!r}")
+        grown = _unique([op.request_id for op in plan.grows], "grow")
+        for op in plan.grows:
+            self._validate_grow(op, freed)
+        _unique([op.request_id for op in plan.admits], "admit")
+        for op in plan.admits:
+            self._validate_admit(op, freed, grown)
+
+    def _validate_grow(self, op: GrowOp, freed: set[str]) -> None:
+        state = self.requests.get(op.request_id)
+        if state is None or op.request_id in freed:
+            raise PlanError(f"grow of unknown or freed request {op.request_id!r}")
+        if cdiv(op.num_tokens, self.block_size) > MAX_BLOCKS_PER_REQUEST:
+            raise PlanError(f"grow of {op.request_id!r} to {op.num_tokens} tokens exceeds "
+                            f"{MAX_BLOCKS_PER_REQUEST} blocks")
+        num_full = state.num_committed_blocks + len(op.new_block_hashes)
+        if self.enable_prefix_caching and num_full * self.block_size > op.num_tokens:
+            raise PlanError(f"grow of {op.request_id!r} commits {num_full} blocks, but "
+                            f"{op.num_tokens} tokens fill only "
+                            f"{op.num_tokens // self.block_size}")
+
+    def _validate_admit(self, op: AdmitOp, freed: set[str], grown: set[str]) -> None:
+        # Freed then admitted in one plan is well defined (field order); held is not.
+        if op.request_id in grown or (op.request_id in self.requests
+                                      and op.request_id not in freed):
+            raise PlanError(f"admit of {op.request_id!r}, which already holds blocks")
+        if op.num_tokens < 1:
+            raise PlanError(f"admit of {op.request_id!r} with no tokens")
+        if cdiv(op.num_tokens, self.block_size) > MAX_BLOCKS_PER_REQUEST:
+            raise PlanError(f"admit of {op.request_id!r} with {op.num_tokens} tokens exceeds "
+                            f"{MAX_BLOCKS_PER_REQUEST} blocks")
+        if len(op.block_hashes) * self.block_size > op.num_tokens:
+            raise PlanError(f"admit of {op.request_id!r}: {len(op.block_hashes)} block hashes "
+                            f"for {op.num_tokens} tokens")
+
+    def _free(self, request_id: str) -> None:
+        state = self.requests.pop(request_id)
+        self.pool.free_blocks(reversed(state.blocks))
+
+    def _grow(self, op: GrowOp) -> list[int] | None:
+        """The appended block ids, or None (and no change) when they do not fit."""
+        state = self.requests[op.request_id]
+        num_new_blocks = max(0, cdiv(op.num_tokens, self.block_size) - len(state.blocks))
+        if num_new_blocks > self.pool.num_free_blocks:
+            return None
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        state.blocks.extend(new_blocks)
+        if self.enable_prefix_caching and op.new_block_hashes:
+            start = state.num_committed_blocks
+            for i, block_hash in enumerate(op.new_block_hashes, start):
+                self.pool.cache_block(state.blocks[i], block_hash)
+            state.num_committed_blocks += len(op.new_block_hashes)
+        return [block.block_id for block in new_blocks]
+
+    def _admit(self, op: AdmitOp) -> AdmitResult | None:
+        """Admits one request, or returns None (and changes nothing) when it does not fit."""
+        hit_blocks = self._find_hits(op)
+        num_cached = len(hit_blocks) * self.block_size
+        num_new = op.num_tokens - num_cached
+        if num_new > op.max_num_new_tokens:
+            if not op.allow_partial:
+                return None
+            num_new = op.max_num_new_tokens
+        num_covered = num_cached + num_new
+        num_new_blocks = cdiv(num_covered, self.block_size) - len(hit_blocks)
+        # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
+        num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+
+        self.pool.touch(hit_blocks)
+        blocks = hit_blocks + self.pool.get_new_blocks(num_new_blocks)
+        num_committed = 0
+        if self.enable_prefix_caching:
+            num_committed = min(len(op.block_hashes), num_covered // self.block_size)
+            for i in range(len(hit_blocks), num_committed):
+                self.pool.cache_block(blocks[i], op.block_hashes[i])
+            self.num_queries += op.num_tokens
+            self.num_hits += num_cached
+        self.requests[op.request_id] = RequestBlocks(blocks, num_committed)
+        return AdmitResult(op.request_id, num_cached, num_new,
+                           [block.block_id for block in blocks], num_committed)
+
+    def _find_hits(self, op: AdmitOp) -> list[KVBlock]:
+        """The blocks of the longest cached prefix of `op`, leaving at least one token to
+        compute (its logits are needed to sample)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        for block_hash in op.block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * self.block_size >= op.num_tokens:
+            hits.pop()
+        return hits
+
+    # ------------------------------------------------------------------------------ admin
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            num_used_blocks=self.pool.num_used_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            num_queries=self.num_queries,
+            num_hits=self.num_hits,
+            num_requests=len(self.requests),
+        )
+
+    def clear(self) -> int:
+        """Drops every unreferenced block from the prefix index; returns how many."""
+        return self.pool.clear_cache()
+
+
+def _unique(request_ids: list[str], what: str) -> set[str]:
+    seen = set(request_ids)
+    if len(seen) != len(request_ids):
+        raise PlanError(f"a request id appears twice among the {what} ops")
+    return seen

@@ -1,0 +1,155 @@
+"""`splitserve`: start a local cluster (`up`) or talk to one (`generate`).
+
+    splitserve up [--model PATH] [--port 50051] [--dtype float32|bfloat16] ...
+    splitserve generate "Tell me a story" [--max-tokens 64] [--json]
+"""
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from services.launcher import ClusterSpec, ServiceProcesses
+from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+def _up(a: argparse.Namespace) -> int:
+    sched_args: list[str] = ["--max-num-seqs", str(a.max_num_seqs),
+                             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                             "--block-size", str(a.block_size)]
+    if a.num_kv_blocks is not None:
+        sched_args += ["--num-kv-blocks", str(a.num_kv_blocks)]
+    if a.no_chunked_prefill:
+        sched_args.append("--no-chunked-prefill")
+    if a.no_prefix_caching:
+        sched_args.append("--no-prefix-caching")
+    worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
+    spec = ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
+                       kv_admin_port=a.port + 3, dtype=a.dtype, tp=a.tp, pp=a.pp,
+                       num_replicas=a.replicas, scheduler_args=tuple(sched_args),
+                       worker_args=tuple(worker_args), threads_per_worker=a.threads,
+                       log_level=a.log_level)
+    procs = ServiceProcesses(spec, Path(a.log_dir) if a.log_dir else None)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    procs.start()
+    print(f"splitserve: starting kvcache_svc, scheduler_svc and {a.tp * a.pp * a.replicas} "
+          f"worker(s) on {procs.address} ...", file=sys.stderr)
+    try:
+        deadline = time.monotonic() + a.startup_timeout
+        ready = False
+        while not stopping:
+            if dead := procs.dead():
+                print(f"splitserve: a service exited: {dead}; stopping", file=sys.stderr)
+                procs.stop()
+                return 1
+            if not ready:
+                try:
+                    procs.wait_ready(timeout_s=0.5)
+                    ready = True
+                    print(f"splitserve: ready on {procs.address} (Ctrl-C stops everything)",
+                          file=sys.stderr)
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        print("splitserve: not ready in time; stopping", file=sys.stderr)
+                        procs.stop()
+                        return 1
+            time.sleep(0.5)
+    except RuntimeError as exc:
+        print(f"splitserve: {exc}; stopping", file=sys.stderr)
+        procs.stop()
+        return 1
+    codes = procs.stop()
+    print(f"splitserve: stopped ({', '.join(f'{n}={c}' for n, c in codes.items())})",
+          file=sys.stderr)
+    return 0
+
+
+def _generate(a: argparse.Namespace) -> int:
+    sampling = generation_pb2.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
+    if a.seed is not None:
+        sampling.seed = a.seed
+    request = generation_pb2.GenerateRequest(sampling=sampling)
+    if a.raw:
+        request.text = a.prompt
+    else:
+        request.chat.messages.add(role="user", content=a.prompt)
+    with grpc.insecure_channel(a.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        token_ids: list[int] = []
+        finish = ""
+        try:
+            for chunk in stub.Generate(request, timeout=a.timeout):
+                token_ids.extend(chunk.token_ids)
+                if not a.json:
+                    print(chunk.text, end="", flush=True)
+                if chunk.finish_reason:
+                    finish = chunk.finish_reason
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if a.json:
+        print(json.dumps({"token_ids": token_ids, "finish_reason": finish}))
+    else:
+        print()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start kvcache_svc, scheduler_svc and the workers")
+    up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="client gRPC port (the KV "
+                    "service takes the next port but one and the one after)")
+    up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    up.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
+    up.add_argument("--replicas", type=int, default=1)
+    up.add_argument("--max-num-seqs", type=int, default=256)
+    up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--num-kv-blocks", type=int, default=None)
+    up.add_argument("--block-size", type=int, default=16)
+    up.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
+    up.add_argument("--no-chunked-prefill", action="store_true")
+    up.add_argument("--no-prefix-caching", action="store_true")
+    up.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    up.add_argument("--startup-timeout", type=float, default=300.0)
+    up.add_argument("--log-dir", default=None, help="write each service's log here")
+    up.add_argument("--log-level", default="info")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running cluster")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as raw text (default: one chat user message)")
+    gen.add_argument("--json", action="store_true", help="print token ids and finish reason")
+    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Starts the three services as separate processes and stops them together.
+
+`Cluster processes` = one kvcache_svc, one scheduler_svc and tp*pp*replicas worker_svc, each a
+child `python -m <service>`. Used by `splitserve up` and by the end-to-end tests. If any child
+dies, the rest are stopped and the launcher reports it; SIGTERM goes to every child, then
+SIGKILL after a grace period.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """What to start; every field maps to a service flag."""
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051                       # scheduler gRPC
+    kv_plan_port: int = 50053
+    kv_admin_port: int = 50054
+    dtype: str = "float32"
+    tp: int = 1
+    pp: int = 1
+    num_replicas: int = 1
+    scheduler_args: tuple[str, ...] = ()    # extra scheduler flags
+    worker_args: tuple[str, ...] = ()       # extra worker flags
+    threads_per_worker: int = 0             # 0: cores / workers
+    log_level: str = "info"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class ServiceProcesses:
+    """The running children; `stop()` is idempotent."""
+
+    def __init__(self, spec: ClusterSpec, log_dir: Path | None = None) -> None:
+        self.spec = spec
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.spec.host}:{self.spec.port}"
+
+    def _spawn(self, name: str, module: str, args: Sequence[str]) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                          env.get("PYTHONPATH")]))
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the child
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *args], env=env, stdout=out,
+            stderr=subprocess.STDOUT if out else None, start_new_session=True)
+
+    def start(self) -> None:
+        s = self.spec
+        common = ["--log-level", s.log_level]
+        self._spawn("kvcache", "kvcache_svc", ["--host", s.host, "--plan-port",
+                                               str(s.kv_plan_port), "--admin-port",
+                                               str(s.kv_admin_port), *common])
+        model = ["--model", s.model] if s.model else []
+        self._spawn("scheduler", "scheduler_svc", [
+            *model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
+            "--tp", str(s.tp), "--pp", str(s.pp),
+            "--kvcache", f"tcp://{s.host}:{s.kv_plan_port}", *common, *s.scheduler_args])
+        num_workers = s.tp * s.pp * s.num_replicas
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // num_workers)
+        for i in range(num_workers):
+            self._spawn(f"worker{i}", "worker_svc", [
+                *model, "--scheduler", self.address, "--host", s.host,
+                "--threads", str(threads), "--worker-id", f"worker{i}", *common,
+                *s.worker_args])
+
+    def add_worker(self, name: str, extra: Sequence[str] = ()) -> None:
+        s = self.spec
+        model = ["--model", s.model] if s.model else []
+        self._spawn(name, "worker_svc", [*model, "--scheduler", self.address, "--host", s.host,
+                                         "--worker-id", name, "--log-level", s.log_level,
+                                         *s.worker_args, *extra])
+
+    def dead(self) -> dict[str, int]:
+        """Children that exited, with their exit codes."""
+        return {name: code for name, p in self.procs.items() if (code := p.poll()) is not None}
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Blocks until the scheduler reports a ready replica; raises if a child dies."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if dead := self.dead():
+                    raise RuntimeError(f"service exited during start-up: {dead}")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(
+                        service="splitserve.v1.Generation"), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready within {timeout_s:.0f}s")
+
+    def signal(self, name: str, sig: int) -> None:
+        os.killpg(self.procs[name].pid, sig)
+
+    def stop(self, grace_s: float = 15.0) -> dict[str, int]:
+        """SIGTERM everyone (workers first), SIGKILL what is left after `grace_s`."""
+        order = sorted(self.procs, key=lambda n: (not n.startswith("worker"), n != "scheduler"))
+        for name in order:
+            p = self.procs[name]
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        codes: dict[str, int] = {}
+        for name in order:
+            p = self.procs[name]
+            try:
+                codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                codes[name] = p.wait()
+        return codes

@@ -1,0 +1,51 @@
+"""Incremental detokenization: same text as a full decode, never broken UTF-8, stop strings
+cut and held back."""
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+
+def stream(tokenizer, prompt: list[int], outputs: list[int], stop=()):  # type: ignore[no-untyped-def]
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, stop=stop)
+    ids = list(prompt)
+    deltas: list[str] = []
+    matched = None
+    for t in outputs:
+        ids.append(t)
+        matched = detok.update(ids)
+        deltas.append(detok.take_delta(finished=matched is not None))
+        if matched is not None:
+            break
+    if matched is None:
+        deltas.append(detok.take_delta(finished=True))
+    return deltas, matched
+
+
+def test_concatenated_deltas_equal_full_decode(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    prompt = tokenizer.encode("Say something:")
+    text = " Voilà — naïve 🎉 emoji and 日本語 text, done."
+    outputs = tokenizer.encode(text)
+    deltas, _ = stream(tokenizer, prompt, outputs)
+    assert "".join(deltas) == tokenizer.decode(outputs)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_character_split_across_tokens_waits(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    outputs = tokenizer.encode("🎉")
+    assert len(outputs) > 1, "the emoji should span several byte-level tokens"
+    deltas, _ = stream(tokenizer, [], outputs)
+    assert deltas[:-2] == [""] * (len(outputs) - 1) or "".join(deltas) == "🎉"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_cut_and_never_emitted(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    outputs = tokenizer.encode("The answer is 42. END of story")
+    deltas, matched = stream(tokenizer, [], outputs, stop=("END",))
+    assert matched == "END"
+    assert "".join(deltas) == "The answer is 42. "
+    assert not any("E" in d for d in deltas[:-1] if d.endswith("E"))
+
+
+def test_special_tokens_skipped(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    outputs = tokenizer.encode("hi") + [2]
+    deltas, _ = stream(tokenizer, [], outputs)
+    assert "".join(deltas) == "hi"

@@ -1,0 +1,258 @@
+"""Scheduler unit tests: no tensors, no sockets. Plans go to kvcache_svc's real block manager
+(the contract partner) in-process; step outputs are hand-made."""
+
+import pytest
+
+from kvcache_svc.block_manager import ReplicaBlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.request import FinishReason, Request, RequestStatus, SamplingParams
+from scheduler_svc.scheduler import Scheduler
+from services.wire import StepInput, StepOutput, StepTimings
+
+EOS = 2
+
+
+def make_scheduler(num_blocks: int = 64, **overrides: object) -> tuple[Scheduler,
+                                                                        ReplicaBlockManager]:
+    cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4,
+                             "max_model_len": 1024, **overrides})  # type: ignore[arg-type]
+    sched = Scheduler(cfg)
+    sched.set_capacity(num_blocks)
+    return sched, ReplicaBlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
+
+
+def add(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, **kw: object,
+        ) -> Request:
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
+                  (EOS,), sched.config.max_model_len, sched.config.block_size,
+                  hash_blocks=sched.config.prefix_caching)
+    sched.add_request(req)
+    return req
+
+
+def step(sched: Scheduler, kv: ReplicaBlockManager) -> StepInput | None:
+    return sched.apply_plan(kv.apply(sched.schedule()))
+
+
+def sample(step_input: StepInput, tokens: dict[str, int]) -> StepOutput:
+    """What a last-stage worker would answer: a token for every request whose scheduled
+    tokens reach the end of what it knows."""
+    ids = [rid for rid in tokens]
+    return StepOutput(step_id=step_input.step_id, worker_id="w", request_ids=ids,
+                      sampled_token_ids=[tokens[r] for r in ids], logprobs=[None] * len(ids),
+                      timings=StepTimings(0.0, 0.0, 0.0, 0))
+
+
+def scheduled(step_input: StepInput) -> dict[str, int]:
+    out = {r.request_id: r.num_new_tokens for r in step_input.new_requests}
+    out.update({r.request_id: r.num_new_tokens for r in step_input.running})
+    return out
+
+
+def test_prefill_then_decode_until_max_tokens() -> None:
+    sched, kv = make_scheduler()
+    add(sched, "a", list(range(10, 20)), max_tokens=3)
+    s = step(sched, kv)
+    assert s is not None and scheduled(s) == {"a": 10}
+    assert s.new_requests[0].block_ids and len(s.new_requests[0].block_ids) == 3
+    outs = sched.update(sample(s, {"a": 7}))
+    assert [o.new_token_ids for o in outs] == [[7]] and outs[0].finish_reason is None
+    s = step(sched, kv)
+    assert s is not None and scheduled(s) == {"a": 1} and not s.new_requests
+    assert s.running[0].num_computed_tokens == 10
+    sched.update(sample(s, {"a": 8}))
+    s = step(sched, kv)
+    outs = sched.update(sample(s, {"a": 9}))
+    assert outs[0].finish_reason is FinishReason.LENGTH
+    assert outs[0].num_output_tokens == 3
+    # The next step carries the finished id to the worker and frees the blocks.
+    assert not sched.requests and sched.has_work()
+    sched.apply_plan(kv.apply(sched.schedule()))
+    assert kv.stats().num_used_blocks == 0
+
+
+def test_chunked_prefill_respects_budget_and_discards_partial_samples() -> None:
+    sched, kv = make_scheduler(max_num_batched_tokens=8)
+    add(sched, "a", list(range(100, 120)))            # 20 tokens -> chunks of 8, 8, 4
+    s1 = step(sched, kv)
+    assert scheduled(s1) == {"a": 8}
+    # A worker would not sample a non-final chunk; even if it did, the token is dropped.
+    assert sched.update(sample(s1, {"a": 1})) == []
+    s2 = step(sched, kv)
+    assert scheduled(s2) == {"a": 8} and s2.running[0].num_computed_tokens == 8
+    sched.update(sample(s2, {}))
+    s3 = step(sched, kv)
+    assert scheduled(s3) == {"a": 4}
+    outs = sched.update(sample(s3, {"a": 5}))
+    assert outs[0].new_token_ids == [5]
+
+
+def test_no_chunked_prefill_schedules_whole_prompts_only() -> None:
+    sched, kv = make_scheduler(max_num_batched_tokens=8, chunked_prefill=False,
+                               max_model_len=16)
+    # With chunking off the budget grows to the context length (as vLLM requires).
+    assert sched.config.token_budget == 16
+    add(sched, "a", list(range(12)))
+    add(sched, "b", list(range(50, 60)))
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 12}       # b (10 tokens) does not fit the rest (4): waits
+    sched.update(sample(s, {"a": 3}))
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 1, "b": 10}  # b needs 10 of the 15 left: whole, now
+
+
+def test_budget_shared_in_arrival_order_and_max_num_seqs() -> None:
+    sched, kv = make_scheduler(max_num_batched_tokens=12, max_num_seqs=2)
+    for i, rid in enumerate("abc"):
+        add(sched, rid, list(range(10 * i, 10 * i + 5)))
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 5, "b": 5}  # c waits: max_num_seqs
+    sched.update(sample(s, {"a": 1, "b": 1}))
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 1, "b": 1}
+
+
+def test_prefix_cache_hit_at_admission_leaves_one_token_to_compute() -> None:
+    sched, kv = make_scheduler()
+    prompt = list(range(40, 52))                       # 12 tokens = 3 full blocks
+    add(sched, "a", prompt, max_tokens=1)
+    s = step(sched, kv)
+    outs = sched.update(sample(s, {"a": 9}))
+    assert outs[0].finish_reason is FinishReason.LENGTH
+    add(sched, "b", prompt, max_tokens=1)
+    s = step(sched, kv)
+    new = s.new_requests[0]
+    # All 3 blocks are cached, but one token must be computed: 8 cached, 4 new.
+    assert (new.num_computed_tokens, new.num_new_tokens) == (8, 4)
+    outs = sched.update(sample(s, {"b": 9}))
+    assert outs[0].num_cached_tokens == 8
+    assert sched.num_cached_tokens_admitted == 8
+
+
+def test_same_step_prefix_sharing() -> None:
+    # Two identical prompts admitted in one step: the second reuses the first's full block,
+    # committed in the same plan (workers write a step's KV before any attention reads it).
+    sched, kv = make_scheduler()
+    add(sched, "a", list(range(5)))
+    add(sched, "b", list(range(5)))
+    s = step(sched, kv)
+    a, b = s.new_requests
+    assert (b.num_computed_tokens, b.num_new_tokens) == (4, 1)
+    assert b.block_ids[0] == a.block_ids[0]
+
+
+def test_shared_prefix_between_live_requests() -> None:
+    sched, kv = make_scheduler()
+    system = list(range(200, 208))                    # 2 shared blocks
+    add(sched, "a", system + [1, 2, 3], max_tokens=2)
+    s = step(sched, kv)
+    sched.update(sample(s, {"a": 5}))
+    add(sched, "b", system + [7, 8, 9], max_tokens=2)
+    s = step(sched, kv)
+    b = next(r for r in s.new_requests if r.request_id == "b")
+    assert b.num_computed_tokens == 8
+    a_blocks = sched.requests["a"].block_ids
+    assert b.block_ids[:2] == a_blocks[:2]
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    # 8 usable blocks of 4 tokens; two 12-token prompts (3 blocks each) growing by decode.
+    sched, kv = make_scheduler(num_blocks=9, prefix_caching=False, max_num_batched_tokens=64)
+    a = add(sched, "a", list(range(12)), max_tokens=12)
+    b = add(sched, "b", list(range(20, 32)), max_tokens=12)
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 12, "b": 12}
+    sched.update(sample(s, {"a": 3, "b": 3}))
+    preempted_seen = False
+    tokens = {"a": 0, "b": 0}
+    for _ in range(40):
+        s = step(sched, kv)
+        if s is None:
+            continue
+        if "b" in s.finished_ids:
+            preempted_seen = True
+        live = {rid: 3 for rid in scheduled(s)
+                if sched.requests.get(rid) is not None
+                and sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens}
+        for out in sched.update(sample(s, live)):
+            tokens[out.request_id] += len(out.new_token_ids)
+        if not sched.requests:
+            break
+    assert preempted_seen, "b (the latest) should have been preempted"
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert tokens == {"a": 11, "b": 11}    # + the first step's token: nothing lost
+    assert a.status is RequestStatus.FINISHED and b.status is RequestStatus.FINISHED
+
+
+def test_resumed_request_is_sent_in_full_with_its_outputs() -> None:
+    sched, kv = make_scheduler(num_blocks=9, prefix_caching=False, max_num_batched_tokens=64)
+    add(sched, "a", list(range(12)), max_tokens=12)
+    b = add(sched, "b", list(range(20, 32)), max_tokens=12)
+    for _ in range(40):
+        s = step(sched, kv)
+        if s is None:
+            continue
+        resumed = [r for r in s.new_requests if r.request_id == "b" and b.num_preemptions]
+        if resumed:
+            assert resumed[0].token_ids == b.token_ids[:len(resumed[0].token_ids)]
+            assert len(resumed[0].token_ids) > 12   # prompt + outputs so far
+            assert resumed[0].num_computed_tokens == 0
+            return
+        live = {rid: 3 for rid in scheduled(s)
+                if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens}
+        sched.update(sample(s, live))
+    pytest.fail("b was never resumed")
+
+
+def test_stop_conditions() -> None:
+    sched, kv = make_scheduler()
+    add(sched, "eos", [5, 6], max_tokens=10)
+    add(sched, "min", [5, 6], max_tokens=10, min_tokens=2)
+    add(sched, "ign", [5, 6], max_tokens=2, ignore_eos=True)
+    add(sched, "sid", [5, 6], max_tokens=10, stop_token_ids=(77,))
+    s = step(sched, kv)
+    outs = {o.request_id: o for o in sched.update(
+        sample(s, {"eos": EOS, "min": EOS, "ign": EOS, "sid": 77}))}
+    assert outs["eos"].finish_reason is FinishReason.STOP
+    assert outs["min"].finish_reason is None            # min_tokens not reached yet
+    assert outs["ign"].finish_reason is None
+    assert outs["sid"].finish_reason is FinishReason.STOP and outs["sid"].stop_reason == 77
+    s = step(sched, kv)
+    outs = {o.request_id: o for o in sched.update(sample(s, {"min": EOS, "ign": EOS}))}
+    assert outs["min"].finish_reason is FinishReason.STOP
+    assert outs["ign"].finish_reason is FinishReason.LENGTH
+
+
+def test_abort_waiting_and_running() -> None:
+    sched, kv = make_scheduler()
+    add(sched, "a", [1, 2, 3])
+    s = step(sched, kv)
+    add(sched, "b", [1, 2, 3])
+    assert sched.abort("b").finish_reason is FinishReason.ABORT
+    assert sched.abort("a").finish_reason is FinishReason.ABORT
+    assert sched.abort("zzz") is None
+    # The in-flight step's token for an aborted request is dropped.
+    assert sched.update(sample(s, {"a": 4})) == []
+    plan = sched.schedule()
+    assert plan.free_ids == ["a"]
+    reply = kv.apply(plan)
+    assert reply.num_free_blocks == 63
+    assert sched.apply_plan(reply) is None
+
+
+def test_new_token_ids_shipped_only_for_pipeline() -> None:
+    for ship in (False, True):
+        sched, kv = make_scheduler()
+        sched.ship_sampled_tokens = ship
+        add(sched, "a", [1, 2, 3], max_tokens=5)
+        s = step(sched, kv)
+        sched.update(sample(s, {"a": 42}))
+        s = step(sched, kv)
+        assert s.running[0].new_token_ids == ([42] if ship else [])
+
+
+def test_duplicate_request_id_rejected() -> None:
+    sched, _ = make_scheduler()
+    add(sched, "a", [1])
+    with pytest.raises(ValueError, match="already live"):
+        add(sched, "a", [2])

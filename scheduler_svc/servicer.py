@@ -33,14 +33,16 @@ log = logging.getLogger(__name__)
 
 def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,
                    ) -> PromptInput:
-    which = request.WhichOneof("input")
-    if which == "text":
+    names = [n for n in ("text", "token_ids", "chat") if n in request.DESCRIPTOR.fields_by_name]
+    given = [n for n in names if request.HasField(n)]
+    if len(given) != 1:
+        what = " and ".join(given) if given else "none"
+        raise InvalidRequest(f"set exactly one of {', '.join(names)} (got {what})")
+    if given[0] == "text":
         return PromptInput(text=request.text)
-    if which == "token_ids":
+    if given[0] == "token_ids":
         return PromptInput(token_ids=list(request.token_ids.ids))
-    if which == "chat":
-        return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
-    raise InvalidRequest("no prompt: set one of text, token_ids or chat")
+    return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
 
 
 def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
@@ -127,8 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if request.model and request.model != self.model.name:
                 raise InvalidRequest(f"unknown model {request.model!r}")
             text, ids = self.frontend.render(prompt_from_pb(request),
-                                             add_generation_prompt=request.add_generation_prompt
-                                             or request.WhichOneof("input") != "chat")
+                                             add_generation_prompt=not request.no_generation_prompt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text)
@@ -171,6 +172,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 r.num_free_blocks = sched.num_free_blocks
                 r.num_running = len(sched.running)
                 r.num_waiting = len(sched.waiting)
+                r.num_preemptions = sched.num_preemptions
+                r.num_steps = engine.num_steps
                 num_prompt += sched.num_prompt_tokens_admitted
                 num_cached += sched.num_cached_tokens_admitted
         info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0

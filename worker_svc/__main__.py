@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-from services.model_config import default_model_path
+from services.model_config import ModelFormatError, default_model_path
 from worker_svc.server import WorkerConfig, WorkerServer
 
 log = logging.getLogger("worker_svc")
@@ -59,7 +59,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    return WorkerServer(config).run()
+    try:
+        return WorkerServer(config).run()
+    except (ModelFormatError, OSError) as exc:
+        log.error("worker cannot start: %s", exc)
+        return 1
 
 
 if __name__ == "__main__":

@@ -229,3 +229,37 @@ def test_health_liveness_and_readiness(cluster) -> None:  # type: ignore[no-unty
     for service in ("", "splitserve.v1.Generation"):
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+REFLECTION_CLIENT = r'''
+import sys, grpc
+from google.protobuf.descriptor_pool import DescriptorPool
+from google.protobuf import message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
+
+assert not any(m.startswith("services") for m in sys.modules)
+channel = grpc.insecure_channel(sys.argv[1])
+pool = DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+method = pool.FindServiceByName("splitserve.v1.Generation").FindMethodByName("Generate")
+Request = message_factory.GetMessageClass(method.input_type)
+Response = message_factory.GetMessageClass(method.output_type)
+generate = channel.unary_stream("/splitserve.v1.Generation/Generate",
+                                request_serializer=Request.SerializeToString,
+                                response_deserializer=Response.FromString)
+request = Request(text="The capital of France is")
+request.sampling.max_tokens = 5
+request.sampling.temperature = 0
+chunks = list(generate(request, timeout=120))
+print(sum(len(c.token_ids) for c in chunks), chunks[-1].finish_reason)
+'''
+
+
+def test_reflection_only_client_calls_generate(cluster) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", REFLECTION_CLIENT, cluster.procs.address],
+                         capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["5", "length"]

@@ -1,0 +1,76 @@
+"""`splitserve up` starts three processes, `splitserve generate` talks to them, Ctrl-C stops
+them all, and a worker that cannot start is a clear error rather than a hang."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import free_ports, no_children_left, wait_for
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
+    port = free_ports(1)[0]   # the KV service takes port+2 and port+3
+    up = subprocess.Popen(cli("up", "--port", str(port), "--kv-cache-memory-gib", "0.25",
+                              "--log-dir", str(tmp_path)), cwd=ROOT,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = up.stderr.readline()  # type: ignore[union-attr]
+            lines.append(line)
+            if "ready on" in line or up.poll() is not None:
+                break
+        assert any("ready on" in x for x in lines), "".join(lines)
+        children = child_pids(up.pid)
+        assert len(children) == 3, f"expected kvcache, scheduler and a worker: {children}"
+
+        out = subprocess.run(cli("generate", "What is the capital of France?", "--address",
+                                 f"127.0.0.1:{port}", "--max-tokens", "12", "--json"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["finish_reason"] in ("stop", "length") and result["token_ids"]
+        text = subprocess.run(cli("generate", "What is the capital of France?", "--address",
+                                  f"127.0.0.1:{port}", "--max-tokens", "12"),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert "Paris" in text.stdout
+
+        up.send_signal(signal.SIGINT)               # what Ctrl-C sends
+        assert up.wait(timeout=60) == 0
+        assert "stopped (" in up.stderr.read()  # type: ignore[union-attr]
+        assert wait_for(lambda: no_children_left(children), 10), "stray service processes"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
+    bad_model = tmp_path / "missing.gguf"
+    port = free_ports(1)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.run(
+        [sys.executable, "-m", "worker_svc", "--scheduler", f"127.0.0.1:{port}",
+         "--model", str(bad_model), "--register-timeout", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 1
+    assert "missing.gguf" in worker.stderr and "Traceback" not in worker.stderr

@@ -1,0 +1,86 @@
+"""Wire codec and ZMQ channels: round trips, validation, size limits, malformed frames dropped
+without killing the receiver."""
+
+import msgspec
+import pytest
+import zmq
+
+from services.channels import Receiver, Sender
+from services.codec import Codec, DecodeError
+from services.wire import (
+    NewRequest,
+    RunningRequest,
+    SamplingSpec,
+    StepInput,
+    StepOutput,
+    StepTimings,
+    ToWorker,
+)
+
+
+def step() -> StepInput:
+    spec = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
+    return StepInput(
+        step_id=3,
+        new_requests=[NewRequest("a", [1, 2, 3], 3, spec, [5], 0, 3)],
+        running=[RunningRequest("b", 10, 1, [], [])],
+        finished_ids=["c"])
+
+
+def test_round_trip() -> None:
+    codec: Codec[StepInput] = Codec(ToWorker)
+    assert codec.decode(codec.encode(step())) == step()
+
+
+@pytest.mark.parametrize("frame", [
+    b"",
+    b"\xc1",                                            # never-used msgpack byte
+    msgspec.msgpack.encode(["StepInput", 1, [], []]),   # too few fields
+    msgspec.msgpack.encode(["Bogus", 1]),               # unknown tag
+    msgspec.msgpack.encode(["StepInput", -1, [], [], []]),          # negative step id
+    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "b", 0, 0, [], []]], []]),
+    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "", 0, 1, [], []]], []]),
+    msgspec.msgpack.encode(["StepInput", 1, [], [], ["x" * 300]]),  # id too long
+])
+def test_malformed_frames_raise_decode_error(frame: bytes) -> None:
+    with pytest.raises(DecodeError):
+        Codec(ToWorker).decode(frame)
+
+
+def test_oversized_frame_rejected_before_parsing() -> None:
+    codec = Codec(ToWorker, max_frame_bytes=64)
+    big = Codec(ToWorker).encode(StepInput(1, [], [], ["x" * 100]))
+    with pytest.raises(DecodeError, match="exceeds"):
+        codec.decode(big)
+
+
+def test_no_pickle_on_the_wire() -> None:
+    frame = Codec(ToWorker).encode(step())
+    assert not frame.startswith(b"\x80")                # pickle protocol header
+    assert msgspec.msgpack.decode(frame)[0] == "StepInput"
+
+
+def test_receiver_drops_malformed_and_keeps_going() -> None:
+    ctx = zmq.Context()
+    try:
+        receiver: Receiver[StepInput] = Receiver(ctx, Codec(ToWorker), "tcp://127.0.0.1:0")
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(receiver.address)
+        sender = Sender(ctx, Codec(ToWorker), receiver.address)
+        raw.send(b"\x93garbage")
+        raw.send(pickle_like := b"\x80\x04\x95")
+        assert pickle_like
+        sender.send(step())
+        assert receiver.recv(timeout_ms=2000) == step()
+        assert receiver.recv(timeout_ms=50) is None
+        raw.close(linger=0)
+        sender.close()
+        receiver.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_output_lengths_are_bounded() -> None:
+    codec = Codec(StepOutput)
+    out = StepOutput(1, "w", ["a"], [7], [None], StepTimings(1.0, 2.0, 3.0, 4))
+    assert codec.decode(codec.encode(out)) == out

@@ -1,0 +1,52 @@
+"""Project-wide rules: services never import each other; `services` imports no service; the
+checked-in gRPC stubs are what the protos generate."""
+
+import ast
+import filecmp
+from pathlib import Path
+
+from services.rpc.regen import regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("scheduler_svc", "worker_svc", "kvcache_svc")
+
+
+def imported_packages(package: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_services_never_import_each_other() -> None:
+    for svc in SERVICES:
+        imports = imported_packages(svc)
+        for other in SERVICES:
+            if other != svc:
+                assert other not in imports, f"{svc} imports {other} in {imports[other]}"
+
+
+def test_shared_library_imports_no_service() -> None:
+    imports = imported_packages("services")
+    for svc in SERVICES:
+        assert svc not in imports, f"services imports {svc} in {imports[svc]}"
+
+
+def test_checked_in_stubs_are_current(tmp_path: Path) -> None:
+    regenerate(tmp_path)
+    ours = ROOT / "services" / "rpc" / "splitserve" / "v1"
+    fresh = tmp_path / "splitserve" / "v1"
+    names = sorted(p.name for p in fresh.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in ours.iterdir() if p.is_file() and p.suffix != ".pyc")
+    match, mismatch, errors = filecmp.cmpfiles(ours, fresh, names, shallow=False)
+    assert not mismatch and not errors, f"stale stubs (run python -m services.rpc.regen): " \
+                                        f"{mismatch + errors}"

@@ -14,6 +14,7 @@ import sys
 import time
 
 from services.model_config import ModelFormatError, default_model_path
+from worker_svc.memory import keep_freed_memory
 from worker_svc.server import WorkerConfig, WorkerServer
 
 log = logging.getLogger("worker_svc")
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
+    keep_freed_memory()
     try:
         return WorkerServer(config).run()
     except (ModelFormatError, OSError) as exc:

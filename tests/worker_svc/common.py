@@ -1,0 +1,49 @@
+"""Shared by the worker tests: prompts, sampling specs, and greedy comparison against HF."""
+
+import torch
+
+from services.wire import SamplingSpec
+
+# Token ids from HF's tokenizer for the default GGUF (fixed here: loading it takes seconds).
+PROMPTS = {
+    "The capital of France is": [504, 3575, 282, 4649, 314],
+    "def fibonacci(n):": [1604, 3987, 46477, 24, 94, 727],
+    "Once upon a time, in a small village,": [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 28],
+    "chat: What is 2+2?": [1, 4093, 198, 1780, 314, 216, 34, 27, 34, 47, 2, 198, 1, 520, 9531,
+                           198],
+}
+
+GREEDY = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
+
+# Reference steps whose two best logits are closer than this may go either way.
+NEAR_TIE = 1e-3
+
+
+def hf_greedy(hf_model, prompt: list[int], num_new_tokens: int  # type: ignore[no-untyped-def]
+              ) -> tuple[list[int], list[tuple[int, int] | None]]:
+    """HF's greedy continuation (up to its EOS) and, per step, its top-2 token ids where
+    they nearly tie. (min_new_tokens would suppress EOS and change the greedy choice.)"""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new_tokens,
+                                do_sample=False,
+                                output_logits=True, return_dict_in_generate=True,
+                                pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    near_tie: list[tuple[int, int] | None] = []
+    for logits in out.logits:
+        values, ids = logits[0].float().topk(2)
+        tie = bool(values[0] - values[1] < NEAR_TIE)
+        near_tie.append((int(ids[0]), int(ids[1])) if tie else None)
+    return tokens, near_tie
+
+
+def assert_greedy_match(ours: list[int], reference: list[int],
+                        near_tie: list[tuple[int, int] | None]) -> None:
+    """Equal token for token, up to the first near-tie step (either of its two is fine)."""
+    assert len(ours) >= len(reference)
+    for i, (mine, theirs) in enumerate(zip(ours, reference)):
+        tie = near_tie[i]
+        if tie is not None:
+            assert mine in tie, f"token {i}: {mine} is neither of the near-tied {tie}"
+            return
+        assert mine == theirs, f"token {i}: {mine} != {theirs}\nours {ours}\nhf   {reference}"

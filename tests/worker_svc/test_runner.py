@@ -1,0 +1,228 @@
+"""ModelRunner driven by hand-made StepInputs: chunked prefill, decode, pipeline stages."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.model_config import ModelConfig
+from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput, StepOutput
+from tests.worker_svc.common import GREEDY, PROMPTS, assert_greedy_match, hf_greedy
+from worker_svc.runner import ModelRunner, StageActivations
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+NUM_NEW_TOKENS = 12
+
+
+@dataclass
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    sampling: SamplingSpec
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    sent: bool = False
+    unsent_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.token_ids) - self.num_prompt_tokens >= self.max_tokens
+
+
+class MiniScheduler:
+    """Just enough of a scheduler to drive workers: token budget, chunked prefill, blocks."""
+
+    def __init__(self, token_budget: int, send_tokens: bool):
+        self.token_budget = token_budget
+        self.send_tokens = send_tokens        # pipeline parallel: ship sampled tokens to ranks
+        self.requests: dict[str, _Request] = {}
+        self.next_block = 1
+        self.step_id = 0
+        self.finished: list[str] = []
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int,
+            sampling: SamplingSpec = GREEDY) -> None:
+        self.requests[request_id] = _Request(request_id, list(prompt), len(prompt), max_tokens,
+                                             sampling)
+
+    def schedule(self) -> StepInput:
+        budget = self.token_budget
+        new_requests, running = [], []
+        for req in self.requests.values():
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.done or num_new == 0:
+                continue
+            budget -= num_new
+            end = req.num_computed_tokens + num_new
+            num_more_blocks = max(0, -(-end // BLOCK_SIZE) - len(req.block_ids))
+            new_block_ids = list(range(self.next_block, self.next_block + num_more_blocks))
+            self.next_block += num_more_blocks
+            req.block_ids += new_block_ids
+            if not req.sent:
+                new_requests.append(NewRequest(
+                    req.request_id, list(req.token_ids), req.num_prompt_tokens, req.sampling,
+                    list(req.block_ids), req.num_computed_tokens, num_new))
+                req.sent = True
+            else:
+                running.append(RunningRequest(
+                    req.request_id, req.num_computed_tokens, num_new, new_block_ids,
+                    req.unsent_token_ids if self.send_tokens else []))
+            req.unsent_token_ids = []
+            req.num_computed_tokens = end
+        step = StepInput(self.step_id, new_requests, running, self.finished)
+        self.step_id += 1
+        self.finished = []
+        return step
+
+    def update(self, output: StepOutput) -> None:
+        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids,
+                                        strict=True):
+            req = self.requests[request_id]
+            req.token_ids.append(token_id)
+            req.unsent_token_ids.append(token_id)
+            if req.done:
+                self.finished.append(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return not all(req.done for req in self.requests.values())
+
+    def outputs(self, request_id: str) -> list[int]:
+        req = self.requests[request_id]
+        return req.token_ids[req.num_prompt_tokens:]
+
+
+@pytest.fixture(scope="module")
+def runner(model_path: Path, model_config: ModelConfig) -> ModelRunner:
+    runner = ModelRunner(model_config, model_path, torch.float32, "worker-0")
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model) -> dict[str, tuple[list[int], list]]:  # type: ignore[no-untyped-def]
+    return {name: hf_greedy(hf_model, prompt, NUM_NEW_TOKENS) for name, prompt in PROMPTS.items()}
+
+
+def test_chunked_prefill_and_decode_match_hf_greedy(
+        runner: ModelRunner, hf_reference: dict[str, tuple[list[int], list]]) -> None:
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    # A budget of 7 tokens spreads the prompts over several steps, chunks starting mid-block,
+    # mixed with other requests' decodes.
+    scheduler = MiniScheduler(token_budget=7, send_tokens=False)
+    for name, prompt in PROMPTS.items():
+        scheduler.add(name, prompt, NUM_NEW_TOKENS)
+    num_steps = 0
+    while scheduler.has_work:
+        output = runner.execute(scheduler.schedule())
+        assert isinstance(output, StepOutput)
+        assert output.worker_id == "worker-0" and output.timings.num_tokens > 0
+        scheduler.update(output)
+        num_steps += 1
+        # The runner keeps its own sampled tokens: its buffers are the scheduler's.
+        for name in output.request_ids:
+            assert runner.input_batch.requests[name].token_ids == \
+                scheduler.requests[name].token_ids
+    assert num_steps > NUM_NEW_TOKENS + 3
+    for name in PROMPTS:
+        assert_greedy_match(scheduler.outputs(name), *hf_reference[name])
+
+
+def test_prefix_hit_and_outputs_in_step_order(
+        runner: ModelRunner, hf_reference: dict[str, tuple[list[int], list]]) -> None:
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    prompt = PROMPTS["chat: What is 2+2?"]                       # 16 tokens, 4 full blocks
+    first = runner.execute(StepInput(0, [NewRequest("a", prompt, len(prompt), GREEDY,
+                                                    [1, 2, 3, 4], 0, len(prompt))], [], []))
+    # "b" reuses a's first three blocks (12 cached tokens) and computes the rest; "c" starts.
+    logprob_spec = SamplingSpec(0.0, 1.0, -1, None, 3)
+    second = runner.execute(StepInput(1, [
+        NewRequest("c", prompt[:5], 5, GREEDY, [7, 8], 0, 5),
+        NewRequest("b", prompt, len(prompt), logprob_spec, [1, 2, 3, 5], 12, 4),
+    ], [RunningRequest("a", 16, 1, [6], [])], []))
+    assert isinstance(first, StepOutput) and isinstance(second, StepOutput)
+    assert second.request_ids == ["c", "b", "a"]
+    reference, near_tie = hf_reference["chat: What is 2+2?"]
+    assert_greedy_match(first.sampled_token_ids, reference[:1], near_tie)
+    assert second.sampled_token_ids[1] == first.sampled_token_ids[0]
+    assert_greedy_match(second.sampled_token_ids[2:], reference[1:2], near_tie[1:])
+    lp = second.logprobs[1]
+    assert lp is not None and lp.top_token_ids[0] == first.sampled_token_ids[0]
+    assert second.logprobs[0] is None
+
+
+def test_seeded_request_resumes_identically_after_preemption(runner: ModelRunner) -> None:
+    seeded = SamplingSpec(temperature=1.0, top_p=0.9, top_k=40, seed=2024, num_logprobs=None)
+    prompt = PROMPTS["Once upon a time, in a small village,"]
+
+    def run(preempt_after: int | None) -> list[int]:
+        runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+        scheduler = MiniScheduler(token_budget=64, send_tokens=False)
+        scheduler.add("s", prompt, 6, seeded)
+        steps = 0
+        while scheduler.has_work:
+            if steps == preempt_after:       # recompute: drop the worker state, send it anew
+                scheduler.finished.append("s")
+                req = scheduler.requests["s"]
+                req.sent, req.num_computed_tokens, req.block_ids = False, 0, []
+            scheduler.update(runner.execute(scheduler.schedule()))
+            steps += 1
+        return scheduler.outputs("s")
+
+    assert run(preempt_after=3) == run(preempt_after=None)
+
+
+def test_pipeline_stages_match_hf_greedy(
+        model_path: Path, model_config: ModelConfig,
+        hf_reference: dict[str, tuple[list[int], list]]) -> None:
+    stages = [ModelRunner(model_config, model_path, torch.float32, "pp0", 0, 13, False),
+              ModelRunner(model_config, model_path, torch.float32, "pp1", 13, None, True)]
+    for stage in stages:
+        stage.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    scheduler = MiniScheduler(token_budget=9, send_tokens=True)
+    names = ["The capital of France is", "def fibonacci(n):"]
+    for name in names:
+        scheduler.add(name, PROMPTS[name], NUM_NEW_TOKENS)
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        activations = stages[0].execute(step)
+        assert isinstance(activations, StageActivations)
+        output = stages[1].execute(step, activations)
+        assert isinstance(output, StepOutput)
+        # Stage 0 fed its layers from its own buffer, which learnt the sampled tokens from
+        # the step's new_token_ids.
+        expected_ids = [t for s in (step.new_requests + step.running) for t in
+                        scheduler.requests[s.request_id].token_ids[
+                            s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]]
+        assert sorted(stages[0].last_input_ids.tolist()) == sorted(expected_ids)
+        scheduler.update(output)
+        for name in output.request_ids:
+            # Stage 0 is one token behind: it learns this one with the next step.
+            assert stages[0].input_batch.requests[name].token_ids == \
+                scheduler.requests[name].token_ids[:-1]
+    for name in names:
+        assert_greedy_match(scheduler.outputs(name), *hf_reference[name])
+
+
+def test_kv_sizing(runner: ModelRunner, model_config: ModelConfig) -> None:
+    per_block = 2 * 16 * model_config.num_kv_heads * model_config.head_dim * 4
+    assert runner.kv_bytes_per_block(16) == model_config.num_layers * per_block
+    assert runner.num_blocks_for_budget(10 * runner.kv_bytes_per_block(16) + 5, 16) == 10
+
+
+def test_bad_steps_raise(model_path: Path, runner: ModelRunner) -> None:
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    with pytest.raises(ValueError, match="not held"):
+        runner.execute(StepInput(0, [], [RunningRequest("ghost", 0, 1, [], [])], []))
+    with pytest.raises(ValueError, match="block ids"):
+        runner.execute(StepInput(0, [NewRequest("x", [1, 2], 2, GREEDY, [NUM_BLOCKS], 0, 2)],
+                                 [], []))
+    with pytest.raises(ValueError, match="stage_input"):
+        runner.execute(StepInput(0, [], [], []),
+                       StageActivations(torch.zeros(0, 1), torch.zeros(0, 1)))
+    empty = runner.execute(StepInput(1, [], [], ["never-seen"]))
+    assert isinstance(empty, StepOutput) and empty.request_ids == []

@@ -1,0 +1,125 @@
+"""Sampler: greedy, top-k/top-p limits, seeded reproducibility, logprobs."""
+
+import math
+
+import torch
+
+from services.wire import SamplingSpec
+from worker_svc.sampler import new_generator, sample
+
+VOCAB = 1000
+
+
+def spec(temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+         num_logprobs: int | None = None) -> SamplingSpec:
+    return SamplingSpec(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        num_logprobs=num_logprobs)
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
+    logits = random_logits(4)
+    logits[2, 10] = logits[2, 700] = logits[2].max() + 1
+    tokens, logprobs = sample(logits, [spec(temperature=0.0)] * 4, [None] * 4)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens[2] == 10
+    assert logprobs == [None] * 4
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = random_logits(8, seed=1)
+    greedy = logits.argmax(dim=-1).tolist()
+    for _ in range(3):
+        assert sample(logits, [spec(top_k=1)] * 8, [None] * 8)[0] == greedy
+        assert sample(logits, [spec(top_p=1e-6)] * 8, [None] * 8)[0] == greedy
+        assert sample(logits, [spec(temperature=1e-4)] * 8, [None] * 8)[0] == greedy
+
+
+def test_mixed_greedy_and_random_rows() -> None:
+    logits = random_logits(4, seed=2)
+    specs = [spec(temperature=0.0), spec(top_k=1), spec(temperature=0.0), spec(top_p=1e-6)]
+    assert sample(logits, specs, [None] * 4)[0] == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_and_top_p_never_leave_their_sets() -> None:
+    logits = random_logits(1, seed=3)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs = logits[0].softmax(dim=-1)
+    ranked = probs.argsort(descending=True)
+    mass_before = probs[ranked].cumsum(0) - probs[ranked]
+    nucleus = set(ranked[mass_before < 0.5].tolist())
+    gen = new_generator(7)
+    for _ in range(200):
+        assert sample(logits, [spec(top_k=5)], [gen])[0][0] in top5
+        assert sample(logits, [spec(top_p=0.5)], [gen])[0][0] in nucleus
+
+
+def test_wide_nucleus_falls_back_to_full_ranking() -> None:
+    flat = torch.zeros(1, VOCAB)            # nucleus of 950 tokens, past the 256 candidates
+    seen = {sample(flat, [spec(top_p=0.95)], [None])[0][0] for _ in range(300)}
+    assert len(seen) > 100
+
+
+def test_frequencies_follow_softmax_of_scaled_logits() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    expected = (logits[0] / 0.7).softmax(dim=-1)
+    gen = new_generator(11)
+    draws = [sample(logits, [spec(temperature=0.7)], [gen])[0][0] for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch() -> None:
+    logits = [random_logits(6, seed=100 + step) for step in range(10)]
+    target = spec(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+
+    alone_gen = new_generator(1234)
+    alone = [sample(step_logits[3:4], [target], [alone_gen])[0][0] for step_logits in logits]
+
+    gens = [new_generator(5), None, None, new_generator(1234), new_generator(9), None]
+    specs = [spec(seed=5), spec(temperature=0.0), spec(top_p=0.3), target,
+             spec(temperature=2.0, seed=9), spec()]
+    batched = [sample(step_logits, specs, gens)[0][3] for step_logits in logits]
+    assert batched == alone
+
+
+def test_fast_forwarded_generator_continues_the_sequence() -> None:
+    logits = random_logits(1, seed=4)
+    target = spec(temperature=1.5, seed=77)
+    gen = new_generator(77)
+    uninterrupted = [sample(logits, [target], [gen])[0][0] for _ in range(8)]
+    resumed_gen = new_generator(77, num_samples_done=5)
+    resumed = [sample(logits, [target], [resumed_gen])[0][0] for _ in range(3)]
+    assert resumed == uninterrupted[5:]
+
+
+def test_logprobs_of_raw_logits() -> None:
+    vocab = 16
+    logits = random_logits(3, seed=5, vocab=vocab)
+    specs = [spec(temperature=0.0, num_logprobs=vocab), spec(temperature=0.5, num_logprobs=0),
+             spec(temperature=0.0)]
+    tokens, logprobs = sample(logits, specs, [None] * 3)
+    expected = logits.log_softmax(dim=-1)
+
+    full = logprobs[0]
+    assert full is not None
+    assert math.isclose(sum(math.exp(lp) for lp in full.top_logprobs), 1.0, rel_tol=1e-5)
+    assert full.top_logprobs == sorted(full.top_logprobs, reverse=True)
+    assert full.top_token_ids[0] == tokens[0]
+    assert math.isclose(full.logprob, expected[0, tokens[0]].item(), rel_tol=1e-6)
+
+    sampled_only = logprobs[1]
+    assert sampled_only is not None
+    assert sampled_only.top_token_ids == [] and sampled_only.top_logprobs == []
+    # Logprobs describe the raw distribution, not the temperature-scaled one.
+    assert math.isclose(sampled_only.logprob, expected[1, tokens[1]].item(), rel_tol=1e-6)
+    assert logprobs[2] is None
+
+
+def test_bfloat16_logits_are_sampled_in_float32() -> None:
+    logits = random_logits(2, seed=6)
+    tokens, _ = sample(logits.bfloat16(), [spec(temperature=0.0)] * 2, [None] * 2)
+    assert tokens == logits.bfloat16().float().argmax(dim=-1).tolist()

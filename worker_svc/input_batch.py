@@ -1,0 +1,179 @@
+"""The worker's persistent per-request state, and applying a `StepInput` diff to it.
+
+The runner calls `InputBatch.apply(step)` at the start of every step. The diff is applied in
+field order: `finished_ids` drop their state (ids the worker does not hold are ignored: a
+request preempted earlier may be named again when it finishes), `new_requests` bring full
+state, and `running` requests take their appended block ids, their `num_computed_tokens` and
+any `new_token_ids` (tokens sampled by the last stage, written at `num_computed_tokens`: this
+is how non-last pipeline ranks learn them; the last stage already holds them).
+
+The whole diff is validated before anything changes, so a bad diff raises `ValueError` and
+leaves the state as it was.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput
+from worker_svc.sampler import new_generator
+
+
+class RequestState:
+    """What the worker knows about one request between steps."""
+
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
+                 "num_computed_tokens", "sampling", "generator")
+
+    def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                 block_ids: list[int], num_computed_tokens: int, sampling: SamplingSpec,
+                 generator: torch.Generator | None):
+        self.request_id = request_id
+        self.token_ids = token_ids                    # prompt + outputs known to this worker
+        self.num_prompt_tokens = num_prompt_tokens
+        self.block_ids = block_ids                    # KV blocks, in position order
+        # Tokens whose KV is in the cache once the current step has run.
+        self.num_computed_tokens = num_computed_tokens
+        self.sampling = sampling
+        self.generator = generator                    # seeded requests with temperature > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    state: RequestState
+    num_computed_tokens: int      # tokens already cached before this step
+    num_new_tokens: int           # tokens computed this step
+    # The step reaches the last known token, so it samples the next one; a non-final prefill
+    # chunk does not.
+    samples: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _RunningUpdate:
+    state: RequestState
+    request: RunningRequest
+    samples: bool
+
+
+class InputBatch:
+    """Requests held by this worker, keyed by request id."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def apply(self, step: StepInput) -> list[ScheduledRequest]:
+        """Apply the diff; return the step's requests in step order (new, then running)."""
+        held = self.requests.keys() - set(step.finished_ids)
+        seen: set[str] = set()
+        new_states = [self._check_new(r, held, seen) for r in step.new_requests]
+        updates = [self._check_running(r, held, seen) for r in step.running]
+
+        for request_id in step.finished_ids:
+            self.requests.pop(request_id, None)
+        scheduled = []
+        for request, state in zip(step.new_requests, new_states, strict=True):
+            self.requests[request.request_id] = state
+            scheduled.append(self._schedule(state, request.num_computed_tokens,
+                                            request.num_new_tokens))
+        for update in updates:
+            state, request = update.state, update.request
+            state.block_ids.extend(request.new_block_ids)
+            start = request.num_computed_tokens
+            state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
+            scheduled.append(self._schedule(state, start, request.num_new_tokens))
+        return scheduled
+
+    @staticmethod
+    def _schedule(state: RequestState, num_computed: int, num_new: int) -> ScheduledRequest:
+        state.num_computed_tokens = num_computed + num_new
+        return ScheduledRequest(state, num_computed, num_new,
+                                samples=num_computed + num_new == len(state.token_ids))
+
+    # ------------------------------------------------------------------------------ validation
+
+    def _check_new(self, request: NewRequest, held: set[str], seen: set[str]) -> RequestState:
+        rid = request.request_id
+        self._check_id_once(rid, seen)
+        if rid in held:
+            raise ValueError(f"new request {rid!r} is already held by this worker")
+        num_tokens = len(request.token_ids)
+        if not 0 < request.num_prompt_tokens <= num_tokens:
+            raise ValueError(f"request {rid!r}: num_prompt_tokens {request.num_prompt_tokens} "
+                             f"not in [1, {num_tokens}]")
+        self._check_token_ids(rid, request.token_ids)
+        self._check_block_ids(rid, request.block_ids)
+        self._check_span(rid, request.num_computed_tokens, request.num_new_tokens, num_tokens,
+                         len(request.block_ids))
+        sampling = request.sampling
+        generator = None
+        if sampling.seed is not None and sampling.temperature > 0:
+            generator = new_generator(sampling.seed, num_tokens - request.num_prompt_tokens)
+        return RequestState(rid, list(request.token_ids), request.num_prompt_tokens,
+                            list(request.block_ids), request.num_computed_tokens, sampling,
+                            generator)
+
+    def _check_running(self, request: RunningRequest, held: set[str],
+                       seen: set[str]) -> _RunningUpdate:
+        rid = request.request_id
+        self._check_id_once(rid, seen)
+        if rid not in held:
+            raise ValueError(f"running request {rid!r} is not held by this worker")
+        state = self.requests[rid]
+        start = request.num_computed_tokens
+        if start != state.num_computed_tokens:
+            raise ValueError(f"request {rid!r}: num_computed_tokens {start} but this worker has "
+                             f"computed {state.num_computed_tokens}")
+        new_tokens = request.new_token_ids
+        if new_tokens:
+            if start > len(state.token_ids):
+                raise ValueError(f"request {rid!r}: new tokens at {start} leave a gap after "
+                                 f"the {len(state.token_ids)} known tokens")
+            known = state.token_ids[start:start + len(new_tokens)]
+            if known != new_tokens[:len(known)]:
+                raise ValueError(f"request {rid!r}: new tokens {new_tokens} contradict the "
+                                 f"known tokens {known} at {start}")
+            self._check_token_ids(rid, new_tokens)
+        num_tokens = max(len(state.token_ids), start + len(new_tokens))
+        self._check_block_ids(rid, request.new_block_ids)
+        self._check_span(rid, start, request.num_new_tokens, num_tokens,
+                         len(state.block_ids) + len(request.new_block_ids))
+        return _RunningUpdate(state, request, start + request.num_new_tokens == num_tokens)
+
+    @staticmethod
+    def _check_id_once(request_id: str, seen: set[str]) -> None:
+        if request_id in seen:
+            raise ValueError(f"request {request_id!r} appears twice in one step")
+        seen.add(request_id)
+
+    def _check_token_ids(self, request_id: str, token_ids: list[int]) -> None:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise ValueError(f"request {request_id!r}: token id {max(token_ids)} is outside "
+                             f"the vocabulary of {self.vocab_size}")
+
+    def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
+        # Block 0 is the null block: never holds a real token.
+        if block_ids and not (min(block_ids) >= 1 and max(block_ids) < self.num_blocks):
+            raise ValueError(f"request {request_id!r}: block ids {block_ids} not all in "
+                             f"[1, {self.num_blocks})")
+
+    def _check_span(self, request_id: str, num_computed: int, num_new: int, num_tokens: int,
+                    num_blocks: int) -> None:
+        end = num_computed + num_new
+        if end > num_tokens:
+            raise ValueError(f"request {request_id!r}: computing tokens up to {end} but only "
+                             f"{num_tokens} are known")
+        if end > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: {end} tokens exceed the model's "
+                             f"context of {self.max_model_len}")
+        if end > num_blocks * self.block_size:
+            raise ValueError(f"request {request_id!r}: {num_blocks} blocks of "
+                             f"{self.block_size} cannot hold {end} tokens")

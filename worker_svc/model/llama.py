@@ -1,0 +1,207 @@
+"""Llama-family decoder for one pipeline stage: layers [first_layer, end_layer).
+
+The embedding lives on the first stage, the final norm and LM head on the last. A stage takes
+token ids (first stage) or the previous stage's `(hidden_states, residual)` and returns
+`(hidden_states, residual)` of its last layer; the last stage then calls `compute_logits` on
+the rows it samples. The residual stream travels un-normed beside the hidden states so that
+every norm is "add, then RMSNorm" (the layout pipeline stages pass along).
+
+Weights are plain tensors (no nn.Module) to keep per-layer Python overhead small: q/k/v are one
+matmul and gate/up another. Tensor parallelism would slice the head counts and the matrices'
+rows/columns per rank; nothing here assumes the full head count beyond `LlamaLayer`'s fields.
+RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2.
+
+Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
+In bfloat16, matrices that the GGUF stores as Q4_0/Q4_1 also keep their 4-bit form, and steps of
+at most `INT4_MAX_TOKENS` tokens multiply with torch's int4 kernel (a quarter of the bytes).
+Its scales and offsets are bfloat16, so those weights equal the file's values up to bfloat16
+rounding of the per-32 scale and offset, as the dense path rounds each weight.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from services.model_config import ModelConfig
+from worker_svc.attention import AttentionMetadata, paged_attention
+from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
+
+# Steps up to this many tokens use the int4 kernel where a matrix has one (measured crossover
+# against the dense bf16 matmul on 2 AVX-512 cores: about 16 tokens).
+INT4_MAX_TOKENS = 8
+
+
+class Linear:
+    """y = x @ weight.T; through the int4 kernel for small batches where that is available."""
+
+    __slots__ = ("weight", "int4_weight", "int4_scales_zeros", "int4_max_tokens")
+
+    def __init__(self, parts: list[torch.Tensor], int4_parts: list[Int4Blocks] | None = None):
+        self.weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
+        self.int4_weight: torch.Tensor | None = None   # [out, in / 2] uint8, kernel layout
+        self.int4_scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2]
+        self.int4_max_tokens = 0
+        if int4_parts and self.weight.dtype == torch.bfloat16:
+            values = torch.cat([b.values for b in int4_parts]).to(torch.int32)
+            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+            scales = torch.cat([b.scales for b in int4_parts])  # [out, in / 32]
+            zeros = torch.cat([b.zeros for b in int4_parts])
+            self.int4_scales_zeros = (torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+                                      .contiguous().to(torch.bfloat16))
+            self.int4_max_tokens = INT4_MAX_TOKENS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.int4_max_tokens:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.int4_weight, INT4_GROUP_SIZE, self.int4_scales_zeros)
+        return F.linear(x, self.weight)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position, in the model dtype, computed in float32 like HF."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)                # [max_positions, head_dim]
+        half = head_dim // 2
+        self.cos = angles.cos().to(dtype)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed, with the first half negated.
+        sin = angles.sin()
+        sin[:, :half] = -sin[:, :half]
+        self.sin = sin.to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens] positions -> cos, signed sin, each [num_tokens, 1, head_dim]."""
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin.index_select(0, positions).unsqueeze(1))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> rotated copy (HF rotate_half convention)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class LlamaLayer:
+    """One decoder layer's weights and forward."""
+
+    __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
+                 "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 weights: ModelWeights, prefix: str):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.eps = eps
+        self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
+        self.qkv_proj = _linear(weights, [prefix + f"self_attn.{n}_proj.weight"
+                                          for n in ("q", "k", "v")])  # [(h+2*kv_h)*dim, hidden]
+        self.o_proj = _linear(weights, [prefix + "self_attn.o_proj.weight"])
+        self.post_attention_norm = weights.tensors[prefix + "post_attention_layernorm.weight"]
+        self.gate_up_proj = _linear(weights, [prefix + "mlp.gate_proj.weight",
+                                              prefix + "mlp.up_proj.weight"])  # [2*inter, hidden]
+        self.down_proj = _linear(weights, [prefix + "mlp.down_proj.weight"])
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        # hidden, residual: [num_tokens, hidden_size]
+        residual = hidden if residual is None else hidden + residual
+        x = F.rms_norm(residual, self.input_norm.shape, self.input_norm, self.eps)
+
+        qkv = self.qkv_proj(x)                             # [num_tokens, (heads+2*kv_heads)*dim]
+        qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+        qk = apply_rotary(qk, cos, sin)                    # [num_tokens, heads+kv_heads, dim]
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
+        attn = paged_attention(q, k, v, kv_cache, meta)    # [num_tokens, heads*dim]
+        hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
+
+        residual = hidden + residual
+        x = F.rms_norm(residual, self.post_attention_norm.shape, self.post_attention_norm,
+                       self.eps)
+        gate_up = self.gate_up_proj(x)                     # [num_tokens, 2*intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = self.down_proj(F.silu(gate) * up)         # [num_tokens, hidden_size]
+        return hidden, residual
+
+
+def _linear(weights: ModelWeights, names: list[str]) -> Linear:
+    """One matmul over the named matrices stacked by rows (int4 only if all have it)."""
+    int4 = [weights.int4[n] for n in names if n in weights.int4]
+    return Linear([weights.tensors[n] for n in names], int4 if len(int4) == len(names) else None)
+
+
+class LlamaModel:
+    """The layers of one pipeline stage, plus embedding (first) and norm + head (last)."""
+
+    __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "embed_tokens",
+                 "layers", "norm", "lm_head", "rotary")
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
+                 end_layer: int | None = None, is_last_stage: bool = True):
+        self.config = config
+        self.dtype = dtype
+        self.first_layer = first_layer
+        self.end_layer = config.num_layers if end_layer is None else end_layer
+        self.is_last_stage = is_last_stage
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        self.embed_tokens: torch.Tensor | None = None   # [vocab, hidden], first stage
+        self.layers: list[LlamaLayer] = []
+        self.norm: torch.Tensor | None = None           # [hidden], last stage
+        self.lm_head: torch.Tensor | None = None        # [vocab, hidden], last stage
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
+                                      dtype)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.first_layer == 0
+
+    def load_weights(self, weights: ModelWeights) -> None:
+        """Take HF-named weights (see `weights.load_weights`) already in `self.dtype`."""
+        cfg = self.config
+        tensors = weights.tensors
+        try:
+            if self.is_first_stage:
+                self.embed_tokens = tensors["model.embed_tokens.weight"]
+            self.layers = [
+                LlamaLayer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                           weights, f"model.layers.{i}.")
+                for i in range(self.first_layer, self.end_layer)]
+            if self.is_last_stage:
+                self.norm = tensors["model.norm.weight"]
+                self.lm_head = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                       else "lm_head.weight"]
+        except KeyError as missing:
+            raise ValueError(f"weights missing tensor {missing}") from None
+
+    def forward(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
+                residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First stage: input_ids [num_tokens]; later stages: hidden_states and residual
+        [num_tokens, hidden_size] from the previous stage. kv_caches: one per layer of this
+        stage. Returns (hidden_states, residual), both [num_tokens, hidden_size]."""
+        if self.is_first_stage:
+            assert input_ids is not None and self.embed_tokens is not None
+            hidden_states = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+            residual = None
+        assert hidden_states is not None
+        cos, sin = self.rotary.lookup(positions)         # [num_tokens, 1, head_dim] each
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, meta,
+                                                    kv_cache)
+        assert residual is not None
+        return hidden_states, residual
+
+    def compute_logits(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Last stage: final norm and LM head on the given rows -> [rows, vocab], model dtype."""
+        assert self.norm is not None and self.lm_head is not None
+        x = F.rms_norm(hidden_states + residual, self.norm.shape, self.norm,
+                       self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head)

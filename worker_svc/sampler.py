@@ -1,0 +1,119 @@
+"""Per-request sampling over a batch of logits rows; called by the runner on the last stage.
+
+Greedy (temperature 0) is argmax, ties to the lowest token id. Otherwise logits are divided by
+the temperature, cut by top-k and top-p, and one token is drawn by inverse CDF from a single
+float64 uniform. Each seeded request draws that uniform from its own `torch.Generator`, exactly
+one per sampled token, so its tokens depend only on its seed and its logits, never on the rest
+of the batch, and a generator re-created after preemption can be fast-forwarded
+(`new_generator`). Everything is computed in float32 (cumulative sums in float64).
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from services.wire import SamplingSpec, TokenLogprobs
+
+# Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
+# a full sort (slow on CPU: a 49k-entry row takes milliseconds).
+_TOP_P_CANDIDATES = 256
+
+
+def new_generator(seed: int, num_samples_done: int = 0) -> torch.Generator:
+    """A request's generator, advanced past the `num_samples_done` draws it already made."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_samples_done):
+        torch.rand(1, dtype=torch.float64, generator=generator)
+    return generator
+
+
+def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
+           generators: Sequence[torch.Generator | None]
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [rows, vocab], one row per request, in `specs` order.
+
+    `generators[i]` is request i's own generator, or None for unseeded requests (drawn from
+    torch's default generator). Returns the sampled token ids and, per row, its logprobs or
+    None where the request asked for none.
+    """
+    logits = logits.float()
+    random_rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
+    if len(random_rows) == len(specs):
+        token_ids = _sample_random(logits, specs, generators)
+    else:
+        token_ids = logits.argmax(dim=-1)              # [rows]; first maximum wins ties
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            token_ids[rows] = _sample_random(
+                logits.index_select(0, rows), [specs[i] for i in random_rows],
+                [generators[i] for i in random_rows])
+    return token_ids.tolist(), _logprobs(logits, token_ids, specs)
+
+
+def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
+                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then one inverse-CDF draw per row -> [rows] token ids."""
+    vocab = logits.shape[-1]
+    temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32)
+    x = logits / temperatures[:, None]                 # [rows, vocab]
+
+    top_ks = [spec.top_k if 0 < spec.top_k < vocab else vocab for spec in specs]
+    if min(top_ks) < vocab:
+        top_values = x.topk(min(max(k for k in top_ks if k < vocab), vocab), dim=-1).values
+        kth = torch.tensor([k - 1 if k < vocab else 0 for k in top_ks])
+        threshold = top_values.gather(1, kth[:, None])  # [rows, 1]
+        threshold[torch.tensor(top_ks) >= vocab] = float("-inf")
+        x = x.masked_fill(x < threshold, float("-inf"))
+    probs = x.softmax(dim=-1)                          # [rows, vocab]
+
+    top_p_rows = [i for i, spec in enumerate(specs) if spec.top_p < 1.0]
+    if top_p_rows:
+        rows = torch.tensor(top_p_rows)
+        top_ps = torch.tensor([specs[i].top_p for i in top_p_rows], dtype=torch.float32)
+        probs[rows] = _apply_top_p(probs.index_select(0, rows), top_ps)
+
+    uniforms = torch.empty(len(specs), dtype=torch.float64)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
+    cdf = probs.double().cumsum(dim=-1)                # [rows, vocab], not normalized
+    targets = uniforms[:, None] * cdf[:, -1:]
+    # right=True: the first token whose cdf exceeds the target, never a zero-probability one.
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=vocab - 1)
+
+
+def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Zero every token outside each row's nucleus: the most likely tokens whose mass before
+    them is below top_p (so at least one survives). probs: [rows, vocab]; top_ps: [rows]."""
+    values = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+    if bool(((values.cumsum(dim=-1) - values)[:, -1] < top_ps).any()):
+        # Some nucleus may reach past the candidates: rank the whole vocabulary (rare, slow).
+        values = probs.sort(dim=-1, descending=True).values
+    mass_before = values.cumsum(dim=-1) - values                       # [rows, candidates]
+    num_keep = (mass_before < top_ps[:, None]).sum(dim=-1)             # [rows], >= 1
+    cut = values.gather(1, (num_keep - 1)[:, None])                    # [rows, 1]
+    return probs.masked_fill(probs < cut, 0.0)
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+              specs: Sequence[SamplingSpec]) -> list[TokenLogprobs | None]:
+    """log_softmax of the raw logits: the sampled token's logprob and the top-n alternatives."""
+    wanted = [i for i, spec in enumerate(specs) if spec.num_logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(specs)
+    if not wanted:
+        return result
+    rows = torch.tensor(wanted)
+    logprobs = logits.index_select(0, rows).log_softmax(dim=-1)         # [wanted, vocab]
+    sampled = logprobs.gather(1, token_ids[rows][:, None])[:, 0].tolist()
+    max_top = max(specs[i].num_logprobs or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    for j, i in enumerate(wanted):
+        n = specs[i].num_logprobs or 0
+        result[i] = TokenLogprobs(
+            logprob=sampled[j],
+            top_token_ids=top_ids[j, :n].tolist() if top_ids is not None else [],
+            top_logprobs=top_values[j, :n].tolist() if top_values is not None else [])
+    return result

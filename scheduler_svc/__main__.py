@@ -125,11 +125,11 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("draining: %d live requests", len(frontend._live))
-    frontend.max_live_requests = 0           # no new admissions
+    log.info("draining: %d live requests", frontend.num_live)
+    frontend.draining = True                 # no new admissions; live requests finish
     await health.set_ready(False)
     deadline = loop.time() + drain_timeout
-    while frontend._live and loop.time() < deadline:
+    while frontend.num_live and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await health.shutdown()
     await server.stop(grace=1.0)

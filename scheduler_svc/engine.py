@@ -32,6 +32,7 @@ from services.codec import Codec
 from services.wire import (
     CacheReady,
     ConfigurePool,
+    DropPool,
     FromKvCache,
     FromWorker,
     InitCache,
@@ -133,16 +134,21 @@ class ReplicaEngine:
                     self._step(kv, senders)
         except EngineError as exc:
             log.error("replica %d down: %s", self.config.replica_id, exc)
-            self._fail_all(str(exc))
-            self._on_down(self.config.replica_id, str(exc))
+            self._go_down(kv, str(exc))
         except Exception as exc:  # a bug: fail loudly, never leave clients hanging
             log.exception("replica %d engine crashed", self.config.replica_id)
-            self._fail_all(f"internal error: {exc}")
-            self._on_down(self.config.replica_id, str(exc))
+            self._go_down(kv, f"internal error: {exc}")
         finally:
             kv.close()
             for sender in senders:
                 sender.close()
+
+    def _go_down(self, kv: RequestClient[FromKvCache], reason: str) -> None:
+        """Fails every live request explicitly, drops the replica's pool and prefix index in
+        kvcache_svc (its blocks describe KV that no longer exists), and reports it down."""
+        self._fail_all(reason)
+        kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
+        self._on_down(self.config.replica_id, reason)
 
     def _bring_up(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
         cfg = self.config

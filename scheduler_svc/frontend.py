@@ -63,6 +63,11 @@ class Frontend:
         self.max_live_requests = max_live_requests
         self._live: dict[str, ReplicaEngine] = {}
         self.num_requests_total = 0
+        self.draining = False
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
     def render(self, prompt: PromptInput,
                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
@@ -96,6 +101,8 @@ class Frontend:
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per step that produced tokens; the last one has a
         finish_reason. Aborts the request if the consumer stops early (client cancelled)."""
+        if self.draining:
+            raise NoReplica("the server is draining; send new requests elsewhere")
         if len(self._live) >= self.max_live_requests:
             raise QueueFull(f"{len(self._live)} requests are live; try again later")
         engine = self.cluster.pick_replica()

@@ -6,12 +6,19 @@ shard, size the KV cache from the memory budget, report the block count, then se
 until told to stop. Flags fall back to SPLITSERVE_* environment variables.
 """
 
-import argparse
-import logging
 import os
-import socket
-import sys
-import time
+
+# OpenMP threads that spin-wait at barriers collapse when another process shares the cores (the
+# scheduler, or clients on a small box): 64 streaming clients made each step 10x slower. A short
+# spin, then sleep, keeps quiet-machine speed. libgomp reads this when torch loads it, so it is
+# set before anything imports torch.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 from services.model_config import ModelFormatError, default_model_path
 from worker_svc.memory import keep_freed_memory

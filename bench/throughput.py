@@ -63,12 +63,13 @@ def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens
 
 
 def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: str,
-                     extra_args: list[str]) -> dict[str, float]:
+                     extra_args: list[str], worker_args: list[str]) -> dict[str, float]:
     import grpc
 
     port = free_port()
     spec = ClusterSpec(port=port, kv_plan_port=free_port(), kv_admin_port=free_port(),
                        dtype=dtype, scheduler_args=tuple(extra_args),
+                       worker_args=tuple(worker_args),
                        log_level="warning")
     log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
     procs = ServiceProcesses(spec, log_dir)
@@ -131,8 +132,11 @@ def main() -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-dense", action="store_true",
+                   help="bf16: skip the run without the int4 small-step kernel")
     p.add_argument("--scheduler-arg", action="append", default=[],
-                   help="extra scheduler flag (repeatable), e.g. --scheduler-arg=--no-prefix-caching")
+                   help="extra scheduler flag (repeatable), e.g. "
+                   "--scheduler-arg=--no-prefix-caching")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     prompts, single, max_tokens = load_workload()
@@ -141,15 +145,28 @@ def main() -> int:
 
     results: dict[str, object] = {"dtype": a.dtype, "num_prompts": len(prompts),
                                   "max_tokens": max_tokens, "cpus": os.cpu_count()}
-    ours = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg)
+    ours = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg, [])
     results["splitserve"] = ours
     rows = [("splitserve", ours)]
+    if a.dtype == "bfloat16" and not a.skip_dense:
+        # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
+        # steps): the strict same-dtype comparison.
+        dense = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg,
+                                 ["--no-int4-kernels"])
+        results["splitserve_dense_bf16"] = dense
+        rows.append(("splitserve dense", dense))
     if not a.skip_hf:
         hf = bench_hf(prompts, single, max_tokens, a.dtype)
         results["hf_transformers"] = hf
         rows.append(("hf transformers", hf))
         results["ratio_batch"] = ours["batch_tok_s"] / hf["batch_tok_s"]
         results["ratio_single_decode"] = ours["single_decode_tok_s"] / hf["single_decode_tok_s"]
+        if "splitserve_dense_bf16" in results:
+            dense_r = results["splitserve_dense_bf16"]
+            assert isinstance(dense_r, dict)
+            results["ratio_batch_dense"] = dense_r["batch_tok_s"] / hf["batch_tok_s"]
+            results["ratio_single_decode_dense"] = (dense_r["single_decode_tok_s"]
+                                                    / hf["single_decode_tok_s"])
 
     print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens")
     print(f"{'system':<18}{'all at once tok/s':>18}{'single decode tok/s':>21}"
@@ -158,8 +175,10 @@ def main() -> int:
         print(f"{name:<18}{r['batch_tok_s']:>18.1f}{r['single_decode_tok_s']:>21.1f}"
               f"{r['single_ttft_ms']:>16.0f}")
     if "ratio_batch" in results:
-        print(f"ratio splitserve / HF: batch {results['ratio_batch']:.2f}x, single decode "
-              f"{results['ratio_single_decode']:.2f}x")
+        for name, r in rows[:-1]:
+            hf_r = results["hf_transformers"]
+            print(f"ratio {name} / HF: batch {r['batch_tok_s'] / hf_r['batch_tok_s']:.2f}x, "
+                  f"single decode {r['single_decode_tok_s'] / hf_r['single_decode_tok_s']:.2f}x")
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / \
         f"throughput-{a.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ def _up(a: argparse.Namespace) -> int:
     if a.no_prefix_caching:
         sched_args.append("--no-prefix-caching")
     worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
+    if a.no_int4_kernels:
+        worker_args.append("--no-int4-kernels")
     spec = ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
                        kv_admin_port=a.port + 3, dtype=a.dtype, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(sched_args),
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     up.add_argument("--no-chunked-prefill", action="store_true")
     up.add_argument("--no-prefix-caching", action="store_true")
+    up.add_argument("--no-int4-kernels", action="store_true",
+                    help="bfloat16: run every matmul on dense bf16 weights (no 4-bit kernel)")
     up.add_argument("--threads", type=int, default=0, help="torch threads per worker")
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument("--log-dir", default=None, help="write each service's log here")

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0") or 0),
                    help="torch intra-op threads (0: all cores)")
+    p.add_argument("--no-int4-kernels", action="store_true",
+                   default=env("NO_INT4_KERNELS") == "1",
+                   help="bfloat16: never use the int4 kernel on Q4 GGUF blocks for small steps")
     p.add_argument("--register-timeout", type=float, default=60.0)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
     a = p.parse_args(argv)
@@ -62,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         worker_id=worker_id, epoch=time.time_ns(), device=a.device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
+        int4_kernels=not a.no_int4_kernels,
         register_timeout_s=a.register_timeout)
 
 

@@ -3,19 +3,20 @@
 KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). A token's slot is `block_id * block_size + position % block_size`
 with `block_id = block_ids[position // block_size]`; viewed as `[2, num_slots, kv_heads, dim]`
-a slot is one row, so writing a step's K/V is one `index_copy_` per K and V, and a block is one
-contiguous row of `[num_blocks, block_size * kv_heads * dim]`, so gathering a request's blocks
-is one `index_select`. Block 0 is the null block: never written by real tokens, used as padding
-in block tables (its keys are always masked out).
+a slot is one row, so writing a step's K/V is one `index_copy_` per K and V; viewed as
+`[2 * num_blocks, block_size * kv_heads * dim]` a block's keys are row `block_id` and its values
+row `num_blocks + block_id`, so gathering requests' K and V is one `index_select` of rows.
+Block 0 is the null block: never written by real tokens, used as padding in block tables (its
+keys are always masked out).
 
 Each layer first writes the K/V of every new token of the batch, then reads K/V for attention
 from the cache only, so a request can use blocks another request wrote in the same step.
 
 The batch is flat: `num_tokens` rows, requests one after another, every one-token query
 ("decode", including a one-token prefill chunk) before any longer chunk. Decodes run together
-as two batched matmuls over their padded, gathered K/V (see `_decode_attention`); each longer
-chunk runs as its own SDPA call with a bottom-right aligned causal mask (query i of a chunk
-starting at context length c sees keys 0..c+i).
+over their padded, gathered K/V (see `_decode_attention`); longer chunks run in groups of
+similar sizes, one padded SDPA call per group, with a bottom-right aligned causal mask (query
+i of a chunk starting at context length c sees keys 0..c+i).
 
 `AttentionMetadata` is built once per step by `build_attention_metadata`; layers only index.
 """
@@ -28,15 +29,23 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
-class PrefillChunk:
-    """One request's multi-token query in the flat batch."""
+class PrefillGroup:
+    """Consecutive multi-token chunks of the flat batch, attended in one padded SDPA call."""
 
-    token_start: int            # first row of the chunk in the flat batch
+    token_start: int            # first row of the group in the flat batch
     token_end: int              # one past its last row
-    num_kv_tokens: int          # context_len + query_len: keys the chunk attends to
-    block_ids: torch.Tensor     # [ceil(num_kv_tokens / block_size)] int64
-    # [query_len, num_kv_tokens] bool, True = may attend; None when the chunk has no cached
-    # context, where SDPA's top-left causal mask is the same thing.
+    num_chunks: int
+    max_query_len: int          # queries are padded to this per chunk
+    max_kv_len: int             # keys are padded to this per chunk
+    # [token_end - token_start] int64: each token's row in [num_chunks * max_query_len];
+    # None when no chunk is padded
+    padded_rows: torch.Tensor | None
+    # [2 * num_chunks * max_blocks] int64: rows of the keys, then of the values, of the chunks'
+    # blocks (padded with block 0) in the cache viewed as [2 * num_blocks, ...]
+    gather_rows: torch.Tensor
+    # [num_chunks, 1, max_query_len, max_kv_len] bool, True = may attend: bottom-right aligned
+    # causal per chunk (padding rows see key 0 only, so that no row is empty). None when every
+    # chunk has no context and no padding: then SDPA's own causal mask is the same thing.
     mask: torch.Tensor | None
 
 
@@ -48,20 +57,24 @@ class AttentionMetadata:
     positions: torch.Tensor          # [num_tokens] int64: position in its request (RoPE too)
     slot_mapping: torch.Tensor       # [num_tokens] int64: cache slot each new token's K/V fills
     num_decodes: int                 # rows 0..num_decodes-1 are one-token queries
-    # [num_decodes * max_decode_blocks] int64, the decodes' block tables padded with block 0
-    decode_block_ids: torch.Tensor
+    # [2 * num_decodes * max_decode_blocks] int64: rows of the keys, then of the values, of the
+    # decodes' blocks (padded with block 0) in the cache viewed as [2 * num_blocks, ...]
+    decode_gather_rows: torch.Tensor
     # [num_decodes, 1, max_decode_blocks * block_size] float32: 0 for a request's keys,
     # -inf for padding
     decode_bias: torch.Tensor
-    prefills: list[PrefillChunk]     # the longer chunks, in row order after the decodes
+    decode_mask: torch.Tensor        # [num_decodes, 1, 1, same] bool: True for a request's keys
+    prefill_groups: list[PrefillGroup]  # the longer chunks, in row order after the decodes
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
-                             block_tables: list[list[int]], block_size: int) -> AttentionMetadata:
+                             block_tables: list[list[int]], block_size: int,
+                             num_blocks: int) -> AttentionMetadata:
     """Per-step tensors for requests laid out in the given order (one-token queries first).
 
     `context_lens[i]` tokens of request i are already cached; its `query_lens[i]` new tokens
     take positions context_len .. context_len + query_len - 1; `block_tables[i]` must cover them.
+    `num_blocks` is the cache's block count.
     """
     num_reqs = len(query_lens)
     num_decodes = 0
@@ -89,26 +102,70 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
                     + positions % block_size)                                    # [num_tokens]
 
     max_decode_blocks = max(blocks_needed[:num_decodes], default=1)
-    decode_block_ids = table[:num_decodes, :max_decode_blocks].reshape(-1)
+    decode_gather_rows = _gather_rows(table[:num_decodes, :max_decode_blocks], num_blocks)
     decode_kv_lens = torch.tensor(kv_lens[:num_decodes], dtype=torch.int64)
     decode_kv_len = max_decode_blocks * block_size
-    decode_bias = torch.zeros(num_decodes, 1, decode_kv_len).masked_fill_(
-        (torch.arange(decode_kv_len)[None, :] >= decode_kv_lens[:, None])[:, None], float("-inf"))
+    decode_mask = (torch.arange(decode_kv_len)[None, :] < decode_kv_lens[:, None])[:, None]
+    decode_bias = torch.zeros(num_decodes, 1, decode_kv_len).masked_fill_(~decode_mask,
+                                                                          float("-inf"))
 
-    prefills = []
+    prefill_groups = []
     row = num_decodes
-    for r in range(num_decodes, num_reqs):
-        q_len, kv_len = query_lens[r], kv_lens[r]
-        mask = None
-        if kv_len > q_len:
-            # Bottom-right aligned causal: key j is visible to query i iff j <= i + context.
-            mask = (torch.arange(kv_len)[None, :]
-                    <= torch.arange(kv_len - q_len, kv_len)[:, None])
-        prefills.append(PrefillChunk(row, row + q_len, kv_len,
-                                     table[r, :blocks_needed[r]].clone(), mask))
-        row += q_len
+    for first, end in _group_chunks(query_lens[num_decodes:], kv_lens[num_decodes:]):
+        first, end = first + num_decodes, end + num_decodes
+        q_lens_g, ctx_g = query_lens[first:end], context_lens[first:end]
+        group = _prefill_group(row, q_lens_g, ctx_g, table[first:end], block_size, num_blocks)
+        prefill_groups.append(group)
+        row = group.token_end
     return AttentionMetadata(block_size, positions, slot_mapping, num_decodes,
-                             decode_block_ids, decode_bias, prefills)
+                             decode_gather_rows, decode_bias, decode_mask[:, None],
+                             prefill_groups)
+
+
+def _gather_rows(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[requests, blocks] block ids -> key rows then value rows, as one flat int64 tensor.
+
+    (One index_select over dim 0 of a 2-D view: over dim 1 of [2, num_blocks, ...], torch's
+    CPU index_select is 2-3x slower, measured.)"""
+    flat = table.reshape(-1)
+    return torch.cat([flat, flat + num_blocks])
+
+
+def _group_chunks(query_lens: list[int], kv_lens: list[int]) -> list[tuple[int, int]]:
+    """Split consecutive chunks into [first, end) groups whose padding at most doubles the
+    queries and the keys (one SDPA call per group beats one per chunk, but not at any cost)."""
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(query_lens) + 1):
+        if i < len(query_lens):
+            n = i + 1 - first
+            q, kv = query_lens[first:i + 1], kv_lens[first:i + 1]
+            if n * max(q) <= 2 * sum(q) and n * max(kv) <= 2 * sum(kv):
+                continue
+        groups.append((first, i))
+        first = i
+    return groups
+
+
+def _prefill_group(row: int, query_lens: list[int], context_lens: list[int],
+                   table: torch.Tensor, block_size: int, num_blocks: int) -> PrefillGroup:
+    num_chunks = len(query_lens)
+    max_q = max(query_lens)
+    max_kv = max(c + q for c, q in zip(context_lens, query_lens))
+    max_blocks = -(-max_kv // block_size)
+    padded_rows = None
+    if any(q != max_q for q in query_lens):
+        padded_rows = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(query_lens)])
+    mask = None
+    if padded_rows is not None or any(context_lens):
+        q_lens = torch.tensor(query_lens)[:, None, None]
+        contexts = torch.tensor(context_lens)[:, None, None]
+        i = torch.arange(max_q)[None, :, None]
+        j = torch.arange(max_kv)[None, None, :]
+        mask = ((j <= contexts + i) & (i < q_lens)) | ((i >= q_lens) & (j == 0))
+        mask = mask[:, None]                  # [num_chunks, 1, max_query_len, max_kv_len]
+    return PrefillGroup(row, row + sum(query_lens), num_chunks, max_q, max_kv, padded_rows,
+                        _gather_rows(table[:, :max_blocks], num_blocks), mask)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -120,61 +177,108 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     [num_tokens, num_heads * head_dim].
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_heads = q.shape[1]
     slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots[0].index_copy_(0, meta.slot_mapping, k)
     slots[1].index_copy_(0, meta.slot_mapping, v)
-    k_blocks = kv_cache[0].view(num_blocks, -1)         # [num_blocks, block_size*kv_heads*dim]
-    v_blocks = kv_cache[1].view(num_blocks, -1)
+    blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
     outputs = []
     if meta.num_decodes:
-        outputs.append(_decode_attention(q[:meta.num_decodes], k_blocks, v_blocks, meta,
-                                         num_kv_heads))
-    for chunk in meta.prefills:
-        q_len = chunk.token_end - chunk.token_start
-        q_chunk = q[chunk.token_start:chunk.token_end].transpose(0, 1).unsqueeze(0)
-        k_chunk = (k_blocks.index_select(0, chunk.block_ids)
-                   .view(-1, num_kv_heads, head_dim)[:chunk.num_kv_tokens]
-                   .transpose(0, 1).unsqueeze(0))       # [1, kv_heads, num_kv_tokens, dim]
-        v_chunk = (v_blocks.index_select(0, chunk.block_ids)
-                   .view(-1, num_kv_heads, head_dim)[:chunk.num_kv_tokens]
-                   .transpose(0, 1).unsqueeze(0))
-        out = F.scaled_dot_product_attention(
-            q_chunk, k_chunk, v_chunk, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-            enable_gqa=True)                            # [1, heads, q_len, dim]
-        outputs.append(out[0].transpose(0, 1).reshape(q_len, num_heads * head_dim))
+        outputs.append(_decode_attention(q[:meta.num_decodes], blocks, meta, num_kv_heads))
+    for group in meta.prefill_groups:
+        outputs.append(_prefill_attention(q[group.token_start:group.token_end], blocks, group,
+                                          num_kv_heads))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                      meta: AttentionMetadata, num_kv_heads: int) -> torch.Tensor:
+# From this many one-token queries on, block-diagonal matmuls beat SDPA (measured crossover on
+# 2 AVX-512 cores: about 4; at 64 queries they take a third of SDPA's time).
+_MIN_DECODES_FOR_MATMUL = 4
+# Decodes are attended in sub-batches whose gathered K/V stay under this size: past glibc's
+# largest mmap threshold (32 MiB) every gather pays fresh page faults (measured 4x slower
+# at 64 requests x 1000 tokens).
+_MAX_DECODE_GATHER_BYTES = 16 << 20
+
+
+def _decode_attention(q: torch.Tensor, blocks: torch.Tensor, meta: AttentionMetadata,
+                      num_kv_heads: int) -> torch.Tensor:
     """One-token queries q [num_decodes, heads, dim] -> [num_decodes, heads * dim].
 
-    Queries go in block-diagonal form: row h of a request holds q[h] in the columns of h's KV
-    head and zeros elsewhere, so one batched matmul against the gathered keys of all KV heads,
-    laid out as stored ([kv_len, kv_heads * dim]: no transposing copy), yields every head's
-    scores, and one more the outputs. That costs num_kv_heads times the minimal flops, but
-    decode attention is bound by reading K/V, and two well-shaped matmuls beat SDPA's per-head
-    small kernels several-fold on CPU (measured: 0.66 vs 1.2 ms a layer at 64 x 200 tokens).
+    Few queries: SDPA, with the query heads that share a KV head as that head's query rows
+    (GQA as plain attention over num_kv_heads heads; no mask row differs within a request).
+    Many: queries go in block-diagonal form, row h of a request holding q[h] in the columns
+    of h's KV head and zeros elsewhere, so one batched matmul against the gathered keys of all
+    KV heads, laid out as stored ([kv_len, kv_heads * dim]: no transposing copy), yields every
+    head's scores, and one more the outputs. That costs num_kv_heads times the minimal flops,
+    but decode attention is bound by reading K/V and by per-kernel overhead (64 requests x 200
+    tokens: 0.66 vs 1.2 ms a layer, measured).
     """
+    num_decodes = q.shape[0]
+    rows = meta.decode_gather_rows
+    num_key_rows = rows.shape[0] // 2                   # keys first, then values
+    rows_per_decode = num_key_rows // num_decodes
+    bytes_per_decode = 2 * rows_per_decode * blocks.shape[1] * blocks.element_size()
+    step = max(1, _MAX_DECODE_GATHER_BYTES // bytes_per_decode)
+    if step >= num_decodes:
+        return _decode_sub_batch(q, blocks, rows, meta.decode_bias, meta.decode_mask,
+                                 num_kv_heads)
+    outputs = []
+    for lo in range(0, num_decodes, step):
+        hi = min(lo + step, num_decodes)
+        key_rows = rows[lo * rows_per_decode:hi * rows_per_decode]
+        value_rows = rows[num_key_rows + lo * rows_per_decode:num_key_rows + hi * rows_per_decode]
+        outputs.append(_decode_sub_batch(q[lo:hi], blocks, torch.cat([key_rows, value_rows]),
+                                         meta.decode_bias[lo:hi], meta.decode_mask[lo:hi],
+                                         num_kv_heads))
+    return torch.cat(outputs)
+
+
+def _decode_sub_batch(q: torch.Tensor, blocks: torch.Tensor, gather_rows: torch.Tensor,
+                      bias: torch.Tensor, mask: torch.Tensor, num_kv_heads: int
+                      ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
     width = num_kv_heads * head_dim
-    keys = k_blocks.index_select(0, meta.decode_block_ids).view(num_decodes, -1, width)
-    values = v_blocks.index_select(0, meta.decode_block_ids).view(num_decodes, -1, width)
+    gathered = blocks.index_select(0, gather_rows)      # [2 * decodes * blocks, block bytes]
+    keys, values = gathered.view(2, num_decodes, -1, width)     # [decodes, kv_len, width] each
+    if num_decodes < _MIN_DECODES_FOR_MATMUL:
+        out = F.scaled_dot_product_attention(
+            q.view(num_decodes, num_kv_heads, group, head_dim),
+            keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2),
+            values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2),
+            attn_mask=mask)                               # [decodes, kv_heads, group, dim]
+        return out.reshape(num_decodes, num_heads * head_dim)
     q_diag = q.new_zeros(num_decodes, num_heads, width)               # [decodes, heads, width]
     # Diagonal view [decodes, group, dim, kv_heads]: query head (g_kv, r) -> KV head g_kv.
     q_diag.view(num_decodes, num_kv_heads, group, num_kv_heads, head_dim).diagonal(
         dim1=1, dim2=3).copy_(q.view(num_decodes, num_kv_heads, group, head_dim)
                               .permute(0, 2, 3, 1))
     scores = torch.bmm(q_diag, keys.transpose(1, 2))                # [decodes, heads, kv_len]
-    # Softmax in float32 (the bias is float32, so the add promotes), padding at -inf.
-    probs = torch.softmax(torch.add(meta.decode_bias, scores, alpha=head_dim ** -0.5), dim=-1)
+    # Softmax in float32 (the bias is float32, so the add promotes), padding at -inf. (In
+    # bfloat16 the scores are rounded to bfloat16 first, as in HF's eager attention.)
+    probs = torch.softmax(torch.add(bias, scores, alpha=head_dim ** -0.5), dim=-1)
     out = torch.bmm(probs.to(q.dtype), values)                      # [decodes, heads, width]
     out = out.view(num_decodes, num_kv_heads, group, num_kv_heads, head_dim).diagonal(
         dim1=1, dim2=3)                                             # [decodes, group, dim, kv]
     return out.permute(0, 3, 1, 2).reshape(num_decodes, num_heads * head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, blocks: torch.Tensor, group: PrefillGroup,
+                       num_kv_heads: int) -> torch.Tensor:
+    """A group's queries q [num_group_tokens, heads, dim] -> [num_group_tokens, heads * dim]."""
+    _, num_heads, head_dim = q.shape
+    chunks, max_q, max_kv = group.num_chunks, group.max_query_len, group.max_kv_len
+    if group.padded_rows is not None:
+        q = q.new_zeros(chunks * max_q, num_heads, head_dim).index_copy_(0, group.padded_rows, q)
+    q = q.view(chunks, max_q, num_heads, head_dim).transpose(1, 2)  # [chunks, heads, q, dim]
+    gathered = (blocks.index_select(0, group.gather_rows)
+                .view(2, chunks, -1, num_kv_heads, head_dim))
+    keys = gathered[0, :, :max_kv].transpose(1, 2)     # [chunks, kv_heads, kv_len, dim]
+    values = gathered[1, :, :max_kv].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask,
+                                         is_causal=group.mask is None, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(chunks * max_q, num_heads * head_dim)
+    return out if group.padded_rows is None else out.index_select(0, group.padded_rows)
 
 
 def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

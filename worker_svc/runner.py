@@ -45,7 +45,9 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  worker_id: str, first_layer: int = 0, end_layer: int | None = None,
-                 is_last_stage: bool = True):
+                 is_last_stage: bool = True, int4_kernels: bool = True):
+        """`int4_kernels`: in bfloat16, run small steps on the GGUF's own 4-bit blocks (see
+        worker_svc.model.llama); off = every matmul on dense bf16 weights."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
         self.config = model_config
@@ -53,8 +55,11 @@ class ModelRunner:
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
         self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage)
-        self.model.load_weights(load_weights(model_path, model_config, dtype, first_layer,
-                                             self.model.end_layer, is_last_stage))
+        weights = load_weights(model_path, model_config, dtype, first_layer,
+                               self.model.end_layer, is_last_stage)
+        if not int4_kernels:
+            weights.int4.clear()
+        self.model.load_weights(weights)
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         # The token ids the last step fed the model (first stage), for inspection in tests.
@@ -97,12 +102,14 @@ class ModelRunner:
         scheduled = self.input_batch.apply(step)
         if not scheduled:
             return self._empty_result(step)
-        # One-token queries first (the attention fast path); otherwise step order.
-        layout = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        # One-token queries first, then longer chunks by length (similar sizes share one
+        # padded attention call); output order is step order regardless.
+        layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
         with torch.inference_mode():
             meta = build_attention_metadata(
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
-                [s.state.block_ids for s in layout], self.input_batch.block_size)
+                [s.state.block_ids for s in layout], self.input_batch.block_size,
+                self.input_batch.num_blocks)
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
                 input_ids = torch.tensor(
@@ -155,7 +162,7 @@ class ModelRunner:
         index = torch.tensor(rows)
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            residual.index_select(0, index))  # [rows, vocab]
-        token_ids, logprobs = sample(logits.float(), [s.state.sampling for s in sampling],
+        token_ids, logprobs = sample(logits, [s.state.sampling for s in sampling],
                                      [s.state.generator for s in sampling])
         by_request: dict[str, tuple[int, TokenLogprobs | None]] = {}
         for s, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):

@@ -30,13 +30,15 @@ def new_generator(seed: int, num_samples_done: int = 0) -> torch.Generator:
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
            generators: Sequence[torch.Generator | None]
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [rows, vocab], one row per request, in `specs` order.
+    """logits: [rows, vocab] in any float dtype, one row per request, in `specs` order.
 
     `generators[i]` is request i's own generator, or None for unseeded requests (drawn from
     torch's default generator). Returns the sampled token ids and, per row, its logprobs or
     None where the request asked for none.
     """
-    logits = logits.float()
+    logits = logits.float()      # (also faster: argmax over bfloat16 is ~3x slower on CPU)
+    if all(s.temperature == 0 and s.num_logprobs is None for s in specs):
+        return logits.argmax(dim=-1).tolist(), [None] * len(specs)
     random_rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
     if len(random_rows) == len(specs):
         token_ids = _sample_random(logits, specs, generators)

@@ -48,6 +48,7 @@ class WorkerConfig:
     kv_cache_bytes: int             # CPU KV budget
     gpu_memory_utilization: float
     num_threads: int                # 0 = all cores
+    int4_kernels: bool              # bf16: small steps on the GGUF's 4-bit blocks
     register_timeout_s: float
 
 
@@ -129,7 +130,8 @@ class WorkerServer:
         started = time.monotonic()
         runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
-                             is_last_stage=placement.pp_rank == placement.pp_size - 1)
+                             is_last_stage=placement.pp_rank == placement.pp_size - 1,
+                             int4_kernels=cfg.int4_kernels)
         log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
                  "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
                  time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from worker_svc import attention
 from worker_svc.attention import (
+    _group_chunks,
     build_attention_metadata,
     paged_attention,
     reference_paged_attention,
@@ -27,7 +29,7 @@ def _run_both(query_lens: list[int], context_lens: list[int], block_tables: list
     cache[:, 0] = 0
     fast_cache, slow_cache = cache.clone(), cache.clone()
 
-    meta = build_attention_metadata(query_lens, context_lens, block_tables, BLOCK_SIZE)
+    meta = build_attention_metadata(query_lens, context_lens, block_tables, BLOCK_SIZE, NUM_BLOCKS)
     fast = paged_attention(q, k, v, fast_cache, meta)
     slow = reference_paged_attention(q, k, v, slow_cache, query_lens, context_lens, block_tables)
     return fast, slow, fast_cache, slow_cache
@@ -67,9 +69,30 @@ def test_only_decodes_and_only_prefills() -> None:
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_close_to_reference() -> None:
-    fast, slow, *_ = _run_both([1, 1, 6], [9, 0, 4], [[1, 2, 3], [4], [5, 6, 7]], 6, 2,
-                               dtype=torch.bfloat16)
+@pytest.mark.parametrize("num_decodes", [1, 3, 4, 9])   # SDPA below 4 decodes, matmuls above
+def test_decode_paths_match_reference(num_decodes: int) -> None:
+    contexts = [(5 * i + 3) % 17 for i in range(num_decodes)]
+    tables = [[1 + 5 * i + b for b in range(5)] for i in range(num_decodes)]
+    fast, slow, *_ = _run_both([1] * num_decodes + [3], contexts + [2],
+                               tables + [[46, 47]], 6, 2)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 25600])   # sub-batches of 1, then of 5 and 4
+def test_decode_sub_batches_match_reference(gather_bytes: int,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "_MAX_DECODE_GATHER_BYTES", gather_bytes)
+    contexts = [(7 * i + 2) % 19 for i in range(9)]
+    tables = [[1 + 5 * i + b for b in range(5)] for i in range(9)]
+    fast, slow, *_ = _run_both([1] * 9, contexts, tables, 6, 2)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_decodes", [2, 6])
+def test_bfloat16_close_to_reference(num_decodes: int) -> None:
+    tables = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(num_decodes)]
+    fast, slow, *_ = _run_both([1] * num_decodes + [6], [9 - i for i in range(num_decodes)] + [4],
+                               tables + [[40, 41, 42]], 6, 2, dtype=torch.bfloat16)
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -80,15 +103,32 @@ def test_block_tables_may_hold_more_blocks_than_needed() -> None:
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_groups_limit_padding() -> None:
+    assert _group_chunks([7, 5, 9], [7, 11, 17]) == [(0, 3)]
+    assert _group_chunks([40, 3, 2, 30], [40, 3, 2, 30]) == [(0, 2), (2, 4)]
+    meta = build_attention_metadata([5, 5], [0, 0], [[1, 2], [3, 4]], BLOCK_SIZE, NUM_BLOCKS)
+    [group] = meta.prefill_groups
+    assert group.mask is None and group.padded_rows is None   # plain causal, no padding
+
+
+def test_unequal_and_equal_prefill_groups_match_reference() -> None:
+    # Very unequal chunks split into several groups; equal fresh ones need no mask at all.
+    fast, slow, *_ = _run_both([2, 11, 3, 2], [5, 0, 0, 9], [[1, 2, 3], [4, 5, 6], [7], [8, 9, 10]],
+                               6, 2)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    fast, slow, *_ = _run_both([1, 6, 6, 6], [3, 0, 0, 0], [[1], [2, 3], [4, 5], [6, 7]], 6, 2)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
 def test_metadata_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match="one-token queries"):
-        build_attention_metadata([3, 1], [0, 4], [[1], [2, 3]], BLOCK_SIZE)
+        build_attention_metadata([3, 1], [0, 4], [[1], [2, 3]], BLOCK_SIZE, NUM_BLOCKS)
     with pytest.raises(ValueError, match="cannot hold"):
-        build_attention_metadata([1], [8], [[1, 2]], BLOCK_SIZE)
+        build_attention_metadata([1], [8], [[1, 2]], BLOCK_SIZE, NUM_BLOCKS)
 
 
 def test_slots_and_positions() -> None:
-    meta = build_attention_metadata([1, 3], [5, 2], [[7, 9], [4, 6]], BLOCK_SIZE)
+    meta = build_attention_metadata([1, 3], [5, 2], [[7, 9], [4, 6]], BLOCK_SIZE, NUM_BLOCKS)
     assert meta.positions.tolist() == [5, 2, 3, 4]
     # position 5 -> block 9 offset 1; positions 2, 3 -> block 4; position 4 -> block 6.
     assert meta.slot_mapping.tolist() == [9 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 6 * 4 + 0]

@@ -27,19 +27,25 @@ def _model(config: ModelConfig, weights: ModelWeights, first: int = 0,
     return model
 
 
+def _block_tables() -> list[list[int]]:
+    tables, next_block = [], 1
+    for prompt in PROMPTS.values():
+        num_blocks = -(-len(prompt) // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    return tables
+
+
 def _prefill_all(config: ModelConfig, num_layers: int, dtype: torch.dtype = torch.float32
                  ) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
     """Every prompt as one prefill chunk of one flat batch."""
     prompts = list(PROMPTS.values())
-    tables, next_block = [], 1
-    for prompt in prompts:
-        num_blocks = -(-len(prompt) // BLOCK_SIZE)
-        tables.append(list(range(next_block, next_block + num_blocks)))
-        next_block += num_blocks
+    tables = _block_tables()
+    num_blocks = tables[-1][-1] + 1
     meta = build_attention_metadata([len(p) for p in prompts], [0] * len(prompts), tables,
-                                    BLOCK_SIZE)
+                                    BLOCK_SIZE, num_blocks)
     spec = KvLayerSpec(BLOCK_SIZE, config.num_kv_heads, config.head_dim, dtype)
-    caches = allocate_kv_caches([spec] * num_layers, next_block)
+    caches = allocate_kv_caches([spec] * num_layers, num_blocks)
     return torch.tensor([t for p in prompts for t in p]), meta, caches
 
 
@@ -110,11 +116,11 @@ def test_bfloat16_int4_small_steps_agree_with_float32_where_clear(
         # Every prompt again in chunks of at most 4 tokens: all small steps (int4 kernel).
         _, _, bf16_caches = _prefill_all(model_config, model_config.num_layers, torch.bfloat16)
         rows = []
-        for r, prompt in enumerate(PROMPTS.values()):
-            table = meta.prefills[r].block_ids.tolist()
+        for table, prompt in zip(_block_tables(), PROMPTS.values()):
             for start in range(0, len(prompt), 4):
                 chunk = prompt[start:start + 4]
-                step = build_attention_metadata([len(chunk)], [start], [table], BLOCK_SIZE)
+                step = build_attention_metadata([len(chunk)], [start], [table], BLOCK_SIZE,
+                                                len(bf16_caches[0][0]))
                 rows.append(bf16.compute_logits(*bf16.forward(
                     torch.tensor(chunk), None, None, step.positions, step, bf16_caches)))
         ours = torch.cat(rows).float()

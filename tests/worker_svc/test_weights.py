@@ -95,7 +95,7 @@ def _our_logits(path: Path, config: ModelConfig, token_ids: list[int], first: in
     model.load_weights(weights)
     spec = KvLayerSpec(4, config.num_kv_heads, config.head_dim, torch.float32)
     caches = allocate_kv_caches([spec] * config.num_layers, 16)
-    meta = build_attention_metadata([len(token_ids)], [0], [list(range(1, 16))], 4)
+    meta = build_attention_metadata([len(token_ids)], [0], [list(range(1, 16))], 4, 16)
     with torch.inference_mode():
         hidden, residual = model.forward(torch.tensor(token_ids), None, None, meta.positions,
                                          meta, caches)

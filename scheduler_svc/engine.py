@@ -76,6 +76,37 @@ class _Abort:
     request_id: str
 
 
+STEP_LOG_INTERVAL = 200  # steps between timing summaries in the log
+
+
+@dataclass(slots=True)
+class StepWindow:
+    """Where a replica's step time went, summed over a window of steps (milliseconds)."""
+
+    num_steps: int = 0
+    num_tokens: int = 0
+    plan_ms: float = 0.0      # schedule + kvcache plan call + building the StepInput
+    step_ms: float = 0.0      # StepInput sent -> StepOutput received
+    update_ms: float = 0.0    # appending tokens, stop checks, detokenizing, publishing
+    forward_ms: float = 0.0   # the worker's own forward + sampling time
+
+    def add(self, plan_ms: float, step_ms: float, update_ms: float, forward_ms: float,
+            num_tokens: int) -> None:
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        self.plan_ms += plan_ms
+        self.step_ms += step_ms
+        self.update_ms += update_ms
+        self.forward_ms += forward_ms
+
+    def summary(self) -> str:
+        n = max(1, self.num_steps)
+        return (f"{self.num_steps} steps ({self.num_tokens} tokens), per step: plan "
+                f"{self.plan_ms / n:.2f} ms, worker round trip {self.step_ms / n:.1f} ms "
+                f"(forward+sample {self.forward_ms / n:.1f} ms), update "
+                f"{self.update_ms / n:.2f} ms")
+
+
 class ReplicaEngine:
     def __init__(self, config: EngineConfig, tokenizer: TextTokenizer,
                  eos_token_ids: tuple[int, ...], ctx: zmq.Context,
@@ -99,7 +130,7 @@ class ReplicaEngine:
         self.ready = threading.Event()
         self.num_live = 0            # requests submitted and not yet finished (any thread reads)
         self.num_steps = 0
-        self.last_step_gap_ms = 0.0
+        self._window = StepWindow()
 
     # ---------------------------------------------------------------- called from other threads
 
@@ -210,6 +241,7 @@ class ReplicaEngine:
 
     def _step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
         cfg = self.config
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         reply = kv.call(plan, timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(reply, PlanReply):
@@ -222,9 +254,18 @@ class ReplicaEngine:
             return
         for sender in senders:
             sender.send(step)
+        sent = time.perf_counter()
         output = self._wait_output(step.step_id)
+        received = time.perf_counter()
         self.num_steps += 1
         self._publish(self.scheduler.update(output))
+        self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
+                         update_ms=(time.perf_counter() - received) * 1000,
+                         forward_ms=output.timings.forward_ms + output.timings.sample_ms,
+                         num_tokens=output.timings.num_tokens)
+        if self._window.num_steps == STEP_LOG_INTERVAL:
+            log.info("replica %d, last %s", cfg.replica_id, self._window.summary())
+            self._window = StepWindow()
 
     def _take_commands_timeout(self, seconds: float) -> None:
         try:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
 import zmq
@@ -72,9 +73,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = str(a.model or default_model_path())
+    advertise = a.advertise_host or a.host
+    if advertise in ("0.0.0.0", "::"):
+        advertise = socket.gethostbyname(socket.gethostname())  # a container's own address
     server = ServerConfig(
         model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
-        advertise_host=a.advertise_host or a.host, kvcache_address=a.kvcache, dtype=a.dtype,
+        advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
         step_timeout_s=a.step_timeout)
     sched = SchedulerConfig(

@@ -59,9 +59,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    advertise = a.advertise_host or a.host
+    if advertise in ("0.0.0.0", "::"):
+        # Bound to every interface (a container): advertise this host's own address.
+        advertise = socket.gethostbyname(socket.gethostname())
     return WorkerConfig(
         scheduler_address=a.scheduler, model_path=str(a.model or default_model_path()),
-        host=a.host, advertise_host=a.advertise_host or a.host, port=a.port,
+        host=a.host, advertise_host=advertise, port=a.port,
         worker_id=worker_id, epoch=time.time_ns(), device=a.device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,

@@ -8,6 +8,7 @@ the `--num-kv-blocks` override), and its `ReplicaEngine` brings the pool and cac
 """
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ class Placement:
     first_layer: int
     end_layer: int
     output_address: str
+    dist_init_method: str       # torch.distributed rendezvous of the replica ("" if one rank)
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -68,6 +70,16 @@ def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def rendezvous_address(rank0_step_address: str) -> str:
+    """A torch.distributed TCP rendezvous on rank 0's host. The port is picked free on this
+    host, which is rank 0's host when the cluster runs on one machine; across machines rank 0
+    may have to be started with a known free port range (not handled yet)."""
+    host = rank0_step_address.removeprefix("tcp://").rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
 class Replica:
     """The ranks of one replica and, once complete, its engine."""
 
@@ -75,6 +87,7 @@ class Replica:
         self.replica_id = replica_id
         self.ranks: list[WorkerRecord | None] = [None] * size
         self.outputs = outputs
+        self.dist_init_method = ""      # set when rank 0 registers (multi-rank replicas)
         self.engine: ReplicaEngine | None = None
         self.state = "forming"          # forming -> starting -> ready -> down
 
@@ -123,12 +136,15 @@ class Cluster:
                                   replica.replica_id, pp_rank, tp_rank)
             replica.ranks[rank] = record
             self.workers[worker_id] = record
+            if rank == 0 and len(replica.ranks) > 1:
+                replica.dist_init_method = rendezvous_address(step_address)
             first, end = self._layer_ranges[pp_rank]
             log.info("worker %s (epoch %d, %s) -> replica %d pp_rank %d tp_rank %d layers "
                      "[%d, %d)", worker_id, epoch, device, replica.replica_id, pp_rank, tp_rank,
                      first, end)
             return Placement(replica.replica_id, pp_rank, tp_rank, self.config.pp_size,
-                             self.config.tp_size, first, end, replica.outputs.address)
+                             self.config.tp_size, first, end, replica.outputs.address,
+                             replica.dist_init_method)
 
     def _forming_replica_locked(self) -> Replica:
         for replica in self.replicas.values():

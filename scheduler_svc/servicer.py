@@ -195,7 +195,7 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
             replica_id=p.replica_id, pp_rank=p.pp_rank, tp_rank=p.tp_rank, pp_size=p.pp_size,
             tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
             block_size=self.cluster.sched_config.block_size, output_address=p.output_address,
-            dtype=self.cluster.config.dtype)
+            dtype=self.cluster.config.dtype, dist_init_method=p.dist_init_method)
 
     async def ReportCapacity(self, request: control_pb2.CapacityReport,
                              context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:

@@ -73,6 +73,15 @@ class WorkerServer:
             placement = self._register(control, step_address)
             if placement is None:
                 return 1
+            link = None
+            if placement.pp_size * placement.tp_size > 1:
+                from worker_svc.pipeline import PipelineLink
+
+                link = PipelineLink(placement.dist_init_method,
+                                    placement.pp_rank * placement.tp_size + placement.tp_rank,
+                                    placement.pp_size * placement.tp_size, placement.pp_rank,
+                                    placement.pp_size, placement.tp_size,
+                                    timeout_s=cfg.register_timeout_s)
             runner = self._load(placement)
             if runner is None:
                 return 1
@@ -83,7 +92,11 @@ class WorkerServer:
             outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
             heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True)
             heartbeat.start()
-            self._serve(runner, num_blocks, steps, outputs, placement)
+            try:
+                self._serve(runner, num_blocks, steps, outputs, placement, link)
+            finally:
+                if link is not None:
+                    link.close()
             outputs.close()
             return self._exit_code
         finally:
@@ -124,7 +137,8 @@ class WorkerServer:
 
         cfg = self.config
         if placement.tp_size != 1:
-            log.error("tensor parallelism is not supported by this worker build yet")
+            log.error("tensor parallelism is not supported by this worker build yet "
+                      "(pipeline parallelism is)")
             return None
         model = load_model_config(cfg.model_path)
         started = time.monotonic()
@@ -141,7 +155,8 @@ class WorkerServer:
 
     def _serve(self, runner: "ModelRunner", num_blocks: int,  # noqa: F821
                steps: Receiver[ToWorker], outputs: Sender,
-               placement: control_pb2.RegisterResponse) -> None:
+               placement: control_pb2.RegisterResponse, link: "PipelineLink | None",  # noqa: F821
+               ) -> None:
         cfg = self.config
         reports = placement.pp_rank == placement.pp_size - 1 and placement.tp_rank == 0
         while not self._stop.is_set():
@@ -159,7 +174,7 @@ class WorkerServer:
                 outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
             elif isinstance(message, StepInput):
                 try:
-                    result = runner.execute(message)
+                    result = self._run_step(runner, message, link)
                 except Exception as exc:
                     log.exception("step %d failed", message.step_id)
                     outputs.send(WorkerFailure(worker_id=cfg.worker_id, step_id=message.step_id,
@@ -168,6 +183,24 @@ class WorkerServer:
                 if reports and result is not None:
                     outputs.send(result)
         log.info("worker %s stopping", cfg.worker_id)
+
+    def _run_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
+                  link: "PipelineLink | None") -> object:  # noqa: F821
+        """One step on this stage: activations in from the previous stage, out to the next."""
+        from worker_svc.runner import StageActivations
+
+        stage_input = None
+        if link is not None and link.prev_rank is not None:
+            num_tokens = (sum(r.num_new_tokens for r in step.new_requests)
+                          + sum(r.num_new_tokens for r in step.running))
+            hidden, residual = link.recv(num_tokens, runner.config.hidden_size, runner.dtype)
+            stage_input = StageActivations(hidden, residual)
+        result = runner.execute(step, stage_input)
+        if link is not None and link.next_rank is not None:
+            assert isinstance(result, StageActivations)
+            link.send(result.hidden_states, result.residual)
+            return None
+        return result
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
         cfg = self.config

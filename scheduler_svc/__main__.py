@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    default=env("NO_CHUNKED_PREFILL") == "1")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=env("NO_PREFIX_CACHING") == "1")
+    p.add_argument("--max-batches-in-flight", type=int, default=0,
+                   help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
@@ -80,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
         advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
-        step_timeout_s=a.step_timeout)
+        step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,

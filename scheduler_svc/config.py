@@ -41,3 +41,4 @@ class ServerConfig:
     step_timeout_s: float = 120.0         # a step that takes longer means the worker is lost
     heartbeat_timeout_s: float = 5.0
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
+    max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ class EngineConfig:
     kv_timeout_s: float
     step_timeout_s: float
     ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
+    max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
 
 
 @dataclass(slots=True)
@@ -117,6 +119,8 @@ class ReplicaEngine:
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(config.scheduler, config.replica_id)
         self.scheduler.ship_sampled_tokens = config.ship_sampled_tokens
+        self.scheduler.num_batches = config.max_batches_in_flight
+        self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
         self.scheduler.set_capacity(config.num_kv_blocks)
         self._ctx = ctx
         self._step_addresses = step_addresses
@@ -160,9 +164,8 @@ class ReplicaEngine:
             self._bring_up(kv, senders)
             self.ready.set()
             while not self._stopping:
-                self._take_commands(block=not self.scheduler.has_work())
-                if self.scheduler.has_work():
-                    self._step(kv, senders)
+                self._take_commands(block=not self.scheduler.has_work() and not self._in_flight)
+                self._step(kv, senders)
         except EngineError as exc:
             log.error("replica %d down: %s", self.config.replica_id, exc)
             self._go_down(kv, str(exc))
@@ -240,22 +243,38 @@ class ReplicaEngine:
                 self._publish([final])
 
     def _step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
-        cfg = self.config
+        """Sends a new step while the queue has room and something can run; otherwise
+        applies the oldest step's output (outputs come back in step order)."""
+        sent = False
+        if (len(self._in_flight) < self.config.max_batches_in_flight
+                and self.scheduler.has_schedulable()):
+            sent = self._send_step(kv, senders)
+            if sent and len(self._in_flight) < self.config.max_batches_in_flight:
+                return  # fill the queue before waiting
+        if self._in_flight:
+            self._receive_oldest()
+        elif not sent:
+            # Nothing fit (the free-block estimate was off; the next plan starts from
+            # kvcache_svc's exact count) or nothing to do: wait briefly for news.
+            self._take_commands_timeout(0.002)
+
+    def _send_step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> bool:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        reply = kv.call(plan, timeout_ms=int(cfg.kv_timeout_s * 1000))
+        reply = kv.call(plan, timeout_ms=int(self.config.kv_timeout_s * 1000))
         if not isinstance(reply, PlanReply):
             raise EngineError(f"kvcache_svc did not answer the plan call ({reply})")
         step = self.scheduler.apply_plan(reply)
         if step is None:
-            # Nothing fit this step (the free-block estimate was off); the next plan starts
-            # from kvcache_svc's exact count. Wait briefly for news instead of spinning.
-            self._take_commands_timeout(0.002)
-            return
+            return False
         for sender in senders:
             sender.send(step)
-        sent = time.perf_counter()
-        output = self._wait_output(step.step_id)
+        self._in_flight.append((step.step_id, started, time.perf_counter()))
+        return True
+
+    def _receive_oldest(self) -> None:
+        step_id, started, sent = self._in_flight.popleft()
+        output = self._wait_output(step_id)
         received = time.perf_counter()
         self.num_steps += 1
         self._publish(self.scheduler.update(output))
@@ -263,6 +282,7 @@ class ReplicaEngine:
                          update_ms=(time.perf_counter() - received) * 1000,
                          forward_ms=output.timings.forward_ms + output.timings.sample_ms,
                          num_tokens=output.timings.num_tokens)
+        cfg = self.config
         if self._window.num_steps == STEP_LOG_INTERVAL:
             log.info("replica %d, last %s", cfg.replica_id, self._window.summary())
             self._window = StepWindow()

@@ -67,7 +67,7 @@ class Request:
         "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
-        "hash_blocks",
+        "hash_blocks", "in_flight",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -93,6 +93,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        self.in_flight = False                       # in a step whose output is not back yet
         self.detokenizer: object | None = None      # set by the engine (IncrementalDetokenizer)
         self._extend_hashes()
 

@@ -60,6 +60,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # requests whose worker state must be dropped
         self._new_token_ids: dict[str, list[int]] = {}  # sampled since last step (PP > 1)
         self.ship_sampled_tokens = False   # PP > 1: non-last ranks need sampled tokens
+        # Batches in flight at once (the PP batch queue). Each batch holds disjoint requests,
+        # at most a 1/num_batches share of the live ones so that every stage has work.
+        self.num_batches = 1
+        self._step_requests: dict[int, list[Request]] = {}  # step id -> requests in it
         self._draft: _Draft | None = None
         self._plan_id = 0
         self._step_id = 0
@@ -90,6 +94,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._free_ids or self._finished_ids)
 
+    def has_schedulable(self) -> bool:
+        """Something a new step could carry: waiting or idle running requests, or frees."""
+        return bool(self.waiting or self._free_ids or self._finished_ids
+                    or any(not r.in_flight for r in self.running))
+
     def set_capacity(self, num_blocks: int) -> None:
         """The pool holds `num_blocks` blocks including the null block 0."""
         self.num_total_blocks = num_blocks - 1
@@ -101,6 +110,7 @@ class Scheduler:
             self._preempt(request, release_blocks=False)
         self.running.clear()
         self._free_ids.clear()
+        self._step_requests.clear()
         self.num_free_blocks = self.num_total_blocks
 
     # ------------------------------------------------------------------ phase 1: draft a plan
@@ -113,9 +123,14 @@ class Scheduler:
         grows: list[GrowOp] = []
         preempted = False
 
-        queue = list(self.running)
+        # Requests in a step still in flight are not touched: their next tokens are unknown and
+        # their blocks are being written.
+        queue = [r for r in self.running if not r.in_flight]
+        max_requests = cfg.max_num_seqs
+        if self.num_batches > 1:
+            max_requests = cdiv(len(self.running) + len(self.waiting), self.num_batches)
         i = 0
-        while i < len(queue) and budget > 0:
+        while i < len(queue) and budget > 0 and len(grows) < max_requests:
             request = queue[i]
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
@@ -145,7 +160,7 @@ class Scheduler:
         admit_reqs: list[Request] = []
         admits: list[AdmitOp] = []
         # After a preemption nothing new is admitted this step (the pool is under pressure).
-        num_slots = cfg.max_num_seqs - len(self.running)
+        num_slots = min(cfg.max_num_seqs - len(self.running), max_requests - len(grows))
         for request in self.waiting if not preempted else ():
             if len(admits) >= num_slots or budget <= 0:
                 break
@@ -250,6 +265,11 @@ class Scheduler:
         if not running and not new_requests:
             return None
         self._step_id += 1
+        in_step = [self.requests[r.request_id] for r in running] + list(
+            draft.admit_reqs[:len(reply.admitted)])
+        for request in in_step:
+            request.in_flight = True
+        self._step_requests[self._step_id] = in_step
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
                          finished_ids=self._finished_ids)
         self._finished_ids = []
@@ -258,6 +278,8 @@ class Scheduler:
     # ------------------------------------------------------------------ phase 3: outputs
 
     def update(self, output: StepOutput) -> list[RequestOutput]:
+        for request in self._step_requests.pop(output.step_id, ()):
+            request.in_flight = False
         outputs: list[RequestOutput] = []
         for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
                                                   output.logprobs, strict=True):

@@ -256,3 +256,42 @@ def test_duplicate_request_id_rejected() -> None:
     add(sched, "a", [1])
     with pytest.raises(ValueError, match="already live"):
         add(sched, "a", [2])
+
+
+def test_batch_queue_keeps_batches_disjoint_and_balanced() -> None:
+    sched, kv = make_scheduler(max_num_batched_tokens=64)
+    sched.num_batches = 2
+    for i in range(4):
+        add(sched, f"r{i}", list(range(10 * i, 10 * i + 6)), max_tokens=3)
+    s1 = step(sched, kv)
+    assert sorted(scheduled(s1)) == ["r0", "r1"]          # half of the 4 live requests
+    s2 = step(sched, kv)
+    assert sorted(scheduled(s2)) == ["r2", "r3"]          # disjoint from the batch in flight
+    assert step(sched, kv) is None                        # all four are in flight
+    sched.update(sample(s1, {"r0": 1, "r1": 1}))
+    s3 = step(sched, kv)
+    assert sorted(scheduled(s3)) == ["r0", "r1"]          # back as soon as their output is in
+    assert all(r.num_new_tokens == 1 for r in s3.running)
+    sched.update(sample(s2, {"r2": 1, "r3": 1}))
+    s4 = step(sched, kv)
+    assert sorted(scheduled(s4)) == ["r2", "r3"]
+
+
+def test_in_flight_requests_are_never_preempted() -> None:
+    sched, kv = make_scheduler(num_blocks=6, prefix_caching=False, max_num_batched_tokens=64)
+    sched.num_batches = 2
+    a = add(sched, "a", list(range(8)), max_tokens=8)     # 2 blocks each, 5 usable
+    b = add(sched, "b", list(range(20, 28)), max_tokens=8)
+    s1 = step(sched, kv)
+    assert sorted(scheduled(s1)) == ["a"]
+    s2 = step(sched, kv)
+    assert sorted(scheduled(s2)) == ["b"]
+    sched.update(sample(s1, {"a": 1}))
+    for _ in range(3):                                    # a grows while b stays in flight
+        s = step(sched, kv)
+        if s is None:
+            break
+        assert "b" not in scheduled(s)
+        sched.update(sample(s, {"a": 1}))
+    assert b.num_preemptions == 0 and b.in_flight
+    assert a.status.value in ("running", "finished")

@@ -1,0 +1,56 @@
+"""Parallel configurations on the shared workload, in one run: pp=1, pp=2 with the batch
+queue, pp=2 with one batch at a time.
+
+    .venv/bin/python bench/parallel.py [--dtype bfloat16] [--num-prompts 64]
+
+Every configuration runs the same prompts over gRPC through all services (see throughput.py)
+and the table shows tokens/s and the ratio to pp=1. Tensor parallelism and async scheduling
+are not implemented yet and are not measured.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import ROOT, bench_splitserve, load_workload  # noqa: E402
+
+CONFIGS = [
+    ("pp=1", 1, []),
+    ("pp=2, batch queue", 2, []),
+    ("pp=2, one batch at a time", 2, ["--max-batches-in-flight", "1"]),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    prompts, single, max_tokens = load_workload()
+    prompts = prompts[:a.num_prompts]
+    results: dict[str, dict[str, float]] = {}
+    for name, pp, args in CONFIGS:
+        results[name] = bench_splitserve(prompts, single, max_tokens, a.dtype, args, [], pp=pp)
+        print(f"{name}: {results[name]['batch_tok_s']:.1f} tok/s", flush=True)
+    base = results["pp=1"]["batch_tok_s"]
+    print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens")
+    print(f"{'configuration':<28}{'all at once tok/s':>18}{'vs pp=1':>9}{'single decode':>15}")
+    for name, r in results.items():
+        print(f"{name:<28}{r['batch_tok_s']:>18.1f}{r['batch_tok_s'] / base:>8.2f}x"
+              f"{r['single_decode_tok_s']:>15.1f}")
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / \
+        f"parallel-{a.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

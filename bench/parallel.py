@@ -1,11 +1,11 @@
 """Parallel configurations on the shared workload, in one run: pp=1, pp=2 with the batch
-queue, pp=2 with one batch at a time.
+queue, pp=2 with one batch at a time, pp=1 with async scheduling.
 
     .venv/bin/python bench/parallel.py [--dtype bfloat16] [--num-prompts 64]
 
 Every configuration runs the same prompts over gRPC through all services (see throughput.py)
-and the table shows tokens/s and the ratio to pp=1. Tensor parallelism and async scheduling
-are not implemented yet and are not measured.
+and the table shows tokens/s and the ratio to pp=1. Tensor parallelism
+is not implemented yet and is not measured.
 """
 
 import argparse
@@ -22,6 +22,7 @@ CONFIGS = [
     ("pp=1", 1, []),
     ("pp=2, batch queue", 2, []),
     ("pp=2, one batch at a time", 2, ["--max-batches-in-flight", "1"]),
+    ("pp=1, async scheduling", 1, ["--async-scheduling"]),
 ]
 
 
@@ -30,12 +31,16 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--only", action="append", default=[],
+                   help="run only configurations whose name starts with this (repeatable)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     results: dict[str, dict[str, float]] = {}
     for name, pp, args in CONFIGS:
+        if a.only and name != "pp=1" and not any(name.startswith(o) for o in a.only):
+            continue
         results[name] = bench_splitserve(prompts, single, max_tokens, a.dtype, args, [], pp=pp)
         print(f"{name}: {results[name]['batch_tok_s']:.1f} tok/s", flush=True)
     base = results["pp=1"]["batch_tok_s"]

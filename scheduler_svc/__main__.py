@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    default=env("NO_PREFIX_CACHING") == "1")
     p.add_argument("--max-batches-in-flight", type=int, default=0,
                    help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   default=env("ASYNC_SCHEDULING") == "1",
+                   help="plan step N+1 while step N runs (one pipeline stage only)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
@@ -72,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
     if a.tp < 1 or a.pp < 1:
         p.error("--tp and --pp must be >= 1")
+    if a.async_scheduling and a.pp > 1:
+        p.error("--async-scheduling needs --pp 1 (pipeline stages use the batch queue)")
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = str(a.model or default_model_path())
@@ -82,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
         advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
-        step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight)
+        step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight,
+        async_scheduling=a.async_scheduling)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,

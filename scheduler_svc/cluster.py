@@ -182,7 +182,8 @@ class Cluster:
             kvcache_address=self.config.kvcache_address, kv_timeout_s=self.config.kv_timeout_s,
             step_timeout_s=self.config.step_timeout_s,
             ship_sampled_tokens=self.config.pp_size > 1,
-            max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size)
+            max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size,
+            async_scheduling=self.config.async_scheduling)
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
         replica.engine = ReplicaEngine(engine_config, self.tokenizer, self.model.eos_token_ids,

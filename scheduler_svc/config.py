@@ -42,3 +42,4 @@ class ServerConfig:
     heartbeat_timeout_s: float = 5.0
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
+    async_scheduling: bool = False        # PP = 1: plan the next step while one runs

@@ -63,6 +63,7 @@ class EngineConfig:
     step_timeout_s: float
     ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
     max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
+    async_scheduling: bool = False     # PP = 1: plan step N+1 while step N runs
 
 
 @dataclass(slots=True)
@@ -120,6 +121,8 @@ class ReplicaEngine:
         self.scheduler = Scheduler(config.scheduler, config.replica_id)
         self.scheduler.ship_sampled_tokens = config.ship_sampled_tokens
         self.scheduler.num_batches = config.max_batches_in_flight
+        self.scheduler.async_scheduling = config.async_scheduling
+        self._depth = 2 if config.async_scheduling else config.max_batches_in_flight
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
         self.scheduler.set_capacity(config.num_kv_blocks)
         self._ctx = ctx
@@ -246,10 +249,9 @@ class ReplicaEngine:
         """Sends a new step while the queue has room and something can run; otherwise
         applies the oldest step's output (outputs come back in step order)."""
         sent = False
-        if (len(self._in_flight) < self.config.max_batches_in_flight
-                and self.scheduler.has_schedulable()):
+        if len(self._in_flight) < self._depth and self.scheduler.has_schedulable():
             sent = self._send_step(kv, senders)
-            if sent and len(self._in_flight) < self.config.max_batches_in_flight:
+            if sent and len(self._in_flight) < self._depth:
                 return  # fill the queue before waiting
         if self._in_flight:
             self._receive_oldest()

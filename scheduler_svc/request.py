@@ -67,7 +67,7 @@ class Request:
         "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
-        "hash_blocks", "in_flight",
+        "hash_blocks", "num_in_flight", "num_pending_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -93,13 +93,18 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
-        self.in_flight = False                       # in a step whose output is not back yet
+        self.num_in_flight = 0           # steps holding this request whose output is not back
+        self.num_pending_tokens = 0      # of those, steps that will sample a token for it
         self.detokenizer: object | None = None      # set by the engine (IncrementalDetokenizer)
         self._extend_hashes()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def num_output_tokens(self) -> int:

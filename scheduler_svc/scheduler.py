@@ -63,7 +63,11 @@ class Scheduler:
         # Batches in flight at once (the PP batch queue). Each batch holds disjoint requests,
         # at most a 1/num_batches share of the live ones so that every stage has work.
         self.num_batches = 1
-        self._step_requests: dict[int, list[Request]] = {}  # step id -> requests in it
+        # Async scheduling (one pipeline stage): a decoding request may be scheduled again
+        # while its last token is still being sampled; the worker feeds its own sample in.
+        self.async_scheduling = False
+        # step id -> (request, whether that step samples a token for it)
+        self._step_requests: dict[int, list[tuple[Request, bool]]] = {}
         self._draft: _Draft | None = None
         self._plan_id = 0
         self._step_id = 0
@@ -97,7 +101,16 @@ class Scheduler:
     def has_schedulable(self) -> bool:
         """Something a new step could carry: waiting or idle running requests, or frees."""
         return bool(self.waiting or self._free_ids or self._finished_ids
-                    or any(not r.in_flight for r in self.running))
+                    or any(self._schedulable(r) for r in self.running))
+
+    def _schedulable(self, request: Request) -> bool:
+        """Idle, or (async) decoding with its one pending token not yet past max tokens."""
+        if not request.in_flight:
+            return True
+        return (self.async_scheduling and request.num_in_flight == 1
+                and request.num_pending_tokens == 1
+                and request.num_computed_tokens == request.num_tokens
+                and request.num_tokens + 1 < request.max_num_tokens)
 
     def set_capacity(self, num_blocks: int) -> None:
         """The pool holds `num_blocks` blocks including the null block 0."""
@@ -123,11 +136,11 @@ class Scheduler:
         grows: list[GrowOp] = []
         preempted = False
 
-        # Requests in a step still in flight are not touched: their next tokens are unknown and
-        # their blocks are being written.
-        queue = [r for r in self.running if not r.in_flight]
+        # Requests in a step still in flight are not touched (their next tokens are unknown and
+        # their blocks are being written), except decodes under async scheduling.
+        queue = [r for r in self.running if self._schedulable(r)]
         max_requests = cfg.max_num_seqs
-        if self.num_batches > 1:
+        if self.num_batches > 1 and not self.async_scheduling:
             max_requests = cdiv(len(self.running) + len(self.waiting), self.num_batches)
         i = 0
         while i < len(queue) and budget > 0 and len(grows) < max_requests:
@@ -139,6 +152,8 @@ class Scheduler:
             needed = cdiv(request.num_computed_tokens + num_new, cfg.block_size) - len(
                 request.block_ids)
             while needed > free:
+                if queue[-1].in_flight:   # its blocks are in use by a step in flight
+                    break
                 victim = queue.pop()       # the latest arrival gives its blocks back
                 free += len(victim.block_ids)
                 self._preempt(victim, release_blocks=True)
@@ -148,6 +163,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            if needed > free:
+                i += 1
+                continue
             free -= max(0, needed)
             budget -= num_new
             grow_reqs.append((request, num_new))
@@ -189,7 +207,7 @@ class Scheduler:
         return plan
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
         if self.config.chunked_prefill:
             if self.config.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.config.long_prefill_token_threshold)
@@ -267,9 +285,16 @@ class Scheduler:
         self._step_id += 1
         in_step = [self.requests[r.request_id] for r in running] + list(
             draft.admit_reqs[:len(reply.admitted)])
+        entries = []
         for request in in_step:
-            request.in_flight = True
-        self._step_requests[self._step_id] = in_step
+            # The step samples for a request when it reaches the end of its known tokens
+            # (a non-final prefill chunk does not).
+            samples = (request.num_computed_tokens
+                       == request.num_tokens + request.num_pending_tokens)
+            request.num_in_flight += 1
+            request.num_pending_tokens += samples
+            entries.append((request, samples))
+        self._step_requests[self._step_id] = entries
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
                          finished_ids=self._finished_ids)
         self._finished_ids = []
@@ -278,15 +303,19 @@ class Scheduler:
     # ------------------------------------------------------------------ phase 3: outputs
 
     def update(self, output: StepOutput) -> list[RequestOutput]:
-        for request in self._step_requests.pop(output.step_id, ()):
-            request.in_flight = False
+        sampling_ids: set[str] = set()
+        for request, samples in self._step_requests.pop(output.step_id, ()):
+            request.num_in_flight -= 1
+            request.num_pending_tokens -= samples
+            if samples:
+                sampling_ids.add(request.request_id)
         outputs: list[RequestOutput] = []
         for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
                                                   output.logprobs, strict=True):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran: the token is dropped
-            if request.num_computed_tokens != request.num_tokens:
+            if request_id not in sampling_ids:
                 continue  # a non-final prefill chunk (the worker should not sample those)
             request.append_token(token_id)
             if self.ship_sampled_tokens:

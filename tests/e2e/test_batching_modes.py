@@ -63,3 +63,14 @@ def test_forced_preemption(tmp_path: Path, prompts, references) -> None:  # type
         info = replica_info(cluster)
         assert info.num_kv_blocks == 22
         assert info.num_preemptions > 0, "the tiny pool should have forced preemption"
+
+
+def test_async_scheduling_matches_sync(tmp_path: Path, prompts, references) -> None:  # type: ignore[no-untyped-def]
+    with run_cluster(tmp_path, scheduler_args=["--async-scheduling"]) as cluster:
+        check_all(cluster, prompts, references)
+        # Stopping at EOS: the token computed one step ahead is dropped, not streamed.
+        r = greedy_request(prompts[0], 200)
+        r.sampling.ignore_eos = False
+        ids, _, last = stream_tokens(cluster.stub, r)
+        assert last.finish_reason == "stop" and ids[-1] == 2
+        assert last.usage.completion_tokens == len(ids)

@@ -295,3 +295,34 @@ def test_in_flight_requests_are_never_preempted() -> None:
         sched.update(sample(s, {"a": 1}))
     assert b.num_preemptions == 0 and b.in_flight
     assert a.status.value in ("running", "finished")
+
+
+def test_async_scheduling_plans_the_next_decode_before_the_output() -> None:
+    sched, kv = make_scheduler()
+    sched.async_scheduling = True
+    add(sched, "a", list(range(6)), max_tokens=3)
+    s1 = step(sched, kv)
+    assert scheduled(s1) == {"a": 6}
+    s2 = step(sched, kv)                     # a's first token is still being sampled
+    assert scheduled(s2) == {"a": 1} and s2.running[0].num_computed_tokens == 6
+    assert step(sched, kv) is None           # only one step ahead
+    outs = sched.update(sample(s1, {"a": 11}))
+    assert [o.new_token_ids for o in outs] == [[11]]
+    s3 = step(sched, kv)
+    assert scheduled(s3) == {"a": 1} and s3.running[0].num_computed_tokens == 7
+    sched.update(sample(s2, {"a": 12}))
+    # Two outputs known + one pending = max_tokens: nothing more is scheduled.
+    assert step(sched, kv) is None
+    outs = sched.update(sample(s3, {"a": 13}))
+    assert outs[0].finish_reason is FinishReason.LENGTH and outs[0].num_output_tokens == 3
+
+
+def test_async_scheduling_drops_the_token_after_a_stop() -> None:
+    sched, kv = make_scheduler()
+    sched.async_scheduling = True
+    add(sched, "a", [5, 6], max_tokens=10)
+    s1 = step(sched, kv)
+    s2 = step(sched, kv)
+    outs = sched.update(sample(s1, {"a": EOS}))
+    assert outs[0].finish_reason is FinishReason.STOP
+    assert sched.update(sample(s2, {"a": 99})) == []   # computed, never emitted

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
     if a.tp < 1 or a.pp < 1:
         p.error("--tp and --pp must be >= 1")
+    if a.tp > 1:
+        p.error("--tp > 1: tensor parallelism is not implemented yet (--pp is)")
     if a.async_scheduling and a.pp > 1:
         p.error("--async-scheduling needs --pp 1 (pipeline stages use the batch queue)")
     logging.basicConfig(level=a.log_level.upper(),

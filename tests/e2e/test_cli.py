@@ -74,3 +74,9 @@ def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert worker.returncode == 1
     assert "missing.gguf" in worker.stderr and "Traceback" not in worker.stderr
+
+
+def test_unsupported_tensor_parallel_is_refused_at_start() -> None:
+    out = subprocess.run([sys.executable, "-m", "scheduler_svc", "--tp", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "tensor parallelism is not implemented" in out.stderr

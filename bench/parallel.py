@@ -9,14 +9,12 @@ is not implemented yet and is not measured.
 """
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import ROOT, bench_splitserve, load_workload  # noqa: E402
+from throughput import bench_splitserve, load_workload, write_result  # noqa: E402
 
 CONFIGS = [
     ("pp=1", 1, []),
@@ -49,11 +47,7 @@ def main() -> int:
     for name, r in results.items():
         print(f"{name:<28}{r['batch_tok_s']:>18.1f}{r['batch_tok_s'] / base:>8.2f}x"
               f"{r['single_decode_tok_s']:>15.1f}")
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / \
-        f"parallel-{a.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_result(results, a.out, f"parallel-{a.dtype}")
     return 0
 
 

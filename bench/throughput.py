@@ -35,6 +35,15 @@ def load_workload() -> tuple[list[str], str, int]:
     raise SystemExit("shared/bench/workload.py not found beside the repository")
 
 
+def write_result(results: dict, out: str | None, stem: str) -> None:  # type: ignore[type-arg]
+    """Writes the JSON result to `out`, or to bench/results/<stem>-<time>.json."""
+    path = Path(out) if out else ROOT / "bench" / "results" / \
+        f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"wrote {path}")
+
+
 def free_port() -> int:
     import socket
 
@@ -180,11 +189,7 @@ def main() -> int:
             hf_r = results["hf_transformers"]
             print(f"ratio {name} / HF: batch {r['batch_tok_s'] / hf_r['batch_tok_s']:.2f}x, "
                   f"single decode {r['single_decode_tok_s'] / hf_r['single_decode_tok_s']:.2f}x")
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / \
-        f"throughput-{a.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_result(results, a.out, f"throughput-{a.dtype}")
     return 0
 
 

@@ -261,7 +261,11 @@ class Scheduler:
         for request, result in zip(draft.admit_reqs, reply.admitted):
             if result.request_id != request.request_id:
                 raise RuntimeError("plan reply admitted requests out of order")
-            self.waiting.remove(request)
+            # Admissions are drafted from the front of the queue, in order, and the queue is
+            # not touched in between: the admitted requests are exactly its first entries.
+            if self.waiting[0] is not request:
+                raise RuntimeError("admitted request is not at the head of the waiting queue")
+            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.block_ids = list(result.block_ids)
             request.num_committed_blocks = result.num_committed_blocks

@@ -1,11 +1,12 @@
 """Parallel configurations on the shared workload, in one run: pp=1, pp=2 with the batch
-queue, pp=2 with one batch at a time, pp=1 with async scheduling.
+queue, pp=2 with one batch at a time, tp=2, pp=1 with async scheduling.
 
     .venv/bin/python bench/parallel.py [--dtype bfloat16] [--num-prompts 64]
 
 Every configuration runs the same prompts over gRPC through all services (see throughput.py)
-and the table shows tokens/s and the ratio to pp=1. Tensor parallelism
-is not implemented yet and is not measured.
+and the table shows tokens/s and the ratio to pp=1. Every worker process gets
+cores / workers threads, so on a small machine tp=2 and pp=2 split the same cores: pp gains
+by overlapping stages, tp only pays its all-reduces (two per layer).
 """
 
 import argparse
@@ -16,11 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import bench_splitserve, load_workload, write_result  # noqa: E402
 
-CONFIGS = [
-    ("pp=1", 1, []),
-    ("pp=2, batch queue", 2, []),
-    ("pp=2, one batch at a time", 2, ["--max-batches-in-flight", "1"]),
-    ("pp=1, async scheduling", 1, ["--async-scheduling"]),
+CONFIGS = [  # name, tp, pp, scheduler flags
+    ("pp=1", 1, 1, []),
+    ("pp=2, batch queue", 1, 2, []),
+    ("pp=2, one batch at a time", 1, 2, ["--max-batches-in-flight", "1"]),
+    ("tp=2", 2, 1, []),
+    ("pp=1, async scheduling", 1, 1, ["--async-scheduling"]),
 ]
 
 
@@ -36,10 +38,11 @@ def main() -> int:
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     results: dict[str, dict[str, float]] = {}
-    for name, pp, args in CONFIGS:
+    for name, tp, pp, args in CONFIGS:
         if a.only and name != "pp=1" and not any(name.startswith(o) for o in a.only):
             continue
-        results[name] = bench_splitserve(prompts, single, max_tokens, a.dtype, args, [], pp=pp)
+        results[name] = bench_splitserve(prompts, single, max_tokens, a.dtype, args, [],
+                                         pp=pp, tp=tp)
         print(f"{name}: {results[name]['batch_tok_s']:.1f} tok/s", flush=True)
     base = results["pp=1"]["batch_tok_s"]
     print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens")

@@ -73,12 +73,12 @@ def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens
 
 def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: str,
                      extra_args: list[str], worker_args: list[str], pp: int = 1,
-                     ) -> dict[str, float]:
+                     tp: int = 1) -> dict[str, float]:
     import grpc
 
     port = free_port()
     spec = ClusterSpec(port=port, kv_plan_port=free_port(), kv_admin_port=free_port(),
-                       dtype=dtype, pp=pp, scheduler_args=tuple(extra_args),
+                       dtype=dtype, tp=tp, pp=pp, scheduler_args=tuple(extra_args),
                        worker_args=tuple(worker_args),
                        log_level="warning")
     log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))

@@ -75,8 +75,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
     if a.tp < 1 or a.pp < 1:
         p.error("--tp and --pp must be >= 1")
-    if a.tp > 1:
-        p.error("--tp > 1: tensor parallelism is not implemented yet (--pp is)")
     if a.async_scheduling and a.pp > 1:
         p.error("--async-scheduling needs --pp 1 (pipeline stages use the batch queue)")
     logging.basicConfig(level=a.log_level.upper(),
@@ -102,6 +100,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
 
 async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: float) -> int:
     model = load_model_config(config.model_path)
+    if config.tp_size > model.num_heads:
+        log.error("--tp %d: the model has only %d attention heads to split", config.tp_size,
+                  model.num_heads)
+        return 2
+    if config.pp_size > model.num_layers:
+        log.error("--pp %d: the model has only %d layers to split", config.pp_size,
+                  model.num_layers)
+        return 2
     if config.model_name:
         model = type(model)(**{**{f: getattr(model, f) for f in model.__slots__},
                                "name": config.model_name})

@@ -2,6 +2,7 @@
 message (mapped to INVALID_ARGUMENT by the servicer) before anything reaches the engine."""
 
 import math
+import secrets
 from dataclasses import dataclass
 
 from scheduler_svc.request import SamplingParams
@@ -104,8 +105,13 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary")
     if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {raw.logprobs}")
+    # Every random request gets a seed: the TP ranks of a replica each sample from the same
+    # logits and must draw the same token, and a preempted request resumes identically.
+    seed = raw.seed
+    if seed is None and temperature > 0:
+        seed = secrets.randbits(63)
     return SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed,
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
         logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens)

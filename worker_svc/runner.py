@@ -30,6 +30,7 @@ from worker_svc.kv_cache import (
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import load_weights
 from worker_svc.sampler import sample
+from worker_svc.tensor_parallel import TpGroup
 
 
 @dataclass(slots=True)
@@ -45,16 +46,18 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  worker_id: str, first_layer: int = 0, end_layer: int | None = None,
-                 is_last_stage: bool = True, int4_kernels: bool = True):
+                 is_last_stage: bool = True, int4_kernels: bool = True,
+                 tp: TpGroup | None = None):
         """`int4_kernels`: in bfloat16, run small steps on the GGUF's own 4-bit blocks (see
-        worker_svc.model.llama); off = every matmul on dense bf16 weights."""
+        worker_svc.model.llama); off = every matmul on dense bf16 weights. `tp`: this rank's
+        tensor-parallel group (None: the whole width on this process)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
-        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage)
+        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp)
         weights = load_weights(model_path, model_config, dtype, first_layer,
                                self.model.end_layer, is_last_stage)
         if not int4_kernels:
@@ -69,7 +72,7 @@ class ModelRunner:
 
     def kv_layer_specs(self, block_size: int) -> list[KvLayerSpec]:
         cfg = self.config
-        return [KvLayerSpec(block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return [KvLayerSpec(block_size, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
                 for _ in self.model.layers]
 
     def kv_bytes_per_block(self, block_size: int) -> int:

@@ -75,14 +75,16 @@ class WorkerServer:
                 return 1
             link = None
             if placement.pp_size * placement.tp_size > 1:
-                from worker_svc.pipeline import PipelineLink
+                from worker_svc.parallel import ParallelGroups, RendezvousError
 
-                link = PipelineLink(placement.dist_init_method,
-                                    placement.pp_rank * placement.tp_size + placement.tp_rank,
-                                    placement.pp_size * placement.tp_size, placement.pp_rank,
-                                    placement.pp_size, placement.tp_size,
-                                    timeout_s=cfg.register_timeout_s)
-            runner = self._load(placement)
+                try:
+                    link = ParallelGroups(placement.dist_init_method, placement.pp_rank,
+                                          placement.pp_size, placement.tp_rank,
+                                          placement.tp_size, timeout_s=cfg.register_timeout_s)
+                except RendezvousError as exc:
+                    log.error("%s", exc)
+                    return 1
+            runner = self._load(placement, link)
             if runner is None:
                 return 1
             num_blocks = runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size)
@@ -132,20 +134,33 @@ class WorkerServer:
                 time.sleep(0.5)
         return None
 
-    def _load(self, placement: control_pb2.RegisterResponse) -> "ModelRunner | None":  # noqa: F821
+    def _load(self, placement: control_pb2.RegisterResponse,
+              link: "ParallelGroups | None") -> "ModelRunner | None":  # noqa: F821
         from worker_svc.runner import ModelRunner
+        from worker_svc.tensor_parallel import TpGroup, TpShard
 
         cfg = self.config
-        if placement.tp_size != 1:
-            log.error("tensor parallelism is not supported by this worker build yet "
-                      "(pipeline parallelism is)")
-            return None
         model = load_model_config(cfg.model_path)
+        tp = None
+        if placement.tp_size > 1:
+            assert link is not None and link.tp_group is not None
+            try:
+                shard = TpShard.build(placement.tp_rank, placement.tp_size, model.num_heads,
+                                      model.num_kv_heads, model.intermediate_size,
+                                      model.vocab_size)
+            except ValueError as exc:
+                log.error("cannot shard %s: %s", model.name, exc)
+                return None
+            tp = TpGroup(link.tp_group, shard)
+            log.info("tp_rank %d/%d holds query heads [%d, %d), KV heads [%d, %d), MLP "
+                     "columns [%d, %d), vocabulary rows [%d, %d)", placement.tp_rank,
+                     placement.tp_size, *shard.q_heads, *shard.kv_heads, *shard.intermediate,
+                     *shard.vocab)
         started = time.monotonic()
         runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
-                             int4_kernels=cfg.int4_kernels)
+                             int4_kernels=cfg.int4_kernels, tp=tp)
         log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
                  "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
                  time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),
@@ -155,7 +170,7 @@ class WorkerServer:
 
     def _serve(self, runner: "ModelRunner", num_blocks: int,  # noqa: F821
                steps: Receiver[ToWorker], outputs: Sender,
-               placement: control_pb2.RegisterResponse, link: "PipelineLink | None",  # noqa: F821
+               placement: control_pb2.RegisterResponse, link: "ParallelGroups | None",  # noqa: F821
                ) -> None:
         cfg = self.config
         reports = placement.pp_rank == placement.pp_size - 1 and placement.tp_rank == 0
@@ -185,7 +200,7 @@ class WorkerServer:
         log.info("worker %s stopping", cfg.worker_id)
 
     def _run_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
-                  link: "PipelineLink | None") -> object:  # noqa: F821
+                  link: "ParallelGroups | None") -> object:  # noqa: F821
         """One step on this stage: activations in from the previous stage, out to the next."""
         from worker_svc.runner import StageActivations
 

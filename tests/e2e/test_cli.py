@@ -76,7 +76,28 @@ def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     assert "missing.gguf" in worker.stderr and "Traceback" not in worker.stderr
 
 
-def test_unsupported_tensor_parallel_is_refused_at_start() -> None:
-    out = subprocess.run([sys.executable, "-m", "scheduler_svc", "--tp", "2"], cwd=ROOT,
+def test_tensor_parallel_wider_than_the_heads_is_refused_at_start() -> None:
+    out = subprocess.run([sys.executable, "-m", "scheduler_svc", "--tp", "10"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "tensor parallelism is not implemented" in out.stderr
+    assert out.returncode == 2 and "only 9 attention heads" in out.stderr
+
+
+def test_rank_missing_from_the_rendezvous_is_a_clear_error() -> None:
+    """--tp 2 but only one worker starts: it registers as rank 0, waits for rank 1 at the
+    torch.distributed rendezvous, and after its timeout exits 1 naming what is missing."""
+    port = free_ports(1)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "scheduler_svc", "--port", str(port), "--tp", "2",
+         "--kvcache", "tcp://127.0.0.1:1"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    try:
+        worker = subprocess.run(
+            [sys.executable, "-m", "worker_svc", "--scheduler", f"127.0.0.1:{port}",
+             "--register-timeout", "8"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert worker.returncode == 1, worker.stderr[-3000:]
+        assert "not every rank of the replica joined" in worker.stderr, worker.stderr[-3000:]
+        assert "rank 0 of 2" in worker.stderr and "Traceback" not in worker.stderr
+    finally:
+        scheduler.kill()
+        scheduler.wait()

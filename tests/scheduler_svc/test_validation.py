@@ -61,3 +61,13 @@ def test_kv_capacity() -> None:
     limits = Limits("m", 100, 50, max_kv_tokens=16)
     with pytest.raises(InvalidRequest, match="more KV cache than a replica has"):
         validate_sampling(RawSampling(max_tokens=10), 10, limits)
+
+
+def test_random_requests_always_carry_a_seed() -> None:
+    """TP ranks sample independently from the same logits: without a client seed the
+    scheduler picks one, so every rank draws the same token."""
+    a = validate_sampling(RawSampling(temperature=0.8), 10, LIMITS)
+    b = validate_sampling(RawSampling(temperature=0.8), 10, LIMITS)
+    assert a.seed is not None and b.seed is not None and a.seed != b.seed
+    assert validate_sampling(RawSampling(temperature=0.8, seed=7), 10, LIMITS).seed == 7
+    assert validate_sampling(RawSampling(temperature=0.0), 10, LIMITS).seed is None

@@ -7,8 +7,9 @@ the rows it samples. The residual stream travels un-normed beside the hidden sta
 every norm is "add, then RMSNorm" (the layout pipeline stages pass along).
 
 Weights are plain tensors (no nn.Module) to keep per-layer Python overhead small: q/k/v are one
-matmul and gate/up another. Tensor parallelism would slice the head counts and the matrices'
-rows/columns per rank; nothing here assumes the full head count beyond `LlamaLayer`'s fields.
+matmul and gate/up another. Under tensor parallelism a rank holds the slices `TpShard` gives it
+(its heads, its part of the MLP and of the vocabulary; see worker_svc.tensor_parallel) and sums
+the row-parallel outputs (o_proj, down_proj, the embedding) over its `TpGroup`.
 RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2.
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
@@ -24,6 +25,14 @@ import torch.nn.functional as F
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
 from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
+from worker_svc.tensor_parallel import (
+    TpGroup,
+    TpShard,
+    slice_cols,
+    slice_int4_cols,
+    slice_int4_rows,
+    slice_rows,
+)
 
 # Steps up to this many tokens use the int4 kernel where a matrix has one (measured crossover
 # against the dense bf16 matmul on 2 AVX-512 cores: about 16 tokens).
@@ -101,22 +110,31 @@ class LlamaLayer:
     """One decoder layer's weights and forward."""
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
-                 "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+                 "o_proj", "post_attention_norm", "gate_up_proj", "down_proj", "tp")
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 weights: ModelWeights, prefix: str):
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+    def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
+                 prefix: str, tp: TpGroup | None = None):
+        """`shard`: the heads and MLP slice this rank holds (all of them without TP)."""
+        self.num_heads = shard.num_heads         # this rank's
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
         self.eps = eps
+        self.tp = tp
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
-        self.qkv_proj = _linear(weights, [prefix + f"self_attn.{n}_proj.weight"
-                                          for n in ("q", "k", "v")])  # [(h+2*kv_h)*dim, hidden]
-        self.o_proj = _linear(weights, [prefix + "self_attn.o_proj.weight"])
+        q0, q1 = (h * head_dim for h in shard.q_heads)
+        kv0, kv1 = (h * head_dim for h in shard.kv_heads)
+        i0, i1 = shard.intermediate
+        attn = prefix + "self_attn."
+        self.qkv_proj = _linear(weights, [(attn + "q_proj.weight", "rows", q0, q1),
+                                          (attn + "k_proj.weight", "rows", kv0, kv1),
+                                          (attn + "v_proj.weight", "rows", kv0, kv1)])
+        # [(h + 2 * kv_h) * dim, hidden]
+        self.o_proj = _linear(weights, [(attn + "o_proj.weight", "cols", q0, q1)])
         self.post_attention_norm = weights.tensors[prefix + "post_attention_layernorm.weight"]
-        self.gate_up_proj = _linear(weights, [prefix + "mlp.gate_proj.weight",
-                                              prefix + "mlp.up_proj.weight"])  # [2*inter, hidden]
-        self.down_proj = _linear(weights, [prefix + "mlp.down_proj.weight"])
+        self.gate_up_proj = _linear(weights, [(prefix + "mlp.gate_proj.weight", "rows", i0, i1),
+                                              (prefix + "mlp.up_proj.weight", "rows", i0, i1)])
+        # [2 * inter, hidden]
+        self.down_proj = _linear(weights, [(prefix + "mlp.down_proj.weight", "cols", i0, i1)])
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -134,6 +152,8 @@ class LlamaLayer:
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta)    # [num_tokens, heads*dim]
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)                     # partial sums over the heads
 
         residual = hidden + residual
         x = F.rms_norm(residual, self.post_attention_norm.shape, self.post_attention_norm,
@@ -141,34 +161,53 @@ class LlamaLayer:
         gate_up = self.gate_up_proj(x)                     # [num_tokens, 2*intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = self.down_proj(F.silu(gate) * up)         # [num_tokens, hidden_size]
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         return hidden, residual
 
 
-def _linear(weights: ModelWeights, names: list[str]) -> Linear:
-    """One matmul over the named matrices stacked by rows (int4 only if all have it)."""
-    int4 = [weights.int4[n] for n in names if n in weights.int4]
-    return Linear([weights.tensors[n] for n in names], int4 if len(int4) == len(names) else None)
+def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]]) -> Linear:
+    """One matmul over the named matrices stacked by rows, each cut to this rank's slice:
+    (name, "rows" | "cols", start, end). The int4 kernel is used only if every part has
+    4-bit blocks that the cut keeps whole."""
+    dense, int4 = [], []
+    for name, axis, start, end in parts:
+        weight = weights.tensors[name]
+        blocks = weights.int4.get(name)
+        if axis == "rows":
+            whole = (start, end) == (0, weight.shape[0])
+            dense.append(weight if whole else slice_rows(weight, start, end))
+            int4.append(blocks if blocks is None or whole else slice_int4_rows(blocks, start, end))
+        else:
+            whole = (start, end) == (0, weight.shape[1])
+            dense.append(weight if whole else slice_cols(weight, start, end))
+            int4.append(blocks if blocks is None or whole else slice_int4_cols(blocks, start, end))
+    kept = [b for b in int4 if b is not None]
+    return Linear(dense, kept if len(kept) == len(parts) else None)
 
 
 class LlamaModel:
-    """The layers of one pipeline stage, plus embedding (first) and norm + head (last)."""
+    """The layers of one pipeline stage, plus embedding (first) and norm + head (last), as
+    held by one TP rank (`tp` None: the whole width)."""
 
-    __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "embed_tokens",
-                 "layers", "norm", "lm_head", "rotary")
+    __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "shard", "tp",
+                 "embed_tokens", "layers", "norm", "lm_head", "rotary")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
-                 end_layer: int | None = None, is_last_stage: bool = True):
+                 end_layer: int | None = None, is_last_stage: bool = True,
+                 tp: TpGroup | None = None):
         self.config = config
         self.dtype = dtype
         self.first_layer = first_layer
         self.end_layer = config.num_layers if end_layer is None else end_layer
         self.is_last_stage = is_last_stage
-        if config.num_heads % config.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
-        self.embed_tokens: torch.Tensor | None = None   # [vocab, hidden], first stage
+        self.tp = tp
+        self.shard = tp.shard if tp is not None else TpShard.whole(
+            config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size)
+        self.embed_tokens: torch.Tensor | None = None   # [vocab slice, hidden], first stage
         self.layers: list[LlamaLayer] = []
         self.norm: torch.Tensor | None = None           # [hidden], last stage
-        self.lm_head: Linear | None = None              # [vocab, hidden], last stage
+        self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype)
 
@@ -180,19 +219,33 @@ class LlamaModel:
         """Take HF-named weights (see `weights.load_weights`) already in `self.dtype`."""
         cfg = self.config
         tensors = weights.tensors
+        v0, v1 = self.shard.vocab
         try:
             if self.is_first_stage:
-                self.embed_tokens = tensors["model.embed_tokens.weight"]
+                self.embed_tokens = slice_rows(tensors["model.embed_tokens.weight"], v0, v1)
             self.layers = [
-                LlamaLayer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                           weights, f"model.layers.{i}.")
+                LlamaLayer(self.shard, cfg.head_dim, cfg.rms_norm_eps, weights,
+                           f"model.layers.{i}.", self.tp)
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]
-                self.lm_head = Linear([tensors["model.embed_tokens.weight"
-                                              if cfg.tie_word_embeddings else "lm_head.weight"]])
+                head = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings
+                               else "lm_head.weight"]
+                self.lm_head = Linear([slice_rows(head, v0, v1)])
         except KeyError as missing:
             raise ValueError(f"weights missing tensor {missing}") from None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids -> [num_tokens, hidden]; with TP, each rank looks up the ids in its
+        vocabulary slice, zeros the others, and the all-reduce adds the one real row."""
+        assert self.embed_tokens is not None
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        v0, v1 = self.shard.vocab
+        outside = (input_ids < v0) | (input_ids >= v1)
+        hidden = F.embedding((input_ids - v0).masked_fill_(outside, 0), self.embed_tokens)
+        hidden.masked_fill_(outside.unsqueeze(1), 0)
+        return self.tp.all_reduce(hidden)
 
     def forward(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
                 residual: torch.Tensor | None, positions: torch.Tensor,
@@ -202,8 +255,8 @@ class LlamaModel:
         [num_tokens, hidden_size] from the previous stage. kv_caches: one per layer of this
         stage. Returns (hidden_states, residual), both [num_tokens, hidden_size]."""
         if self.is_first_stage:
-            assert input_ids is not None and self.embed_tokens is not None
-            hidden_states = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+            assert input_ids is not None
+            hidden_states = self.embed(input_ids)                       # [num_tokens, hidden]
             residual = None
         assert hidden_states is not None
         cos, sin = self.rotary.lookup(positions)         # [num_tokens, 1, head_dim] each
@@ -214,8 +267,10 @@ class LlamaModel:
         return hidden_states, residual
 
     def compute_logits(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Last stage: final norm and LM head on the given rows -> [rows, vocab], model dtype."""
+        """Last stage: final norm and LM head on the given rows -> [rows, vocab], model dtype
+        (the full vocabulary on every TP rank)."""
         assert self.norm is not None and self.lm_head is not None
         x = F.rms_norm(hidden_states + residual, self.norm.shape, self.norm,
                        self.config.rms_norm_eps)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)

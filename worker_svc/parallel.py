@@ -1,0 +1,76 @@
+"""One replica's torch.distributed group: pipeline links between stages and the TP group of
+this rank's stage.
+
+Global rank = pp_rank * tp_size + tp_rank. Every rank receives every StepInput and lays the
+step's tokens out identically (the runner sorts them the same way from the same message), so
+stage k only sends stage k+1 the hidden states and residual of its last layer: two
+[num_tokens, hidden_size] tensors, from each TP rank to the same TP rank of the next stage
+(after the all-reduce every TP rank of a stage holds the same activations). Tensors travel as
+raw bytes (gloo on CPU; NCCL would carry them on GPU).
+"""
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class RendezvousError(RuntimeError):
+    """The replica's ranks did not all join the process group in time."""
+
+
+class ParallelGroups:
+    """This rank's place in the replica's process group, its PP neighbours and TP group."""
+
+    def __init__(self, init_method: str, pp_rank: int, pp_size: int, tp_rank: int,
+                 tp_size: int, timeout_s: float) -> None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.rank = pp_rank * tp_size + tp_rank
+        world_size = pp_size * tp_size
+        try:
+            dist.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                    world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as exc:   # DistStoreError is a RuntimeError
+            raise RendezvousError(
+                f"rank {self.rank} of {world_size} (pp_rank {pp_rank}, tp_rank {tp_rank}): "
+                f"not every rank of the replica joined {init_method} within {timeout_s:.0f}s "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Same tp_rank in the previous / next stage.
+        self.prev_rank = self.rank - tp_size if pp_rank > 0 else None
+        self.next_rank = self.rank + tp_size if pp_rank < pp_size - 1 else None
+        # Every rank creates every stage's group, in the same order (torch.distributed rule).
+        self.tp_group = None
+        for stage in range(pp_size if tp_size > 1 else 0):
+            group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+            if stage == pp_rank:
+                self.tp_group = group
+        log.info("joined %s group %s as rank %d of %d (pp_rank %d/%d, tp_rank %d/%d)",
+                 backend, init_method, self.rank, world_size, pp_rank, pp_size, tp_rank,
+                 tp_size)
+
+    def recv(self, num_tokens: int, hidden_size: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and residual from the previous stage, each [num_tokens, hidden]."""
+        assert self.prev_rank is not None
+        tensors = []
+        for _ in range(2):
+            buf = torch.empty(num_tokens, hidden_size, dtype=dtype)
+            dist.recv(buf.view(torch.uint8), src=self.prev_rank)
+            tensors.append(buf)
+        return tensors[0], tensors[1]
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        assert self.next_rank is not None
+        for t in (hidden, residual):
+            dist.send(t.contiguous().view(torch.uint8), dst=self.next_rank)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

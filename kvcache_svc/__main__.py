@@ -1,5 +1,9 @@
 """`python -m kvcache_svc`: parse the config once, serve until SIGTERM/SIGINT.
 
+Three sockets: plan calls (ZMQ ROUTER), the admin API (gRPC) and KV events (ZMQ PUB; port 0
+picks a free one, logged as "KV events on tcp://HOST:PORT"). Every flag falls back to a
+SPLITSERVE_KV_* environment variable for containers.
+
 Exit codes: 0 after a signal, 1 when a port cannot be bound or the plan loop fails.
 """
 
@@ -22,6 +26,7 @@ class KvCacheConfig:
     host: str           # interface both servers bind
     plan_port: int      # ZMQ ROUTER for plan calls from the scheduler
     admin_port: int     # gRPC KvCacheAdmin + health + reflection
+    events_port: int    # ZMQ PUB of KvEventBatch; 0 = any free port
     log_level: str
 
 
@@ -37,19 +42,26 @@ def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
     parser.add_argument("--admin-port", type=int,
                         default=env.get("SPLITSERVE_KV_ADMIN_PORT", "50054"),
                         help="gRPC admin port (env SPLITSERVE_KV_ADMIN_PORT)")
+    parser.add_argument("--events-port", type=int,
+                        default=env.get("SPLITSERVE_KV_EVENTS_PORT", "50055"),
+                        help="ZMQ PUB port of the KV events, 0 = any free port "
+                             "(env SPLITSERVE_KV_EVENTS_PORT)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     for name in ("plan_port", "admin_port"):
         if not 1 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} must be in [1, 65535]")
-    return KvCacheConfig(args.host, args.plan_port, args.admin_port, args.log_level)
+    if not 0 <= args.events_port <= 65535:
+        parser.error("--events-port must be in [0, 65535]")
+    return KvCacheConfig(args.host, args.plan_port, args.admin_port, args.events_port,
+                         args.log_level)
 
 
 async def serve(config: KvCacheConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    server = KvCacheServer(config.host, config.plan_port, config.admin_port,
+    server = KvCacheServer(config.host, config.plan_port, config.admin_port, config.events_port,
                            on_fatal=lambda: loop.call_soon_threadsafe(stop.set))
     try:
         await server.start()
@@ -58,8 +70,9 @@ async def serve(config: KvCacheConfig) -> int:
         return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("kvcache_svc ready: plan=%s admin=%s:%d",
-             server.plan_address, config.host, server.admin_port)
+    log.info("KV events on %s", server.events_address)
+    log.info("kvcache_svc ready: plan=%s admin=%s:%d epoch=%d",
+             server.plan_address, config.host, server.admin_port, server.pools.epoch)
     await stop.wait()
     log.info("kvcache_svc stopping")
     await server.stop()

@@ -5,16 +5,22 @@ frees, then grows (each fails alone), then admissions (first come, first served:
 that does not fit stops the rest). A plan is validated in full before anything changes, so a
 refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
 `kvcache_svc.server` under its lock; needs no network.
+
+It also answers the read-only prefix query (`num_cached_prefix_blocks`) and, when recording,
+hands out the prefix-index changes of each operation as wire KV events (`drain_events`).
 """
 
 from dataclasses import dataclass
 
-from kvcache_svc.block_pool import BlockPool, KVBlock
+from kvcache_svc.block_pool import BlockPool, IndexLog, KVBlock
 from services.wire import (
     MAX_BLOCKS_PER_REQUEST,
     AdmitOp,
     AdmitResult,
+    BlockRemoved,
+    BlockStored,
     GrowOp,
+    KvEvent,
     PlanReply,
     PlanRequest,
 )
@@ -59,10 +65,12 @@ def cdiv(a: int, b: int) -> int:
 class ReplicaBlockManager:
     """One replica's pool plus the blocks of each request on it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, *,
+                 epoch: int = 0, record_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, IndexLog() if record_events else None)
+        self.epoch = epoch                  # of the kvcache_svc instance, put in every reply
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.requests: dict[str, RequestBlocks] = {}
@@ -75,7 +83,8 @@ class ReplicaBlockManager:
         try:
             self._validate(plan)
         except PlanError as exc:
-            return PlanReply(plan.plan_id, [], [], self.pool.num_free_blocks, str(exc))
+            return PlanReply(plan.plan_id, [], [], self.pool.num_free_blocks, str(exc),
+                             self.epoch)
         for request_id in plan.free_ids:
             self._free(request_id)
         grown = [self._grow(op) for op in plan.grows]
@@ -85,7 +94,8 @@ class ReplicaBlockManager:
             if result is None:
                 break
             admitted.append(result)
-        return PlanReply(plan.plan_id, grown, admitted, self.pool.num_free_blocks, None)
+        return PlanReply(plan.plan_id, grown, admitted, self.pool.num_free_blocks, None,
+                         self.epoch)
 
     def _validate(self, plan: PlanRequest) -> None:
         """Raises PlanError unless every op of `plan` can be applied in order. Whether a grow or
@@ -190,6 +200,27 @@ class ReplicaBlockManager:
         if hits and len(hits) * self.block_size >= op.num_tokens:
             hits.pop()
         return hits
+
+    # ------------------------------------------------------------------------------ queries
+
+    def num_cached_prefix_blocks(self, block_hashes: list[int]) -> int:
+        """Leading `block_hashes` in the prefix index; changes nothing (0 with caching off,
+        as the index is then always empty)."""
+        return self.pool.num_cached_prefix_blocks(block_hashes)
+
+    def drain_events(self) -> list[KvEvent]:
+        """The prefix-index changes since the last call, in order, as wire events; always empty
+        unless recording. A run longer than the wire's list limit is split."""
+        if self.pool.index_log is None:
+            return []
+        events: list[KvEvent] = []
+        limit = MAX_BLOCKS_PER_REQUEST
+        for stored, block_hashes in self.pool.index_log.drain():
+            chunks = ([block_hashes] if len(block_hashes) <= limit else
+                      [block_hashes[i:i + limit] for i in range(0, len(block_hashes), limit)])
+            events.extend(BlockStored(chunk) if stored else BlockRemoved(chunk)
+                          for chunk in chunks)
+        return events
 
     # ------------------------------------------------------------------------------ admin
 

@@ -4,6 +4,10 @@ Owned by `block_manager.ReplicaBlockManager`, which holds one pool per replica. 
 null block: it is never handed out and never freed. A free block may still carry a prefix hash
 (it is then "evictable"): it stays findable in the index until it is handed out again, at which
 point its hash is dropped. The free queue is in eviction order: the head goes first.
+
+A pool given an `IndexLog` records every change to its prefix index there, in order: the
+hashes entered by `cache_block` and those dropped by eviction or `clear_cache`. kvcache_svc
+publishes them as KV events; recording costs one list append per changed hash.
 """
 
 from collections.abc import Iterable
@@ -91,12 +95,36 @@ class FreeBlockQueue:
         return ids
 
 
+class IndexLog:
+    """Changes to one pool's prefix index since the last `drain`, in order.
+
+    Kept as runs: (stored, hashes) with `stored` False for removals, consecutive changes of one
+    kind merged into one run. Order across runs matters: within one plan a hash can be evicted
+    and then stored again (on another block).
+    """
+
+    __slots__ = ("runs",)
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[bool, list[int]]] = []
+
+    def add(self, stored: bool, block_hash: int) -> None:
+        if self.runs and self.runs[-1][0] is stored:
+            self.runs[-1][1].append(block_hash)
+        else:
+            self.runs.append((stored, [block_hash]))
+
+    def drain(self) -> list[tuple[bool, list[int]]]:
+        runs, self.runs = self.runs, []
+        return runs
+
+
 class BlockPool:
     """Every block of one replica, the free queue and the prefix-hash index."""
 
-    __slots__ = ("_cached", "blocks", "free_queue", "null_block")
+    __slots__ = ("_cached", "blocks", "free_queue", "index_log", "null_block")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, index_log: IndexLog | None = None) -> None:
         if not 2 <= num_blocks <= MAX_NUM_BLOCKS:
             raise ValueError(f"num_blocks must be in [2, {MAX_NUM_BLOCKS}], got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -105,6 +133,7 @@ class BlockPool:
         # Prefix hash -> the one block holding it. A second block computed with the same hash
         # (two requests missed the same prefix at once) is simply left out of the index.
         self._cached: dict[int, KVBlock] = {}
+        self.index_log = index_log              # None: changes are not recorded
 
     @property
     def num_blocks(self) -> int:
@@ -136,6 +165,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.index_log is not None:
+                    self.index_log.add(False, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -170,17 +201,32 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.index_log is not None:
+            self.index_log.add(True, block_hash)
         return True
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def num_cached_prefix_blocks(self, block_hashes: Iterable[int]) -> int:
+        """How many leading `block_hashes` the index holds, stopping at the first miss.
+        Read-only: no block is touched or moved in the free queue."""
+        num_found = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._cached:
+                break
+            num_found += 1
+        return num_found
+
     def clear_cache(self) -> int:
         """Drops the hashes of every unreferenced cached block; returns how many. Blocks in use
         keep theirs."""
-        dropped = [block for block in self._cached.values() if block.ref_cnt == 0]
-        for block in dropped:
-            del self._cached[block.block_hash]  # type: ignore[arg-type]
+        dropped = [(block_hash, block) for block_hash, block in self._cached.items()
+                   if block.ref_cnt == 0]
+        for block_hash, block in dropped:
+            del self._cached[block_hash]
+            if self.index_log is not None:
+                self.index_log.add(False, block_hash)
             block.block_hash = None
             # Now worth nothing: reuse before the blocks that still hold a prefix.
             self.free_queue.remove(block)

@@ -1,30 +1,42 @@
-"""kvcache_svc's two edges: the per-step plan loop (ZMQ ROUTER) and the admin API (gRPC).
+"""kvcache_svc's edges: the plan loop (ZMQ ROUTER), the admin API (gRPC), the KV events (PUB).
 
 `KvCachePools` holds every replica's `ReplicaBlockManager` behind one lock and turns each
-`ToKvCache` message into its reply; it needs no network. `PlanLoop` answers plan calls on a
-thread of its own; `KvCacheAdminServicer` converts Stats/Clear between proto and core types;
-`KvCacheServer` binds both and owns their lifetimes. Started by `kvcache_svc.__main__`.
+`ToKvCache` message (plan, configure, drop, prefix query) into its reply; it needs no network.
+It also owns the instance epoch, stamped on every reply so the scheduler notices a restart,
+and turns each operation's prefix-index changes into one `KvEventBatch` for a publish callback.
+`PlanLoop` answers plan-channel calls on a thread of its own; `KvCacheAdminServicer` converts
+Stats/Clear between proto and core types; `KvCacheServer` binds the three sockets and owns
+their lifetimes. Started by `kvcache_svc.__main__`.
 """
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 import zmq
 
 from kvcache_svc.block_manager import PoolStats, ReplicaBlockManager
+from kvcache_svc.events import EventPublisher
 from services.channels import ReplyServer, tcp_address
 from services.codec import Codec
 from services.grpc_server import Health, bind, make_server
 from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.wire import (
+    MAX_REPLICAS,
+    AllBlocksCleared,
     ConfigurePool,
     DropPool,
     FromKvCache,
     KvAck,
+    KvEvent,
+    KvEventBatch,
     PlanReply,
     PlanRequest,
+    PrefixQuery,
+    PrefixReply,
+    ReplicaPrefix,
     ToKvCache,
 )
 
@@ -38,59 +50,98 @@ POLL_MS = 100         # how often the plan loop looks for a stop request
 class KvCachePools:
     """Every replica's block manager, and the dispatch of plan-channel messages to them.
 
-    One lock covers all pools: the plan loop and admin RPCs run on different threads.
+    One lock covers all pools: the plan loop and admin RPCs run on different threads. Event
+    batches are handed to `publish` under that lock, so they leave in operation order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: int | None = None,
+                 publish: Callable[[KvEventBatch], None] | None = None) -> None:
+        """`epoch` defaults to now (ns since the Unix epoch); `publish`, when given, receives
+        one batch per operation that changed a prefix index, and must not raise."""
+        self.epoch = time.time_ns() if epoch is None else epoch
+        if not 0 <= self.epoch < 1 << 63:
+            raise ValueError(f"epoch must be in [0, 2**63), got {self.epoch}")
+        self._publish = publish
+        self._seq = 0                       # of the next batch published
         self._lock = threading.Lock()
         self._managers: dict[int, ReplicaBlockManager] = {}
         self.num_plans = 0
 
     def handle(self, message: ToKvCache) -> FromKvCache:
-        """The reply to one message. Never raises: a failure becomes an error reply."""
+        """The reply to one message. Never raises: a failure becomes an error reply (a
+        PlanReply for a plan, a KvAck for anything else)."""
         try:
             with self._lock:
                 if isinstance(message, PlanRequest):
                     return self._plan(message)
                 if isinstance(message, ConfigurePool):
                     return self._configure(message)
-                return self._drop(message)
+                if isinstance(message, DropPool):
+                    return self._drop(message)
+                return self._query(message)
         except Exception as exc:
             log.exception("failed to handle %s", type(message).__name__)
             error = f"internal error: {type(exc).__name__}: {exc}"[:MAX_ERROR_LEN]
             if isinstance(message, PlanRequest):
-                return PlanReply(message.plan_id, [], [], 0, error)
-            return KvAck(error)
+                return PlanReply(message.plan_id, [], [], 0, error, self.epoch)
+            return KvAck(error, self.epoch)
 
     def _plan(self, plan: PlanRequest) -> PlanReply:
         self.num_plans += 1
         manager = self._managers.get(plan.replica_id)
         if manager is None:
-            return PlanReply(plan.plan_id, [], [], 0, f"unknown replica {plan.replica_id}")
-        reply = manager.apply(plan)
+            return PlanReply(plan.plan_id, [], [], 0,
+                             f"unknown replica {plan.replica_id}: its pool is not configured "
+                             f"(or was dropped)", self.epoch)
+        try:
+            reply = manager.apply(plan)
+        finally:
+            # A plan that failed half way may still have changed the index: report it all.
+            self._publish_events(plan.replica_id, manager.drain_events())
         if reply.error is not None:
             log.warning("refused plan %d of replica %d: %s",
                         plan.plan_id, plan.replica_id, reply.error)
         return reply
 
     def _configure(self, message: ConfigurePool) -> KvAck:
+        if message.replica_id not in self._managers and len(self._managers) >= MAX_REPLICAS:
+            return KvAck(f"cannot configure replica {message.replica_id}: already "
+                         f"{MAX_REPLICAS} pools", self.epoch)
         try:
             manager = ReplicaBlockManager(message.num_blocks, message.block_size,
-                                          message.enable_prefix_caching)
+                                          message.enable_prefix_caching, epoch=self.epoch,
+                                          record_events=self._publish is not None)
         except ValueError as exc:
-            return KvAck(str(exc)[:MAX_ERROR_LEN])
+            return KvAck(str(exc)[:MAX_ERROR_LEN], self.epoch)
+        # A restarted scheduler re-uses replica ids from 0: the old pool and its index go.
         replaced = self._managers.get(message.replica_id) is not None
         self._managers[message.replica_id] = manager
+        if replaced:
+            self._publish_events(message.replica_id, [AllBlocksCleared()])
         log.info("%s pool of replica %d: %d blocks of %d tokens, prefix caching %s",
                  "re-created" if replaced else "created", message.replica_id,
                  message.num_blocks, message.block_size,
                  "on" if message.enable_prefix_caching else "off")
-        return KvAck(None)
+        return KvAck(None, self.epoch)
 
     def _drop(self, message: DropPool) -> KvAck:
         if self._managers.pop(message.replica_id, None) is not None:
             log.info("dropped pool of replica %d", message.replica_id)
-        return KvAck(None)
+            self._publish_events(message.replica_id, [AllBlocksCleared()])
+        return KvAck(None, self.epoch)
+
+    def _query(self, query: PrefixQuery) -> PrefixReply:
+        """Read-only: O(len(block_hashes)) dict lookups per pool, at most."""
+        return PrefixReply(self.epoch, [
+            ReplicaPrefix(replica_id, manager.num_cached_prefix_blocks(query.block_hashes))
+            for replica_id, manager in sorted(self._managers.items())])
+
+    def _publish_events(self, replica_id: int, events: list[KvEvent]) -> None:
+        if not events or self._publish is None:
+            return
+        batch = KvEventBatch(self.epoch, self._seq, replica_id, events)
+        self._seq += 1
+        self._publish(batch)
 
     def stats(self) -> tuple[dict[int, PoolStats], int]:
         """Per replica stats, and the number of plan calls served."""
@@ -104,9 +155,19 @@ class KvCachePools:
         or None when `replica_id` names no pool."""
         with self._lock:
             if replica_id is None:
-                return sum(manager.clear() for manager in self._managers.values())
+                return sum(self._clear(each_id, manager)
+                           for each_id, manager in sorted(self._managers.items()))
             manager = self._managers.get(replica_id)
-            return None if manager is None else manager.clear()
+            return None if manager is None else self._clear(replica_id, manager)
+
+    def _clear(self, replica_id: int, manager: ReplicaBlockManager) -> int:
+        num_cleared = manager.clear()
+        events = manager.drain_events()
+        # Blocks in use keep their hashes: only an index left empty is "all cleared".
+        if num_cleared and manager.pool.num_cached_blocks == 0:
+            events = [AllBlocksCleared()]
+        self._publish_events(replica_id, events)
+        return num_cleared
 
 
 class PlanLoop:
@@ -191,17 +252,19 @@ def _stats_to_pb(replica_id: int, stats: PoolStats) -> kvcache_pb2.PoolStats:
 
 
 class KvCacheServer:
-    """Binds the plan socket and the admin server, starts both, stops both."""
+    """Binds the plan socket, the events socket and the admin server; starts and stops them."""
 
-    def __init__(self, host: str, plan_port: int, admin_port: int,
+    def __init__(self, host: str, plan_port: int, admin_port: int, events_port: int,
                  on_fatal: Callable[[], None]) -> None:
         self.host = host
         self.plan_port = plan_port
         self.admin_port = admin_port
-        self.pools = KvCachePools()
+        self.events_port = events_port      # 0 until start() picks one, when asked for 0
+        self.pools = KvCachePools(publish=self._publish)
         self._on_fatal = on_fatal
         self._ctx: zmq.Context | None = None
         self._plan_loop: PlanLoop | None = None
+        self._events: EventPublisher | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Health | None = None
 
@@ -210,8 +273,18 @@ class KvCacheServer:
         return tcp_address(self.host, self.plan_port)
 
     @property
+    def events_address(self) -> str:
+        return tcp_address(self.host, self.events_port)
+
+    @property
     def failed(self) -> bool:
         return self._plan_loop is not None and self._plan_loop.failed
+
+    def _publish(self, batch: KvEventBatch) -> None:
+        # Nothing can change a pool before start() binds the socket (no message is served
+        # yet); after stop() the closed publisher drops what a late call sends.
+        if self._events is not None:
+            self._events.publish(batch)
 
     async def start(self) -> None:
         """Binds and starts serving; raises OSError (having released everything) when a port
@@ -223,6 +296,13 @@ class KvCacheServer:
             # ReplyServer leaves its socket open when bind fails: destroy closes it.
             ctx.destroy(linger=0)
             raise OSError(f"cannot bind plan socket {self.plan_address}: {exc}") from exc
+        try:
+            events = EventPublisher(ctx, self.host, self.events_port)
+        except zmq.ZMQError as exc:
+            plan_loop.stop()
+            ctx.destroy(linger=0)
+            raise OSError(f"cannot bind events socket {self.events_address}: {exc}") from exc
+        self.events_port = events.port
 
         server = make_server()
         kvcache_pb2_grpc.add_KvCacheAdminServicer_to_server(KvCacheAdminServicer(self.pools),
@@ -232,10 +312,12 @@ class KvCacheServer:
             self.admin_port = bind(server, self.host, self.admin_port)
         except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a taken port
             plan_loop.stop()
+            events.close()
             ctx.term()
             raise OSError(f"cannot bind admin port {self.host}:{self.admin_port}: "
                           f"{exc}") from exc
         self._ctx, self._plan_loop, self._grpc, self._health = ctx, plan_loop, server, health
+        self._events = events
         await self._grpc.start()
         await self._health.set_live()
         self._plan_loop.start()
@@ -248,5 +330,7 @@ class KvCacheServer:
             await self._grpc.stop(grace_s)
         if self._plan_loop is not None:
             self._plan_loop.stop()
+        if self._events is not None:
+            self._events.close()
         if self._ctx is not None:
             self._ctx.term()

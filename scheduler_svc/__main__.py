@@ -17,6 +17,7 @@ import zmq
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits
@@ -66,6 +67,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    default=env("ASYNC_SCHEDULING") == "1",
                    help="plan step N+1 while step N runs (one pipeline stage only)")
     p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=float(env("HEARTBEAT_TIMEOUT", "3") or 3),
+                   help="seconds without a heartbeat before a worker counts as lost")
+    p.add_argument("--replica-wait-timeout", type=float,
+                   default=float(env("REPLICA_WAIT_TIMEOUT", "60") or 60),
+                   help="seconds a request may wait for a ready replica (or its deadline)")
+    p.add_argument("--route-tokens-per-request", type=float,
+                   default=float(env("ROUTE_TOKENS_PER_REQUEST", "64") or 64),
+                   help="routing across replicas: how many cached prefix tokens outweigh "
+                        "one more live request on a replica")
+    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "8000") or 0),
+                   help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
     a = p.parse_args(argv)
@@ -88,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
         step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight,
+        heartbeat_timeout_s=a.heartbeat_timeout, replica_wait_s=a.replica_wait_timeout,
+        route_tokens_per_request=a.route_tokens_per_request,
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         async_scheduling=a.async_scheduling)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -121,12 +137,16 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     loop = asyncio.get_running_loop()
 
     def readiness_changed() -> None:
-        ready = bool(cluster.ready_replicas())
+        # Ready: a replica serves, kvcache_svc answers, and we are not draining.
+        ready = cluster.is_ready() and not frontend.draining
         asyncio.run_coroutine_threadsafe(health.set_ready(ready), loop)
 
     cluster = Cluster(config, sched, model, tokenizer, ctx, on_change=readiness_changed)
+    metrics = SchedulerMetrics(model.name)
+    metrics.attach(cluster)
     frontend = Frontend(cluster, tokenizer, Limits(model.name, model.vocab_size, max_model_len),
-                        max_live_requests=config.max_queue_len)
+                        max_live_requests=config.max_queue_len,
+                        replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, config.dtype), server)
     control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), server)
@@ -135,9 +155,18 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     except OSError as exc:
         log.error("%s", exc)
         return 1
+    if config.metrics_port is not None:
+        try:
+            metrics_port = metrics.serve(config.host, config.metrics_port)
+        except OSError as exc:
+            log.error("cannot bind the metrics port %s:%d: %s", config.host,
+                      config.metrics_port, exc)
+            return 1
+        log.info("Prometheus metrics on http://%s:%d/metrics", config.host, metrics_port)
     await server.start()
     await health.set_live()
     await health.set_ready(False)
+    cluster.start()
     log.info("scheduler_svc serving %s on %s:%d (dtype %s, tp %d, pp %d)", model.name,
              config.host, port, config.dtype, config.tp_size, config.pp_size)
 

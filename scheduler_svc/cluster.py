@@ -1,10 +1,20 @@
-"""Workers, replicas and routing: who is registered, how ranks form replicas, where a new
-request goes.
+"""Workers, replicas and routing: who is registered, how ranks form replicas, where a
+request runs, and what happens when a worker or kvcache_svc is lost.
 
 A worker registers (id, epoch, device, memory, step address) and is placed in the replica
 being formed as the next free (pp_rank, tp_rank). After loading its shard it reports how many
 KV blocks fit its own layers; when every rank has reported, the replica uses the minimum (or
 the `--num-kv-blocks` override), and its `ReplicaEngine` brings the pool and caches up.
+
+Requests are dispatched to a ready replica by a score blending the prefix kvcache_svc holds
+for them there with the replica's load (`route`). With no ready replica they are parked
+and dispatched when one becomes ready, or fail (UNAVAILABLE) at their deadline.
+
+A monitor thread checks heartbeats: a worker silent for `--heartbeat-timeout` takes its
+replica down; the engine hands its live requests back and they are dispatched again
+(migration). A worker registering again with a newer epoch is a new member (its old replica
+goes down); an older or equal epoch is refused. The monitor also probes kvcache_svc, which
+with a ready replica decides readiness.
 """
 
 import logging
@@ -17,14 +27,20 @@ from dataclasses import dataclass, field
 import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.engine import EngineConfig, OutputSink, ReplicaEngine
+from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
 from scheduler_svc.tokenizer import TextTokenizer
-from services.channels import Receiver, tcp_address
+from services.channels import Receiver, RequestClient, tcp_address
 from services.codec import Codec
 from services.model_config import ModelConfig
-from services.wire import FromWorker
+from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
 
 log = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.5
+KV_PROBE_TIMEOUT_MS = 1000
+ROUTE_QUERY_TIMEOUT_MS = 100  # the prefix query is on the request path: never wait long
 
 
 class RegistrationError(ValueError):
@@ -109,11 +125,25 @@ class Cluster:
         self.tokenizer = tokenizer
         self.ctx = ctx
         self.on_change = on_change      # readiness may have changed (called from any thread)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.replicas: dict[int, Replica] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self._next_replica_id = 0
         self._layer_ranges = split_layers(model.num_layers, config.pp_size)
+        # Where each live request is: its engine, or None while parked (no ready replica).
+        self._where: dict[str, ReplicaEngine | None] = {}
+        self._parked: dict[str, tuple[Request, OutputSink]] = {}
+        self.num_migrations = 0
+        self.kv_reachable = False       # set by the monitor's probe
+        self._route_lock = threading.Lock()
+        self._route_kv: RequestClient[FromKvCache] = RequestClient(
+            ctx, Codec(FromKvCache), config.kvcache_address)
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="cluster-monitor",
+                                         daemon=True)
+
+    def start(self) -> None:
+        self._monitor.start()
 
     # ------------------------------------------------------------------ registration
 
@@ -128,7 +158,8 @@ class Cluster:
                 raise RegistrationError(
                     f"worker {worker_id} epoch {epoch} is not newer than {old.epoch}")
             if old is not None:
-                self._mark_down_locked(old.replica_id, f"worker {worker_id} restarted")
+                self._replica_lost_locked(old.replica_id, f"worker {worker_id} registered "
+                                          f"again (epoch {old.epoch} -> {epoch})")
             replica = self._forming_replica_locked()
             rank = replica.ranks.index(None)
             pp_rank, tp_rank = divmod(rank, self.config.tp_size)
@@ -187,7 +218,8 @@ class Cluster:
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
         replica.engine = ReplicaEngine(engine_config, self.tokenizer, self.model.eos_token_ids,
-                                       self.ctx, addresses, replica.outputs, self._on_engine_down)
+                                       self.ctx, addresses, replica.outputs, self._on_engine_down,
+                                       on_kv_change=self.on_change)
         replica.state = "starting"
         replica.engine.start()
         threading.Thread(target=self._await_ready, args=(replica,), daemon=True).start()
@@ -202,6 +234,7 @@ class Cluster:
             if replica.state == "starting":
                 replica.state = "ready"
         self.on_change()
+        self._dispatch_parked()
 
     def heartbeat(self, worker_id: str, epoch: int) -> bool:
         with self._lock:
@@ -219,10 +252,29 @@ class Cluster:
 
     # ------------------------------------------------------------------ replica life
 
-    def _on_engine_down(self, replica_id: int, reason: str) -> None:
+    def _on_engine_down(self, replica_id: int, reason: str,
+                        orphans: list[tuple[Request, OutputSink]]) -> None:
+        """Called from the engine's thread once it stopped: its live requests move on."""
         with self._lock:
             self._mark_down_locked(replica_id, reason)
         self.on_change()
+        for request, sink in orphans:
+            with self._lock:
+                if request.request_id not in self._where:
+                    continue   # the client went away meanwhile
+                self.num_migrations += 1
+            log.info("request %s (%d tokens out) moves off replica %d", request.request_id,
+                     request.num_output_tokens, replica_id)
+            self.dispatch(request, sink)
+
+    def _replica_lost_locked(self, replica_id: int, reason: str) -> None:
+        """Take a replica down; its engine (if any) stops and hands its requests back."""
+        replica = self.replicas.get(replica_id)
+        if replica is None or replica.state == "down":
+            return
+        self._mark_down_locked(replica_id, reason)
+        if replica.engine is not None:
+            replica.engine.fail_over(reason)
 
     def _mark_down_locked(self, replica_id: int, reason: str) -> None:
         replica = self.replicas.get(replica_id)
@@ -230,27 +282,171 @@ class Cluster:
             return
         log.warning("replica %d down: %s", replica_id, reason)
         replica.state = "down"
+        # The surviving ranks learn it from their next heartbeat and register again.
         for record in replica.workers:
             record.state = "down"
 
     def ready_replicas(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.state == "ready" and r.engine is not None]
+        return [r for r in self.replicas.values()
+                if r.state == "ready" and r.engine is not None and r.engine.kv_ok]
 
-    def pick_replica(self) -> ReplicaEngine | None:
-        """The ready replica with the least live requests (prefix-aware routing: issue 4)."""
+    def is_ready(self) -> bool:
+        """Readiness: a replica can serve and kvcache_svc answers."""
+        return self.kv_reachable and bool(self.ready_replicas())
+
+    # ------------------------------------------------------------------ requests
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: SamplingParams, deadline: float) -> Request:
+        sc = self.sched_config
+        request = Request(request_id, prompt_token_ids, sampling, self.model.eos_token_ids,
+                          sc.max_model_len, sc.block_size, hash_blocks=sc.prefix_caching)
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, sampling.skip_special_tokens, sampling.stop)
+        request.deadline = deadline
+        return request
+
+    def dispatch(self, request: Request, sink: OutputSink) -> None:
+        """Run `request` on the best ready replica, or park it until one is ready."""
+        while True:
+            engine = self.route(request)
+            with self._lock:
+                if engine is None:
+                    self._where[request.request_id] = None
+                    self._parked[request.request_id] = (request, sink)
+                    return
+                self._where[request.request_id] = engine
+            if engine.submit(request, sink):
+                return
+            # That replica went down between routing and submitting: route again.
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            if request_id not in self._where:
+                return False
+            engine = self._where[request_id]
+            parked = self._parked.pop(request_id, None)
+        if engine is not None:
+            engine.abort(request_id)
+        elif parked is not None:
+            request, sink = parked
+            sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT,
+                               num_prompt_tokens=request.num_prompt_tokens,
+                               num_output_tokens=request.num_output_tokens))
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """The request's stream ended (finished, failed or cancelled)."""
+        with self._lock:
+            self._where.pop(request_id, None)
+            self._parked.pop(request_id, None)
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def route(self, request: Request) -> ReplicaEngine | None:
+        """The ready replica with the best score = cached prefix tokens there -
+        `route_tokens_per_request` x its live requests. Every live request counts as that
+        many tokens of work, so a prompt goes where its prefix is cached unless that replica
+        is busier by more than (cached tokens / route_tokens_per_request) requests; with no
+        cache anywhere it goes to the least loaded."""
         ready = self.ready_replicas()
         if not ready:
             return None
-        best = min(ready, key=lambda r: (r.engine.num_live if r.engine else 0, r.replica_id))
-        return best.engine
+        cached: dict[int, int] = {}
+        if len(ready) > 1 and request.block_hashes and self.kv_reachable:
+            cached = self._cached_blocks(request.block_hashes)
+        block_size = self.sched_config.block_size
+        weight = self.config.route_tokens_per_request
+
+        def score(r: Replica) -> tuple[float, int]:
+            assert r.engine is not None
+            hit = min(cached.get(r.replica_id, 0) * block_size, request.num_tokens - 1)
+            return (hit - weight * r.engine.num_live, -r.replica_id)
+
+        return max(ready, key=score).engine
+
+    def _cached_blocks(self, block_hashes: list[int]) -> dict[int, int]:
+        with self._route_lock:
+            reply = self._route_kv.call(PrefixQuery(block_hashes=block_hashes),
+                                        timeout_ms=ROUTE_QUERY_TIMEOUT_MS)
+        if not isinstance(reply, PrefixReply):
+            return {}
+        return {r.replica_id: r.num_cached_blocks for r in reply.replicas}
+
+    def _dispatch_parked(self) -> None:
+        with self._lock:
+            if not self._parked or not self.ready_replicas():
+                return
+            parked = list(self._parked.values())
+            self._parked.clear()
+        for request, sink in parked:
+            self.dispatch(request, sink)
+
+    # ------------------------------------------------------------------ monitor
+
+    def _monitor_loop(self) -> None:
+        probe: RequestClient[FromKvCache] = RequestClient(self.ctx, Codec(FromKvCache),
+                                                          self.config.kvcache_address)
+        try:
+            while not self._stop.wait(MONITOR_INTERVAL_S):
+                try:
+                    self._check_heartbeats()
+                    self._probe_kvcache(probe)
+                    self._expire_parked()
+                    self._dispatch_parked()
+                except Exception:  # never let the monitor die
+                    log.exception("cluster monitor pass failed")
+        finally:
+            probe.close()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        timeout = self.config.heartbeat_timeout_s
+        lost = False
+        with self._lock:
+            for record in list(self.workers.values()):
+                if record.state != "down" and now - record.last_heartbeat > timeout:
+                    log.warning("worker %s (replica %d) missed heartbeats for %.1fs",
+                                record.worker_id, record.replica_id, now - record.last_heartbeat)
+                    self._replica_lost_locked(
+                        record.replica_id, f"worker {record.worker_id} lost (no heartbeat for "
+                        f"{now - record.last_heartbeat:.1f}s)")
+                    lost = True
+        if lost:
+            self.on_change()
+
+    def _probe_kvcache(self, probe: RequestClient[FromKvCache]) -> None:
+        reply = probe.call(PrefixQuery(block_hashes=[]), timeout_ms=KV_PROBE_TIMEOUT_MS)
+        reachable = isinstance(reply, PrefixReply)
+        if reachable != self.kv_reachable:
+            log.warning("kvcache_svc %s", "reachable" if reachable else "unreachable")
+            self.kv_reachable = reachable
+            self.on_change()
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [(r, s) for r, s in self._parked.values()
+                       if r.deadline is not None and now >= r.deadline]
+            for request, _ in expired:
+                del self._parked[request.request_id]
+        for request, sink in expired:
+            sink(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
+                               error="no replica became ready before the request's deadline"))
 
     def max_kv_tokens(self) -> int | None:
-        """Tokens one request can hold on the smallest ready replica (None: none ready)."""
+        """Tokens one request can hold on the smallest replica that served (None: none)."""
         sizes = [(r.engine.config.num_kv_blocks - 1) * self.sched_config.block_size
-                 for r in self.ready_replicas() if r.engine is not None]
+                 for r in self.replicas.values() if r.engine is not None]
         return min(sizes) if sizes else None
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._monitor.is_alive():
+            self._monitor.join(timeout=5)
+        self._route_kv.close()
         for replica in list(self.replicas.values()):
             if replica.engine is not None:
                 replica.engine.stop()

@@ -37,9 +37,13 @@ class ServerConfig:
     tp_size: int = 1
     pp_size: int = 1
     num_kv_blocks: int | None = None      # override of the measured block count
-    kv_timeout_s: float = 10.0            # plan-call timeout
+    kv_timeout_s: float = 2.0             # plan-call timeout (a plan takes ~1 ms)
     step_timeout_s: float = 120.0         # a step that takes longer means the worker is lost
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = 3.0      # workers beat every second
+    replica_wait_s: float = 60.0          # how long a request may wait for a ready replica
+    route_tokens_per_request: float = 64.0  # routing: one live request weighs this many
+                                            # cached prefix tokens (see Cluster.route)
+    metrics_port: int | None = 8000       # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs

@@ -11,6 +11,16 @@ receives results through each request's `OutputSink`.
         step  = scheduler.apply_plan(reply)   # StepInput diff
         send step to every rank; wait for the last stage's StepOutput
         publish scheduler.update(output)
+
+Failures, and who handles them:
+- kvcache_svc stops answering, or answers as a new instance (another epoch, the pool gone):
+  the engine finishes the steps in flight, preempts everything (recompute), and re-creates
+  its pool once kvcache_svc answers again; meanwhile it admits nothing and reports
+  `kv_ok = False` (readiness NOT_SERVING). No request fails.
+- A worker is lost (the cluster's heartbeat monitor calls `fail_over`, or a step times out or
+  fails): the engine stops, drops its pool in kvcache_svc, and hands every live request back
+  to the cluster (`on_down`) with its state reset for recompute, so it continues on another
+  replica from prompt + tokens so far, its stream uninterrupted.
 """
 
 import logging
@@ -24,8 +34,7 @@ from dataclasses import dataclass
 import zmq
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
+from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tokenizer import TextTokenizer
 from services.channels import Receiver, RequestClient, Sender
@@ -47,6 +56,11 @@ from services.wire import (
 log = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]  # thread-safe; called from the engine thread
+# The cluster's callback when the replica goes down: (replica id, reason, live requests with
+# their sinks, ready to run elsewhere).
+OnDown = Callable[[int, str, list[tuple[Request, OutputSink]]], None]
+KV_RETRY_S = 0.5          # between attempts to reach a lost kvcache_svc
+POLL_S = 0.2              # how often blocking waits look for a fail-over
 
 
 class EngineError(RuntimeError):
@@ -68,9 +82,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
+    request: Request
     sink: OutputSink
 
 
@@ -114,7 +126,7 @@ class ReplicaEngine:
     def __init__(self, config: EngineConfig, tokenizer: TextTokenizer,
                  eos_token_ids: tuple[int, ...], ctx: zmq.Context,
                  step_addresses: list[str], outputs: Receiver[FromWorker],
-                 on_down: Callable[[int, str], None]) -> None:
+                 on_down: OnDown, on_kv_change: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -129,11 +141,18 @@ class ReplicaEngine:
         self._step_addresses = step_addresses
         self._outputs = outputs
         self._on_down = on_down
+        self._on_kv_change = on_kv_change
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, OutputSink] = {}
         self._thread = threading.Thread(target=self._run, name=f"replica-{config.replica_id}",
                                         daemon=True)
         self._stopping = False
+        self._down_reason: str | None = None  # set by fail_over (any thread)
+        self._submit_lock = threading.Lock()  # submit vs. the final hand-over of requests
+        self._dead = False
+        self.kv_ok = True                     # kvcache_svc reachable and holding our pool
+        self.kv_epoch: int | None = None      # the kvcache_svc instance that holds it
+        self.num_kv_recoveries = 0
         self.ready = threading.Event()
         self.num_live = 0            # requests submitted and not yet finished (any thread reads)
         self.num_steps = 0
@@ -149,10 +168,21 @@ class ReplicaEngine:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-               sink: OutputSink) -> None:
-        self.num_live += 1
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, sink))
+    def submit(self, request: Request, sink: OutputSink) -> bool:
+        """Queues a request (new, or migrated from a lost replica). False if this engine has
+        already gone down: the caller must place the request elsewhere."""
+        with self._submit_lock:
+            if self._dead or self._down_reason is not None:
+                return False
+            self.num_live += 1
+            self._commands.put(_Add(request, sink))
+            return True
+
+    def fail_over(self, reason: str) -> None:
+        """A rank of this replica is gone: stop and hand the live requests back."""
+        if self._down_reason is None:
+            self._down_reason = reason
+            self._commands.put(None)  # wakes an idle engine
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -167,6 +197,10 @@ class ReplicaEngine:
             self._bring_up(kv, senders)
             self.ready.set()
             while not self._stopping:
+                self._check_down()
+                if not self.kv_ok:
+                    self._recover_kv(kv)
+                    continue
                 self._take_commands(block=not self.scheduler.has_work() and not self._in_flight)
                 self._step(kv, senders)
         except EngineError as exc:
@@ -180,12 +214,34 @@ class ReplicaEngine:
             for sender in senders:
                 sender.close()
 
+    def _check_down(self) -> None:
+        if self._down_reason is not None:
+            raise EngineError(self._down_reason)
+
     def _go_down(self, kv: RequestClient[FromKvCache], reason: str) -> None:
-        """Fails every live request explicitly, drops the replica's pool and prefix index in
-        kvcache_svc (its blocks describe KV that no longer exists), and reports it down."""
-        self._fail_all(reason)
-        kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
-        self._on_down(self.config.replica_id, reason)
+        """Drops the replica's pool and prefix index in kvcache_svc (its blocks describe KV
+        that no longer exists) and hands every live request back to the cluster, reset to
+        run again from its prompt + tokens so far (nothing is lost silently)."""
+        with self._submit_lock:
+            self._dead = True
+        orphans: list[tuple[Request, OutputSink]] = []
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            sink = self._sinks.pop(request.request_id, None)
+            if sink is not None:
+                request.reset_for_migration()
+                orphans.append((request, sink))
+        while True:   # requests submitted but not yet taken in
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                orphans.append((command.request, command.sink))
+        self._sinks.clear()
+        self.num_live = 0
+        if self.kv_ok:
+            kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
+        self._on_down(self.config.replica_id, reason, orphans)
 
     def _bring_up(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
         cfg = self.config
@@ -195,15 +251,19 @@ class ReplicaEngine:
                       timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
+        self.kv_epoch = ack.epoch
         init = InitCache(num_blocks=cfg.num_kv_blocks, block_size=cfg.scheduler.block_size)
         for sender in senders:
             sender.send(init)
         ready = 0
         deadline = time.monotonic() + cfg.step_timeout_s
         while ready < len(senders):
-            msg = self._outputs.recv(timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+            self._check_down()
+            msg = self._outputs.recv(timeout_ms=int(POLL_S * 1000))
             if msg is None:
-                raise EngineError("workers did not allocate their KV cache in time")
+                if time.monotonic() > deadline:
+                    raise EngineError("workers did not allocate their KV cache in time")
+                continue
             if isinstance(msg, WorkerFailure):
                 raise EngineError(f"worker {msg.worker_id} failed: {msg.message}")
             if isinstance(msg, CacheReady):
@@ -225,21 +285,15 @@ class ReplicaEngine:
 
     def _apply_command(self, command: _Add | _Abort | None) -> None:
         if isinstance(command, _Add):
-            request = Request(command.request_id, command.prompt_token_ids, command.sampling,
-                              self.eos_token_ids, self.config.scheduler.max_model_len,
-                              self.config.scheduler.block_size,
-                              hash_blocks=self.config.scheduler.prefix_caching)
-            request.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, command.prompt_token_ids, command.sampling.skip_special_tokens,
-                command.sampling.stop)
+            request = command.request
             try:
                 self.scheduler.add_request(request)
             except ValueError as exc:
                 self.num_live -= 1
-                command.sink(RequestOutput(command.request_id, [], "", [], FinishReason.ABORT,
+                command.sink(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
                                            error=str(exc)))
                 return
-            self._sinks[command.request_id] = command.sink
+            self._sinks[request.request_id] = command.sink
         elif isinstance(command, _Abort):
             final = self.scheduler.abort(command.request_id)
             if final is not None:
@@ -264,8 +318,16 @@ class ReplicaEngine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         reply = kv.call(plan, timeout_ms=int(self.config.kv_timeout_s * 1000))
-        if not isinstance(reply, PlanReply):
-            raise EngineError(f"kvcache_svc did not answer the plan call ({reply})")
+        if not isinstance(reply, PlanReply) or reply.epoch != self.kv_epoch:
+            # Unreachable, or a restarted instance that does not have our pool: nothing of
+            # this plan happened; recover before the next one.
+            self.scheduler.discard_draft()
+            what = ("did not answer the plan call" if not isinstance(reply, PlanReply)
+                    else f"restarted (epoch {self.kv_epoch} -> {reply.epoch})")
+            log.warning("replica %d: kvcache_svc %s; preempting and re-planning",
+                        self.config.replica_id, what)
+            self._set_kv_ok(False)
+            return False
         step = self.scheduler.apply_plan(reply)
         if step is None:
             return False
@@ -299,11 +361,13 @@ class ReplicaEngine:
     def _wait_output(self, step_id: int) -> StepOutput:
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            msg = self._outputs.recv(timeout_ms=max(1, remaining_ms))
+            self._check_down()
+            msg = self._outputs.recv(timeout_ms=int(POLL_S * 1000))
             if msg is None:
-                raise EngineError(f"no output for step {step_id} within "
-                                  f"{self.config.step_timeout_s:.0f}s")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"no output for step {step_id} within "
+                                      f"{self.config.step_timeout_s:.0f}s")
+                continue
             if isinstance(msg, WorkerFailure):
                 raise EngineError(f"worker {msg.worker_id} failed step {msg.step_id}: "
                                   f"{msg.message}")
@@ -321,9 +385,34 @@ class ReplicaEngine:
                 self.num_live -= 1
             sink(out)
 
-    def _fail_all(self, message: str) -> None:
-        """Ends every live request with an explicit error (nothing is lost silently)."""
-        for request_id, sink in list(self._sinks.items()):
-            sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT, error=message))
-        self._sinks.clear()
-        self.num_live = 0
+    # ---------------------------------------------------------------- kvcache_svc recovery
+
+    def _set_kv_ok(self, ok: bool) -> None:
+        if self.kv_ok != ok:
+            self.kv_ok = ok
+            self._on_kv_change()
+
+    def _recover_kv(self, kv: RequestClient[FromKvCache]) -> None:
+        """kvcache_svc lost our pool: let the steps in flight finish (their KV is on the
+        workers and their tokens are good), preempt every request (recompute; the workers
+        drop their state with the next step), and re-create the pool once kvcache_svc
+        answers. Requests keep arriving meanwhile; none is admitted until then."""
+        while self._in_flight:
+            self._receive_oldest()
+        self.scheduler.preempt_all()
+        cfg = self.config
+        configure = ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
+                                  block_size=cfg.scheduler.block_size,
+                                  enable_prefix_caching=cfg.scheduler.prefix_caching)
+        while not self._stopping:
+            self._check_down()
+            ack = kv.call(configure, timeout_ms=int(KV_RETRY_S * 1000))
+            if isinstance(ack, KvAck) and ack.error is None:
+                self.kv_epoch = ack.epoch
+                self.num_kv_recoveries += 1
+                log.info("replica %d: pool re-created in kvcache_svc (epoch %d); %d requests "
+                         "resume by recompute", cfg.replica_id, ack.epoch,
+                         len(self.scheduler.waiting))
+                self._set_kv_ok(True)
+                return
+            self._take_commands_timeout(KV_RETRY_S)

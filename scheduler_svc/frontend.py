@@ -5,12 +5,13 @@ replica and streams its outputs back. No protobuf here; `servicer.py` adapts it 
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from scheduler_svc.cluster import Cluster
-from scheduler_svc.engine import ReplicaEngine
+from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.request import RequestOutput, SamplingParams
 from scheduler_svc.tokenizer import ChatMessage, TemplateError, TextTokenizer
 from scheduler_svc.validation import (
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class NoReplica(RuntimeError):
-    """No replica is ready to serve (UNAVAILABLE)."""
+    """The server takes no new requests (draining): UNAVAILABLE."""
 
 
 class QueueFull(RuntimeError):
@@ -56,12 +57,17 @@ class PreparedRequest:
 
 class Frontend:
     def __init__(self, cluster: Cluster, tokenizer: TextTokenizer, limits: Limits,
-                 max_live_requests: int) -> None:
+                 max_live_requests: int, replica_wait_s: float = 60.0,
+                 metrics: SchedulerMetrics | None = None) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_live_requests = max_live_requests
-        self._live: dict[str, ReplicaEngine] = {}
+        # How long a request may wait for a ready replica (at start, or after its replica
+        # was lost with no other left), unless the client's deadline comes first.
+        self.replica_wait_s = replica_wait_s
+        self._live: set[str] = set()
+        self.metrics = metrics
         self.num_requests_total = 0
         self.draining = False
 
@@ -98,46 +104,51 @@ class Frontend:
         sampling = validate_sampling(raw, len(token_ids), limits)
         return PreparedRequest(request_id, token_ids, sampling)
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prepared: PreparedRequest,
+                       time_remaining: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per step that produced tokens; the last one has a
-        finish_reason. Aborts the request if the consumer stops early (client cancelled)."""
+        finish_reason. Aborts the request if the consumer stops early (client cancelled).
+        `time_remaining`: seconds to the client's deadline, if it set one."""
         if self.draining:
             raise NoReplica("the server is draining; send new requests elsewhere")
         if len(self._live) >= self.max_live_requests:
             raise QueueFull(f"{len(self._live)} requests are live; try again later")
-        engine = self.cluster.pick_replica()
-        if engine is None:
-            raise NoReplica("no replica is ready to serve")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
+        wait_s = self.replica_wait_s
+        if time_remaining is not None:   # end before the client's own deadline fires
+            wait_s = min(wait_s, max(0.0, time_remaining - 0.5))
         request_id = prepared.request_id
-        self._live[request_id] = engine
+        request = self.cluster.make_request(request_id, prepared.prompt_token_ids,
+                                            prepared.sampling, time.monotonic() + wait_s)
+        self._live.add(request_id)
         self.num_requests_total += 1
+        timer = RequestTimer(self.metrics)
         finished = False
         try:
-            engine.submit(request_id, prepared.prompt_token_ids, prepared.sampling, sink)
+            self.cluster.dispatch(request, sink)
             while True:
                 out = await outputs.get()
                 if out.error is not None:
                     finished = True
+                    timer.failed()
                     raise RequestFailed(out.error)
+                timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:
                     finished = True
+                    timer.finished(out.finish_reason.value, out.num_prompt_tokens)
                 yield out
                 if finished:
                     return
         finally:
-            self._live.pop(request_id, None)
+            self._live.discard(request_id)
             if not finished:
-                engine.abort(request_id)
+                self.cluster.abort(request_id)
+            self.cluster.forget(request_id)
 
     def abort(self, request_id: str) -> bool:
-        engine = self._live.get(request_id)
-        if engine is None:
-            return False
-        engine.abort(request_id)
-        return True
+        return self.cluster.abort(request_id)

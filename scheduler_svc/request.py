@@ -67,7 +67,7 @@ class Request:
         "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
-        "hash_blocks", "num_in_flight", "num_pending_tokens",
+        "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -95,7 +95,9 @@ class Request:
         self.num_preemptions = 0
         self.num_in_flight = 0           # steps holding this request whose output is not back
         self.num_pending_tokens = 0      # of those, steps that will sample a token for it
-        self.detokenizer: object | None = None      # set by the engine (IncrementalDetokenizer)
+        self.detokenizer: object | None = None      # IncrementalDetokenizer, set on creation
+        self.deadline: float | None = None    # time.monotonic() by which it must have a replica
+        self.num_migrations = 0
         self._extend_hashes()
 
     @property
@@ -138,3 +140,16 @@ class Request:
         self.num_committed_blocks = 0
         self.on_worker = False
         self.num_preemptions += 1
+
+    def reset_for_migration(self) -> None:
+        """Its replica is gone: back to waiting with no blocks and nothing in flight, to run
+        on another replica from prompt + the tokens the client already has (the detokenizer
+        keeps what was streamed, so the stream continues without a gap or a repeat)."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.num_committed_blocks = 0
+        self.on_worker = False
+        self.num_in_flight = 0
+        self.num_pending_tokens = 0
+        self.num_migrations += 1

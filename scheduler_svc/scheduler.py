@@ -117,6 +117,10 @@ class Scheduler:
         self.num_total_blocks = num_blocks - 1
         self.num_free_blocks = num_blocks - 1
 
+    def discard_draft(self) -> None:
+        """The plan call failed: nothing of the drafted plan happened."""
+        self._draft = None
+
     def preempt_all(self) -> None:
         """kvcache_svc lost its state: every running request goes back to waiting."""
         for request in reversed(self.running):

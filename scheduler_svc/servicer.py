@@ -114,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            async for out in self.frontend.generate(prepared):
+            async for out in self.frontend.generate(prepared, context.time_remaining()):
                 yield out
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -174,9 +174,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 r.num_waiting = len(sched.waiting)
                 r.num_preemptions = sched.num_preemptions
                 r.num_steps = engine.num_steps
+                r.num_kv_recoveries = engine.num_kv_recoveries
+                r.kv_ok = engine.kv_ok
                 num_prompt += sched.num_prompt_tokens_admitted
                 num_cached += sched.num_cached_tokens_admitted
         info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0
+        info.num_migrations = cluster.num_migrations
+        info.num_parked = cluster.num_parked
+        info.kvcache_reachable = cluster.kv_reachable
         return info
 
 

@@ -32,8 +32,10 @@ def _up(a: argparse.Namespace) -> int:
     worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
     if a.no_int4_kernels:
         worker_args.append("--no-int4-kernels")
+    metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
     spec = ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
-                       kv_admin_port=a.port + 3, dtype=a.dtype, tp=a.tp, pp=a.pp,
+                       kv_admin_port=a.port + 3, kv_events_port=a.port + 4,
+                       metrics_port=metrics_port, dtype=a.dtype, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(sched_args),
                        worker_args=tuple(worker_args), threads_per_worker=a.threads,
                        log_level=a.log_level)
@@ -63,6 +65,9 @@ def _up(a: argparse.Namespace) -> int:
                     ready = True
                     print(f"splitserve: ready on {procs.address} (Ctrl-C stops everything)",
                           file=sys.stderr)
+                    if spec.metrics_port > 0:
+                        print(f"splitserve: metrics on http://{a.host}:{spec.metrics_port}"
+                              "/metrics", file=sys.stderr)
                 except TimeoutError:
                     if time.monotonic() > deadline:
                         print("splitserve: not ready in time; stopping", file=sys.stderr)
@@ -117,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start kvcache_svc, scheduler_svc and the workers")
     up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M)")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="client gRPC port (the KV "
-                    "service takes the next port but one and the one after)")
+    up.add_argument("--port", type=int, default=50051, help="client gRPC port; kvcache_svc "
+                    "takes PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     up.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")

@@ -30,6 +30,8 @@ class ClusterSpec:
     port: int = 50051                       # scheduler gRPC
     kv_plan_port: int = 50053
     kv_admin_port: int = 50054
+    kv_events_port: int = 50055             # KV events PUB (0: any free port)
+    metrics_port: int = 8000                # scheduler Prometheus /metrics (-1: off, 0: any)
     dtype: str = "float32"
     tp: int = 1
     pp: int = 1
@@ -60,7 +62,7 @@ class ServiceProcesses:
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - lives with the child
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the child
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, *args], env=env, stdout=out,
             stderr=subprocess.STDOUT if out else None, start_new_session=True)
@@ -68,14 +70,9 @@ class ServiceProcesses:
     def start(self) -> None:
         s = self.spec
         common = ["--log-level", s.log_level]
-        self._spawn("kvcache", "kvcache_svc", ["--host", s.host, "--plan-port",
-                                               str(s.kv_plan_port), "--admin-port",
-                                               str(s.kv_admin_port), *common])
+        self.start_kvcache()
+        self.start_scheduler()
         model = ["--model", s.model] if s.model else []
-        self._spawn("scheduler", "scheduler_svc", [
-            *model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
-            "--tp", str(s.tp), "--pp", str(s.pp),
-            "--kvcache", f"tcp://{s.host}:{s.kv_plan_port}", *common, *s.scheduler_args])
         num_workers = s.tp * s.pp * s.num_replicas
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // num_workers)
         for i in range(num_workers):
@@ -83,6 +80,25 @@ class ServiceProcesses:
                 *model, "--scheduler", self.address, "--host", s.host,
                 "--threads", str(threads), "--worker-id", f"worker{i}", *common,
                 *s.worker_args])
+
+    def start_scheduler(self) -> None:
+        """(Re)starts scheduler_svc; running workers register with a restarted one."""
+        s = self.spec
+        model = ["--model", s.model] if s.model else []
+        self._spawn("scheduler", "scheduler_svc", [
+            *model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
+            "--tp", str(s.tp), "--pp", str(s.pp), "--metrics-port", str(s.metrics_port),
+            "--kvcache", f"tcp://{s.host}:{s.kv_plan_port}", "--log-level", s.log_level,
+            *s.scheduler_args])
+
+    def start_kvcache(self) -> None:
+        """(Re)starts kvcache_svc on its fixed ports (a restart after a kill is a new
+        instance: new epoch, no pools)."""
+        s = self.spec
+        self._spawn("kvcache", "kvcache_svc", [
+            "--host", s.host, "--plan-port", str(s.kv_plan_port), "--admin-port",
+            str(s.kv_admin_port), "--events-port", str(s.kv_events_port),
+            "--log-level", s.log_level])
 
     def add_worker(self, name: str, extra: Sequence[str] = ()) -> None:
         s = self.spec

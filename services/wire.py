@@ -6,7 +6,8 @@ travel in these messages (pipeline activations go over torch.distributed).
 
 Scheduler -> worker: `StepInput`, `InitCache`.        Worker -> scheduler: `StepOutput`,
 `CacheReady`, `WorkerFailure`.   Scheduler -> kvcache_svc: `PlanRequest`, `ConfigurePool`,
-`DropPool`; kvcache_svc answers `PlanReply` or `KvAck`.
+`DropPool`, `PrefixQuery`; kvcache_svc answers `PlanReply`, `KvAck` or `PrefixReply`, and
+publishes every prefix-index change as a `KvEventBatch` (PUB/SUB, any number of subscribers).
 
 Step messages are diffs (shared/DESIGN.md section 2): a request travels in full once as a
 `NewRequest` (again after preemption, since preemption drops the worker's state); afterwards
@@ -142,6 +143,16 @@ FromWorker = StepOutput | CacheReady | WorkerFailure
 
 # ---------------------------------------------------------------------- scheduler <-> kvcache_svc
 
+MAX_REPLICAS = 1 << 12              # pools one kvcache_svc holds at once
+# A batch holds at most two runs of events (removed, then stored) per grow or admit op, plus a
+# few more where a run is split at MAX_BLOCKS_PER_REQUEST hashes.
+MAX_EVENTS_PER_BATCH = 1 << 17
+
+# The kvcache_svc instance: its start time in nanoseconds since the Unix epoch. A new value in
+# any reply means kvcache_svc restarted and every pool is gone: the scheduler preempts all
+# running requests and configures its pools again.
+Epoch = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds must fit an int64
+
 
 class GrowOp(_Wire):
     """Make a running request's blocks cover `num_tokens` tokens."""
@@ -192,6 +203,7 @@ class PlanReply(_Wire):
     admitted: Annotated[list[AdmitResult], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     num_free_blocks: Count              # free + evictable blocks after this plan
     error: Annotated[str, Meta(max_length=4096)] | None  # the plan was refused as a whole
+    epoch: Epoch                        # kvcache_svc instance that answered (see Epoch)
 
 
 class ConfigurePool(_Wire):
@@ -210,8 +222,67 @@ class DropPool(_Wire):
 
 
 class KvAck(_Wire):
+    """Answer to ConfigurePool and DropPool, and to any message kvcache_svc failed to handle."""
+
     error: Annotated[str, Meta(max_length=4096)] | None
+    epoch: Epoch                        # kvcache_svc instance that answered (see Epoch)
 
 
-ToKvCache = PlanRequest | ConfigurePool | DropPool
-FromKvCache = PlanReply | KvAck
+class PrefixQuery(_Wire):
+    """How much of a prompt each replica has cached (prefix-aware routing). Changes nothing:
+    no LRU touch, no reference taken, so the answer may be stale by the time a plan runs."""
+
+    block_hashes: BlockHashes           # chained hashes of the prompt's full blocks, in order
+
+
+class ReplicaPrefix(_Wire):
+    replica_id: Count
+    # Leading block_hashes found in the replica's prefix index (stops at the first miss). Not
+    # capped at num_tokens - 1 tokens as an admission is: the caller applies that cap.
+    num_cached_blocks: Count
+
+
+class PrefixReply(_Wire):
+    epoch: Epoch                        # kvcache_svc instance that answered (see Epoch)
+    # One entry per configured pool, by ascending replica_id; 0 blocks when nothing matches.
+    replicas: Annotated[list[ReplicaPrefix], Meta(max_length=MAX_REPLICAS)]
+
+
+ToKvCache = PlanRequest | ConfigurePool | DropPool | PrefixQuery
+FromKvCache = PlanReply | KvAck | PrefixReply
+
+# ------------------------------------------------------------------------------------ KV events
+# kvcache_svc -> any subscriber (ZMQ PUB, one KvEventBatch per frame, no topic frame): the
+# changes to one replica's prefix index made by one operation (a plan, a configure, a drop, an
+# admin Clear), in the order they happened. Applied in seq order from seq 0 of an epoch, the
+# batches rebuild every replica's index exactly. A seq gap means batches were lost (PUB drops
+# when a subscriber falls behind or joins late): the subscriber's copy is then approximate, and
+# PrefixQuery gives exact answers. A new epoch means a new instance: forget everything.
+
+
+class BlockStored(_Wire):
+    """Hashes that entered the replica's prefix index, in block order."""
+
+    block_hashes: BlockHashes
+
+
+class BlockRemoved(_Wire):
+    """Hashes that left the index: their cached blocks were reused for another allocation, or
+    dropped by an admin Clear."""
+
+    block_hashes: BlockHashes
+
+
+class AllBlocksCleared(_Wire):
+    """The replica's index is empty: its pool was re-configured or dropped, or an admin Clear
+    emptied it. Everything stored before on this replica is gone."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(_Wire):
+    epoch: Epoch                        # kvcache_svc instance that published (see Epoch)
+    seq: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # from 0 per epoch, +1 per batch published
+    replica_id: Count
+    events: Annotated[list[KvEvent], Meta(max_length=MAX_EVENTS_PER_BATCH)]

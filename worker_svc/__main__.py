@@ -3,7 +3,9 @@ tensor-parallel slice) serving steps for its replica.
 
 Life: bind the StepInput socket, register with the scheduler (placement comes back), load the
 shard, size the KV cache from the memory budget, report the block count, then serve steps
-until told to stop. Flags fall back to SPLITSERVE_* environment variables.
+until told to stop. If the scheduler stops knowing the worker (it restarted, or took the
+replica down), the worker registers again as a new incarnation and keeps its loaded shard
+when the new placement is the same. Flags fall back to SPLITSERVE_* environment variables.
 """
 
 import os
@@ -53,7 +55,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--no-int4-kernels", action="store_true",
                    default=env("NO_INT4_KERNELS") == "1",
                    help="bfloat16: never use the int4 kernel on Q4 GGUF blocks for small steps")
-    p.add_argument("--register-timeout", type=float, default=60.0)
+    p.add_argument("--register-timeout", type=float, default=60.0,
+                   help="seconds to reach the scheduler at start (and for the replica's "
+                        "ranks to meet); after the first registration it retries forever")
+    p.add_argument("--health-file", default=env("HEALTH_FILE"),
+                   help="touched on every acknowledged heartbeat (container healthcheck)")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
@@ -70,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
         int4_kernels=not a.no_int4_kernels,
-        register_timeout_s=a.register_timeout)
+        register_timeout_s=a.register_timeout, health_file=a.health_file)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,9 @@ class ParallelGroups:
     """This rank's place in the replica's process group, its PP neighbours and TP group."""
 
     def __init__(self, init_method: str, pp_rank: int, pp_size: int, tp_rank: int,
-                 tp_size: int, timeout_s: float) -> None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+                 tp_size: int, timeout_s: float, device: str = "cpu") -> None:
+        # The collectives run where the tensors live: NCCL for CUDA tensors, gloo for CPU.
+        backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() else "gloo"
         self.rank = pp_rank * tp_size + tp_rank
         world_size = pp_size * tp_size
         try:

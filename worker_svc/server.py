@@ -3,6 +3,12 @@
 Only the last pipeline stage's tp_rank 0 answers steps; every rank answers InitCache so the
 scheduler knows the whole replica allocated its KV tensors. A step that raises is answered
 with `WorkerFailure` (the scheduler decides what to do); the worker keeps serving.
+
+Heartbeats start right after registration (a load can take a while) and run on their own
+thread. While the scheduler is unreachable the worker keeps running and keeps trying. When a
+heartbeat is answered "unknown" (the scheduler restarted, or took this worker's replica down
+because a peer was lost) the step loop ends and the worker registers again with a new epoch:
+a new member, placed afresh; its loaded shard is kept when the placement is the same.
 """
 
 import logging
@@ -10,6 +16,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -50,13 +57,16 @@ class WorkerConfig:
     num_threads: int                # 0 = all cores
     int4_kernels: bool              # bf16: small steps on the GGUF's 4-bit blocks
     register_timeout_s: float
+    health_file: str | None = None  # touched on every acknowledged heartbeat
 
 
 class WorkerServer:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.epoch = config.epoch        # this incarnation's; a re-registration takes a new one
         self._stop = threading.Event()
-        self._exit_code = 0
+        self._lost = threading.Event()   # the scheduler no longer knows this incarnation
+        self._registered = False         # heartbeats are sent only while registered
 
     def run(self) -> int:
         cfg = self.config
@@ -69,49 +79,87 @@ class WorkerServer:
         step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
         channel = grpc.insecure_channel(cfg.scheduler_address, options=CHANNEL_OPTIONS)
         control = control_pb2_grpc.WorkerControlStub(channel)
+        threading.Thread(target=self._heartbeat, args=(control,), daemon=True).start()
+        runner, runner_key = None, None
+        first = True
         try:
-            placement = self._register(control, step_address)
-            if placement is None:
-                return 1
-            link = None
-            if placement.pp_size * placement.tp_size > 1:
-                from worker_svc.parallel import ParallelGroups, RendezvousError
-
-                try:
-                    link = ParallelGroups(placement.dist_init_method, placement.pp_rank,
-                                          placement.pp_size, placement.tp_rank,
-                                          placement.tp_size, timeout_s=cfg.register_timeout_s)
-                except RendezvousError as exc:
-                    log.error("%s", exc)
-                    return 1
-            runner = self._load(placement, link)
-            if runner is None:
-                return 1
-            num_blocks = runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size)
-            control.ReportCapacity(control_pb2.CapacityReport(
-                worker_id=cfg.worker_id, epoch=cfg.epoch, num_kv_blocks=num_blocks,
-                kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size)), timeout=10.0)
-            outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
-            heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True)
-            heartbeat.start()
-            try:
-                self._serve(runner, num_blocks, steps, outputs, placement, link)
-            finally:
-                if link is not None:
-                    link.close()
-            outputs.close()
-            return self._exit_code
+            while not self._stop.is_set():
+                placement = self._register(control, step_address, first)
+                if placement is None:
+                    return 0 if self._stop.is_set() else 1
+                key = (placement.first_layer, placement.end_layer, placement.pp_size,
+                       placement.tp_rank, placement.tp_size, placement.dtype)
+                code = self._incarnation(ctx, control, steps, placement,
+                                         runner if key == runner_key else None)
+                if isinstance(code, int):
+                    return code
+                runner, runner_key = code, key
+                first = False
+                if not self._stop.is_set():
+                    self.epoch = time.time_ns()
+                    log.warning("the scheduler no longer knows this worker; registering "
+                                "again as epoch %d", self.epoch)
+            return 0
         finally:
             steps.close()
             channel.close()
             ctx.destroy(linger=0)
 
+    def _incarnation(self, ctx: zmq.Context, control: control_pb2_grpc.WorkerControlStub,
+                     steps: Receiver[ToWorker], placement: control_pb2.RegisterResponse,
+                     runner: "ModelRunner | None") -> "int | ModelRunner":  # noqa: F821
+        """One registration's life: join the replica's groups, load (or keep) the shard,
+        report capacity, serve until stopped or forgotten. Returns an exit code when the
+        process must end, else the runner to keep for the next registration."""
+        cfg = self.config
+        link = None
+        if placement.pp_size * placement.tp_size > 1:
+            from worker_svc.parallel import ParallelGroups, RendezvousError
+
+            try:
+                link = ParallelGroups(placement.dist_init_method, placement.pp_rank,
+                                      placement.pp_size, placement.tp_rank,
+                                      placement.tp_size, timeout_s=cfg.register_timeout_s,
+                                      device=cfg.device)
+            except RendezvousError as exc:
+                log.error("%s", exc)
+                return 1
+        try:
+            if runner is None:
+                runner = self._load(placement, link)
+                if runner is None:
+                    return 1
+            elif link is not None and runner.model.tp is not None:
+                runner.model.tp.group = link.tp_group   # same slice, new process group
+            num_blocks = runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size)
+            try:
+                control.ReportCapacity(control_pb2.CapacityReport(
+                    worker_id=cfg.worker_id, epoch=self.epoch, num_kv_blocks=num_blocks,
+                    kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size)),
+                    timeout=10.0)
+            except grpc.RpcError as exc:
+                log.warning("capacity report failed (%s); registering again", exc.code().name)
+                self._lost.set()
+                return runner
+            outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
+            try:
+                self._serve(runner, num_blocks, steps, outputs, placement, link)
+            finally:
+                outputs.close()
+            return runner
+        finally:
+            self._registered = False
+            if link is not None:
+                link.close()
+
     def _register(self, control: control_pb2_grpc.WorkerControlStub,
-                  step_address: str) -> control_pb2.RegisterResponse | None:
+                  step_address: str, first: bool) -> control_pb2.RegisterResponse | None:
+        """Registers this incarnation. At start, gives up after --register-timeout; later
+        (the scheduler restarted) keeps trying until stopped."""
         cfg = self.config
         model = load_model_config(cfg.model_path)
         request = control_pb2.RegisterRequest(
-            worker_id=cfg.worker_id, epoch=cfg.epoch, device=cfg.device,
+            worker_id=cfg.worker_id, epoch=self.epoch, device=cfg.device,
             memory_bytes=cfg.kv_cache_bytes, step_address=step_address, model=model.name)
         deadline = time.monotonic() + cfg.register_timeout_s
         while not self._stop.is_set():
@@ -121,13 +169,15 @@ class WorkerServer:
                          "[%d, %d)", cfg.worker_id, placement.replica_id, placement.pp_rank,
                          placement.pp_size, placement.tp_rank, placement.tp_size,
                          placement.first_layer, placement.end_layer)
+                self._lost.clear()
+                self._registered = True
                 return placement
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
                                       grpc.StatusCode.DEADLINE_EXCEEDED):
                     log.error("registration refused: %s", exc.details())
                     return None
-                if time.monotonic() > deadline:
+                if first and time.monotonic() > deadline:
                     log.error("scheduler %s unreachable for %.0fs", cfg.scheduler_address,
                               cfg.register_timeout_s)
                     return None
@@ -174,7 +224,7 @@ class WorkerServer:
                ) -> None:
         cfg = self.config
         reports = placement.pp_rank == placement.pp_size - 1 and placement.tp_rank == 0
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._lost.is_set():
             message = steps.recv(timeout_ms=200)
             if message is None:
                 continue
@@ -197,7 +247,8 @@ class WorkerServer:
                     continue
                 if reports and result is not None:
                     outputs.send(result)
-        log.info("worker %s stopping", cfg.worker_id)
+        log.info("worker %s %s", cfg.worker_id,
+                 "stopping" if self._stop.is_set() else "leaving its replica")
 
     def _run_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
                   link: "ParallelGroups | None") -> object:  # noqa: F821
@@ -218,14 +269,25 @@ class WorkerServer:
         return result
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
+        """Every second while registered; runs for the life of the process."""
         cfg = self.config
-        request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=cfg.epoch)
+        failing = False
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            if not self._registered or self._lost.is_set():
+                continue
+            request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=self.epoch)
             try:
-                if not control.Heartbeat(request, timeout=2.0).known:
-                    log.error("the scheduler no longer knows this worker; exiting so a "
-                              "restart registers a new incarnation")
-                    self._exit_code = 3
-                    self._stop.set()
+                known = control.Heartbeat(request, timeout=2.0).known
             except grpc.RpcError as exc:
-                log.warning("heartbeat failed: %s", exc.code().name)
+                if not failing:
+                    log.warning("heartbeat failed (%s); serving on and retrying",
+                                exc.code().name)
+                failing = True
+                continue
+            if failing:
+                log.info("scheduler reachable again")
+                failing = False
+            if not known:
+                self._lost.set()
+            elif cfg.health_file:
+                Path(cfg.health_file).touch()

@@ -1,15 +1,29 @@
-"""ReplicaBlockManager.apply: the PlanRequest semantics of services/wire.py, driven directly."""
+"""ReplicaBlockManager: the PlanRequest semantics of services/wire.py, the prefix query and the
+KV events of each operation, driven directly."""
 
 import random
 
+import pytest
+
+from kvcache_svc import block_manager
 from kvcache_svc.block_manager import ReplicaBlockManager
-from services.wire import AdmitOp, AdmitResult, GrowOp, PlanReply, PlanRequest
+from services.wire import (
+    AdmitOp,
+    AdmitResult,
+    BlockRemoved,
+    BlockStored,
+    GrowOp,
+    PlanReply,
+    PlanRequest,
+)
 
 BLOCK_SIZE = 4
 
 
-def manager(num_blocks: int = 11, prefix_caching: bool = True) -> ReplicaBlockManager:
-    return ReplicaBlockManager(num_blocks, BLOCK_SIZE, prefix_caching)
+def manager(num_blocks: int = 11, prefix_caching: bool = True,
+            record_events: bool = False) -> ReplicaBlockManager:
+    return ReplicaBlockManager(num_blocks, BLOCK_SIZE, prefix_caching,
+                               record_events=record_events)
 
 
 def plan(free_ids: list[str] | None = None, grows: list[GrowOp] | None = None,
@@ -213,6 +227,71 @@ def test_clear_drops_cached_free_blocks() -> None:
     assert mgr.clear() == 2
     assert mgr.stats().num_cached_blocks == 2     # b's blocks are in use
     assert admit_one(mgr, admit("c", 10, hashes(1, 2))).num_cached_tokens == 0
+
+
+def test_replies_carry_the_epoch() -> None:
+    mgr = ReplicaBlockManager(5, BLOCK_SIZE, True, epoch=1234)
+    assert mgr.apply(plan(admits=[admit("a", 4)])).epoch == 1234
+    assert mgr.apply(plan(free_ids=["nope"])).epoch == 1234          # refused
+
+
+def test_prefix_query_counts_leading_hits_and_changes_nothing() -> None:
+    mgr = manager()
+    admit_one(mgr, admit("a", 13, hashes(1, 3)))
+    mgr.apply(plan(free_ids=["a"]))               # all three evictable
+    before = snapshot(mgr)
+    assert mgr.num_cached_prefix_blocks(hashes(1, 3)) == 3
+    # No num_tokens - 1 cap here: the whole prompt may be cached.
+    assert mgr.num_cached_prefix_blocks(hashes(1, 2)) == 2
+    assert mgr.num_cached_prefix_blocks([*hashes(1, 1), 999, hashes(1, 3)[2]]) == 1
+    assert mgr.num_cached_prefix_blocks(hashes(2, 3)) == 0
+    assert snapshot(mgr) == before
+
+
+def test_plan_events_report_stored_then_evicted_hashes() -> None:
+    mgr = manager(num_blocks=4, record_events=True)  # 3 usable blocks
+    assert mgr.drain_events() == []
+    admit_one(mgr, admit("a", 9, hashes(1, 2)))
+    assert mgr.drain_events() == [BlockStored(hashes(1, 2))]
+    mgr.apply(plan(grows=[GrowOp("a", 12, [hashes(1, 3)[2]])]))
+    assert mgr.drain_events() == [BlockStored([hashes(1, 3)[2]])]
+    # Freed tail first: admitting b takes a's last block, then its middle one.
+    reply = mgr.apply(plan(free_ids=["a"], admits=[admit("b", 8, hashes(2, 2))]))
+    assert reply.admitted[0].num_cached_tokens == 0
+    assert mgr.drain_events() == [BlockRemoved([hashes(1, 3)[2], hashes(1, 3)[1]]),
+                                  BlockStored(hashes(2, 2))]
+    assert mgr.apply(plan(free_ids=["nope"])).error     # refused: changes nothing
+    assert mgr.drain_events() == []
+
+
+def test_a_hash_evicted_and_stored_again_in_one_plan_keeps_its_order() -> None:
+    mgr = manager(num_blocks=3, record_events=True)  # 2 usable blocks
+    admit_one(mgr, admit("a", 5, hashes(1, 1)))
+    mgr.apply(plan(free_ids=["a"]))
+    mgr.drain_events()
+    # c takes the free block without a hash. d cannot hit its only full block (one token must
+    # be computed), so it takes the last free block, a's: 1000 leaves the index and comes back.
+    reply = mgr.apply(plan(admits=[admit("c", 1), admit("d", 4, hashes(1, 1))]))
+    assert [r.request_id for r in reply.admitted] == ["c", "d"]
+    assert mgr.drain_events() == [BlockRemoved(hashes(1, 1)), BlockStored(hashes(1, 1))]
+
+
+def test_long_event_runs_are_split_at_the_wire_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    mgr = manager(record_events=True)
+    admit_one(mgr, admit("a", 20, hashes(1, 5)))
+    monkeypatch.setattr(block_manager, "MAX_BLOCKS_PER_REQUEST", 2)
+    assert mgr.drain_events() == [BlockStored(hashes(1, 5)[:2]), BlockStored(hashes(1, 5)[2:4]),
+                                  BlockStored(hashes(1, 5)[4:])]
+
+
+def test_clear_events_name_the_dropped_hashes() -> None:
+    mgr = manager(record_events=True)
+    admit_one(mgr, admit("a", 10, hashes(1, 2)))
+    admit_one(mgr, admit("b", 6, hashes(2, 1)))
+    mgr.apply(plan(free_ids=["a"]))
+    mgr.drain_events()
+    assert mgr.clear() == 2
+    assert mgr.drain_events() == [BlockRemoved(hashes(1, 2))]
 
 
 def test_random_plans_keep_the_pool_consistent() -> None:

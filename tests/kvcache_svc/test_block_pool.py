@@ -1,8 +1,9 @@
-"""BlockPool and FreeBlockQueue: LRU order, null block, eviction, ref counts."""
+"""BlockPool and FreeBlockQueue: LRU order, null block, eviction, ref counts, the IndexLog of
+prefix-index changes and the read-only prefix lookup."""
 
 import pytest
 
-from kvcache_svc.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from kvcache_svc.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, IndexLog, KVBlock
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:
@@ -123,3 +124,50 @@ def test_clear_cache_drops_only_unreferenced_blocks() -> None:
 def test_pool_size_is_bounded() -> None:
     with pytest.raises(ValueError):
         BlockPool(num_blocks=1)
+
+
+def test_index_log_records_every_index_change_in_order() -> None:
+    log = IndexLog()
+    pool = BlockPool(num_blocks=4, index_log=log)  # 3 usable blocks
+    a, b, c = pool.get_new_blocks(3)
+    assert log.drain() == []                      # nothing was cached yet
+    pool.cache_block(a, 10)
+    pool.cache_block(b, 11)
+    assert not pool.cache_block(c, 10)            # left out of the index: not recorded
+    pool.free_blocks([b, a])                      # evictable, still indexed: not recorded
+    pool.free_blocks([c])
+    assert log.drain() == [(True, [10, 11])]
+    assert log.drain() == []                      # drained
+
+    pool.get_new_blocks(2)                        # c (no hash), then b: evicts 11
+    pool.cache_block(c, 12)
+    pool.get_new_blocks(1)                        # a: evicts 10
+    assert log.drain() == [(False, [11]), (True, [12]), (False, [10])]
+
+
+def test_index_log_records_clear_cache() -> None:
+    log = IndexLog()
+    pool = BlockPool(num_blocks=5, index_log=log)
+    held, freed, freed_too = pool.get_new_blocks(3)
+    for block, block_hash in ((held, 1), (freed, 2), (freed_too, 3)):
+        pool.cache_block(block, block_hash)
+    pool.free_blocks([freed_too, freed])
+    log.drain()
+    assert pool.clear_cache() == 2
+    assert log.drain() == [(False, [2, 3])]       # held keeps its hash
+
+
+def test_prefix_lookup_stops_at_the_first_miss_and_changes_nothing() -> None:
+    pool = BlockPool(num_blocks=5)
+    blocks = pool.get_new_blocks(3)
+    for block, block_hash in zip(blocks, (1, 2, 3)):
+        pool.cache_block(block, block_hash)
+    pool.free_blocks(reversed(blocks[1:]))        # 2 and 3 evictable, 1 held
+    free_order = pool.free_queue.block_ids()
+    ref_cnts = [block.ref_cnt for block in pool.blocks]
+    assert pool.num_cached_prefix_blocks([1, 2, 3]) == 3
+    assert pool.num_cached_prefix_blocks([1, 9, 3]) == 1
+    assert pool.num_cached_prefix_blocks([9, 1]) == 0
+    assert pool.num_cached_prefix_blocks([]) == 0
+    assert pool.free_queue.block_ids() == free_order
+    assert [block.ref_cnt for block in pool.blocks] == ref_cnts

@@ -17,20 +17,24 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcache_svc.block_manager import ReplicaBlockManager
-from kvcache_svc.server import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.channels import RequestClient, tcp_address
 from services.codec import Codec
 from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.wire import (
     AdmitOp,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     ConfigurePool,
     DropPool,
     FromKvCache,
     KvAck,
+    KvEventBatch,
     PlanReply,
     PlanRequest,
+    PrefixQuery,
+    PrefixReply,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +55,8 @@ class Service:
     lines: "queue.Queue[str]"                     # its stderr, line by line
     plan_port: int
     admin_port: int
+    events_port: int                              # the fixture replaces 0 with the bound port
+    epoch: int = 0                                # from the ready line
 
     def wait_for(self, text: str, timeout_s: float = 15.0) -> str:
         deadline = time.monotonic() + timeout_s
@@ -75,9 +81,10 @@ class Service:
             raise
 
 
-def start_service(plan_port: int, admin_port: int) -> Service:
+def start_service(plan_port: int, admin_port: int, events_port: int = 0) -> Service:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
-           "SPLITSERVE_KV_ADMIN_PORT": str(admin_port)}    # exercises the env fallback
+           "SPLITSERVE_KV_ADMIN_PORT": str(admin_port),      # exercises the env fallback
+           "SPLITSERVE_KV_EVENTS_PORT": str(events_port)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcache_svc", "--host", HOST, "--plan-port", str(plan_port)],
         cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -89,15 +96,18 @@ def start_service(plan_port: int, admin_port: int) -> Service:
             lines.put(line)
 
     threading.Thread(target=pump, daemon=True).start()
-    return Service(proc, lines, plan_port, admin_port)
+    return Service(proc, lines, plan_port, admin_port, events_port)
 
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[Service]:
     svc = start_service(free_port(), free_port())
     try:
+        events = svc.wait_for("KV events on ")
+        svc.events_port = int(events.rsplit(f"tcp://{HOST}:", 1)[1])
         ready = svc.wait_for("kvcache_svc ready")
         assert f"plan=tcp://{HOST}:{svc.plan_port} admin={HOST}:{svc.admin_port}" in ready
+        svc.epoch = int(ready.rsplit("epoch=", 1)[1])
         yield svc
     finally:
         svc.stop()
@@ -126,7 +136,7 @@ def channel(service: Service) -> Iterator[grpc.Channel]:
 
 def configure(client: RequestClient[FromKvCache], replica_id: int, num_blocks: int) -> None:
     ack = client.call(ConfigurePool(replica_id, num_blocks, BLOCK_SIZE, True), TIMEOUT_MS)
-    assert ack == KvAck(None)
+    assert isinstance(ack, KvAck) and ack.error is None
 
 
 def admit_plan(replica_id: int, plan_id: int, request_id: str,
@@ -148,9 +158,11 @@ def test_plans_are_applied_per_replica(client: RequestClient[FromKvCache]) -> No
     reply = client.call(admit_plan(1, 9, "b", prompt), TIMEOUT_MS)   # b holds blocks
     assert isinstance(reply, PlanReply) and reply.error and reply.plan_id == 9
     reply = client.call(admit_plan(99, 10, "a", prompt), TIMEOUT_MS)
-    assert isinstance(reply, PlanReply) and "unknown replica" in (reply.error or "")
+    assert isinstance(reply, PlanReply) and "unknown replica 99" in (reply.error or "")
+    assert "not configured" in (reply.error or "")
 
-    assert client.call(DropPool(1), TIMEOUT_MS) == KvAck(None)
+    ack = client.call(DropPool(1), TIMEOUT_MS)
+    assert isinstance(ack, KvAck) and ack.error is None
     reply = client.call(admit_plan(1, 11, "a", prompt), TIMEOUT_MS)
     assert isinstance(reply, PlanReply) and reply.error
 
@@ -206,6 +218,67 @@ def test_health_is_serving(channel: grpc.Channel) -> None:
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_every_reply_carries_the_instance_epoch(service: Service,
+                                                client: RequestClient[FromKvCache]) -> None:
+    assert 0 < service.epoch <= time.time_ns()
+    replies = [client.call(ConfigurePool(5, 9, BLOCK_SIZE, True), TIMEOUT_MS),
+               client.call(admit_plan(5, 1, "a", list(range(9))), TIMEOUT_MS),
+               client.call(admit_plan(12345, 2, "a", [1]), TIMEOUT_MS),   # unknown replica
+               client.call(PrefixQuery([]), TIMEOUT_MS),
+               client.call(DropPool(5), TIMEOUT_MS)]
+    for reply in replies:
+        assert isinstance(reply, PlanReply | KvAck | PrefixReply), reply
+        assert reply.epoch == service.epoch
+
+
+def test_prefix_query_over_the_plan_socket(client: RequestClient[FromKvCache]) -> None:
+    configure(client, 6, num_blocks=9)
+    configure(client, 7, num_blocks=9)
+    prompt = list(range(200, 213))                # 3 full blocks
+    client.call(admit_plan(6, 1, "a", prompt), TIMEOUT_MS)
+    reply = client.call(PrefixQuery(hash_full_blocks(prompt, BLOCK_SIZE)), TIMEOUT_MS)
+    assert isinstance(reply, PrefixReply)
+    assert [r.replica_id for r in reply.replicas] == sorted(r.replica_id for r in reply.replicas)
+    found = {r.replica_id: r.num_cached_blocks for r in reply.replicas}
+    assert (found[6], found[7]) == (3, 0)
+
+
+def test_events_reach_a_subscriber(service: Service, ctx: zmq.Context,
+                                   client: RequestClient[FromKvCache]) -> None:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(tcp_address(HOST, service.events_port))
+    codec = Codec(KvEventBatch)
+
+    def receive() -> KvEventBatch:
+        assert sub.poll(TIMEOUT_MS), "no event batch"
+        return codec.decode(sub.recv())
+
+    # Slow joiner: batches published before the subscription lands are dropped. Re-configuring
+    # a pool publishes AllBlocksCleared; repeat until one arrives, then let the rest drain.
+    configure(client, 8, num_blocks=4)            # 3 usable blocks
+    while not sub.poll(50):
+        configure(client, 8, num_blocks=4)
+    while sub.poll(200):
+        last = codec.decode(sub.recv())
+    assert last.epoch == service.epoch and last.events == [AllBlocksCleared()]
+
+    prompt = list(range(300, 309))                # 2 full blocks of 3
+    hashes = hash_full_blocks(prompt, BLOCK_SIZE)
+    client.call(admit_plan(8, 1, "a", prompt), TIMEOUT_MS)
+    stored = receive()
+    assert stored == KvEventBatch(service.epoch, last.seq + 1, 8, [BlockStored(hashes)])
+    other = list(range(400, 412))                 # takes all 3 blocks: a's are evicted
+    client.call(PlanRequest(8, 2, ["a"], [], []), TIMEOUT_MS)
+    client.call(admit_plan(8, 3, "b", other), TIMEOUT_MS)
+    assert receive() == KvEventBatch(service.epoch, last.seq + 2, 8, [
+        BlockRemoved(hashes[::-1]), BlockStored(hash_full_blocks(other, BLOCK_SIZE))])
+    client.call(DropPool(8), TIMEOUT_MS)
+    assert receive() == KvEventBatch(service.epoch, last.seq + 3, 8, [AllBlocksCleared()])
+    sub.close()
+
+
 def test_sigterm_exits_cleanly() -> None:
     svc = start_service(free_port(), free_port())
     try:
@@ -214,33 +287,16 @@ def test_sigterm_exits_cleanly() -> None:
         assert svc.stop() == 0
 
 
-@pytest.mark.parametrize("which", ["plan", "admin"])
+@pytest.mark.parametrize("which", ["plan", "admin", "events"])
 def test_a_taken_port_exits_with_code_1(which: str) -> None:
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        svc = (start_service(port, free_port()) if which == "plan"
-               else start_service(free_port(), port))
+        ports = {"plan": free_port(), "admin": free_port(), "events": free_port(), which: port}
+        svc = start_service(ports["plan"], ports["admin"], ports["events"])
         try:
             svc.wait_for(f"cannot bind {which}")
             assert svc.proc.wait(timeout=10) == 1
         finally:
             svc.stop()
-
-
-def test_a_failure_inside_a_plan_becomes_an_error_reply(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    pools = KvCachePools()
-    assert pools.handle(ConfigurePool(0, 8, BLOCK_SIZE, True)) == KvAck(None)
-
-    def broken(self: ReplicaBlockManager, plan: PlanRequest) -> PlanReply:
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(ReplicaBlockManager, "apply", broken)
-    reply = pools.handle(admit_plan(0, 5, "a", [1, 2, 3]))
-    assert isinstance(reply, PlanReply) and reply.plan_id == 5
-    assert "boom" in (reply.error or "")
-    monkeypatch.undo()
-    reply = pools.handle(admit_plan(0, 6, "a", [1, 2, 3]))
-    assert isinstance(reply, PlanReply) and reply.error is None

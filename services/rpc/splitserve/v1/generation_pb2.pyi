@@ -199,7 +199,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., device: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps")
+    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps", "num_kv_recoveries", "kv_ok")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,8 @@ class ReplicaInfo(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    KV_OK_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -220,10 +222,12 @@ class ReplicaInfo(_message.Message):
     num_waiting: int
     num_preemptions: int
     num_steps: int
-    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    num_kv_recoveries: int
+    kv_ok: bool
+    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate")
+    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +236,9 @@ class ServerInfoResponse(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
+    KVCACHE_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     max_num_seqs: int
@@ -240,4 +247,7 @@ class ServerInfoResponse(_message.Message):
     prefix_caching: bool
     num_requests_total: int
     prefix_cache_hit_rate: float
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    num_migrations: int
+    num_parked: int
+    kvcache_reachable: bool
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_parked: _Optional[int] = ..., kvcache_reachable: _Optional[bool] = ...) -> None: ...

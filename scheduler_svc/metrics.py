@@ -1,0 +1,161 @@
+"""Prometheus metrics of the scheduler, served over HTTP at /metrics.
+
+Names follow vLLM's where vLLM has the metric (`vllm:` prefix, same units and meaning) so
+existing dashboards work; the cluster's own have a `splitserve:` prefix. Two kinds:
+
+- Latencies are histograms observed by the frontend as a request's outputs stream out
+  (`RequestTimer`): time to first token, inter-token latency, end-to-end latency, plus
+  finished-request and token counters.
+- Everything that is state (running / waiting requests, KV usage, prefix-cache counters,
+  preemptions, migrations, replicas up) is read from the cluster at scrape time by a
+  collector, so it is never stale and costs nothing between scrapes.
+"""
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from scheduler_svc.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+# Buckets as vLLM uses them (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class SchedulerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds.", labels, registry=r,
+                              buckets=TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between consecutive output tokens in seconds.", labels,
+                             registry=r, buckets=ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", labels, registry=r,
+                             buckets=E2E_BUCKETS).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests, by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished "
+                                     "requests.", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", labels,
+                                         registry=r).labels(model_name)
+        self.failed = Counter("splitserve:request_failed", "Requests that ended with an error "
+                              "(no replica by their deadline, ...).", labels,
+                              registry=r).labels(model_name)
+
+    def attach(self, cluster: "Cluster") -> None:
+        self.registry.register(_ClusterCollector(cluster, self.model_name))
+
+    def finished(self, reason: str, num_prompt_tokens: int) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics HTTP server on a daemon thread; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+class RequestTimer:
+    """Per request: observes TTFT, inter-token latency and e2e latency as outputs arrive."""
+
+    __slots__ = ("metrics", "arrival", "last_token")
+
+    def __init__(self, metrics: SchedulerMetrics | None) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last_token: float | None = None
+
+    def tokens(self, num_tokens: int) -> None:
+        if self.metrics is None or num_tokens == 0:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+        self.metrics.generation_tokens.inc(num_tokens)
+
+    def finished(self, reason: str, num_prompt_tokens: int) -> None:
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+            self.metrics.finished(reason, num_prompt_tokens)
+
+    def failed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.failed.inc()
+
+
+class _ClusterCollector(Collector):
+    """State read at scrape time. Engine fields are plain ints written by engine threads;
+    a scrape may see one step's values mixed with the next's, which is fine for metrics."""
+
+    def __init__(self, cluster: "Cluster", model_name: str) -> None:
+        self.cluster = cluster
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name"]
+        values = [self.model_name]
+        running = waiting = preemptions = used = total = 0
+        queries = hits = 0
+        replicas_up = 0
+        for replica in list(self.cluster.replicas.values()):
+            engine = replica.engine
+            if engine is None:
+                continue
+            sched = engine.scheduler
+            preemptions += sched.num_preemptions
+            queries += sched.num_prompt_tokens_admitted
+            hits += sched.num_cached_tokens_admitted
+            if replica.state != "ready":
+                continue
+            replicas_up += 1
+            running += len(sched.running)
+            waiting += len(sched.waiting)
+            used += sched.num_total_blocks - sched.num_free_blocks
+            total += sched.num_total_blocks
+        waiting += self.cluster.num_parked
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in a running batch.", running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run (including those "
+                    "waiting for a ready replica).", waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use over ready "
+                    "replicas (1 = full).", used / total if total else 0.0)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache.", queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      hits)
+        yield counter("vllm:num_preemptions", "Requests preempted (recompute).", preemptions)
+        yield counter("splitserve:num_migrations", "Requests moved off a lost replica.",
+                      self.cluster.num_migrations)
+        yield gauge("splitserve:replicas_up", "Replicas ready to serve.", replicas_up)
+        yield gauge("splitserve:kvcache_reachable", "1 if kvcache_svc answered the last probe.",
+                    1.0 if self.cluster.kv_reachable else 0.0)

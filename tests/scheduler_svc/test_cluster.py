@@ -1,8 +1,23 @@
-"""Placement helpers of the cluster: contiguous stage ranges, uneven splits."""
+"""The cluster: placement (contiguous stage ranges, uneven splits), routing, parking,
+heartbeat loss and epochs, with fake engines (the e2e tests run the real ones)."""
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import zmq
 
-from scheduler_svc.cluster import rendezvous_address, split_layers
+from scheduler_svc.cluster import (
+    Cluster,
+    RegistrationError,
+    Replica,
+    rendezvous_address,
+    split_layers,
+)
+from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.request import RequestOutput, SamplingParams
+from services.model_config import load_model_config
 
 
 @pytest.mark.parametrize("num_layers, pp, expected", [
@@ -21,3 +36,127 @@ def test_split_layers(num_layers: int, pp: int, expected: list[tuple[int, int]])
 def test_rendezvous_on_rank0_host() -> None:
     address = rendezvous_address("tcp://10.1.2.3:5555")
     assert address.startswith("tcp://10.1.2.3:") and int(address.rsplit(":", 1)[1]) > 0
+
+
+# ---------------------------------------------------------------- routing, parking, liveness
+
+
+class FakeEngine:
+    """What the cluster reads of a ReplicaEngine, and what it calls."""
+
+    def __init__(self, num_live: int = 0) -> None:
+        self.num_live = num_live
+        self.kv_ok = True
+        self.submitted: list[str] = []
+        self.failed_over: str | None = None
+        self.accepts = True
+
+    def submit(self, request, sink) -> bool:  # type: ignore[no-untyped-def]
+        if not self.accepts:
+            return False
+        self.submitted.append(request.request_id)
+        return True
+
+    def fail_over(self, reason: str) -> None:
+        self.failed_over = reason
+
+    def stop(self) -> None:
+        pass
+
+
+class NoSocket:
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def cluster(model_path: Path, tokenizer) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    ctx = zmq.Context()
+    config = ServerConfig(model_path=str(model_path), model_name="",
+                          kvcache_address="tcp://127.0.0.1:9", heartbeat_timeout_s=0.5)
+    c = Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                tokenizer, ctx)
+    c.kv_reachable = True
+    yield c
+    c.shutdown()
+    ctx.destroy(linger=0)
+
+
+def add_replica(cluster: Cluster, replica_id: int, engine: FakeEngine) -> None:
+    replica = Replica(replica_id, 1, NoSocket())  # type: ignore[arg-type]
+    replica.engine = engine  # type: ignore[assignment]
+    replica.state = "ready"
+    cluster.replicas[replica_id] = replica
+
+
+def request(cluster: Cluster, request_id: str, num_tokens: int, deadline: float = 1e12):  # type: ignore[no-untyped-def]
+    return cluster.make_request(request_id, list(range(100, 100 + num_tokens)),
+                                SamplingParams(temperature=0.0, max_tokens=4), deadline)
+
+
+def test_route_prefers_the_cached_prefix_unless_much_busier(cluster: Cluster) -> None:
+    a, b = FakeEngine(num_live=3), FakeEngine(num_live=0)
+    add_replica(cluster, 0, a)
+    add_replica(cluster, 1, b)
+    cluster._cached_blocks = lambda hashes: {0: 20}  # type: ignore[method-assign]
+    # 320 cached tokens on replica 0 outweigh 3 more live requests (3 x 64 tokens).
+    assert cluster.route(request(cluster, "r1", 400)) is a
+    a.num_live = 6                                    # 6 x 64 > 320: now it is too busy
+    assert cluster.route(request(cluster, "r2", 400)) is b
+    cluster._cached_blocks = lambda hashes: {}  # type: ignore[method-assign]
+    a.num_live, b.num_live = 1, 2                     # nothing cached: least loaded
+    assert cluster.route(request(cluster, "r3", 400)) is a
+    a.kv_ok = False                                   # its pool is being re-created
+    assert cluster.route(request(cluster, "r4", 400)) is b
+
+
+def test_parked_until_a_replica_is_ready_or_the_deadline(cluster: Cluster) -> None:
+    outputs: list[RequestOutput] = []
+    late = request(cluster, "late", 8)
+    soon = request(cluster, "soon", 8, deadline=time.monotonic() - 1)
+    cluster.dispatch(late, outputs.append)
+    cluster.dispatch(soon, outputs.append)
+    assert cluster.num_parked == 2
+    cluster._expire_parked()
+    assert [o.request_id for o in outputs] == ["soon"] and "deadline" in (outputs[0].error or "")
+    engine = FakeEngine()
+    add_replica(cluster, 0, engine)
+    cluster._dispatch_parked()
+    assert engine.submitted == ["late"] and cluster.num_parked == 0
+
+
+def test_dispatch_retries_when_the_engine_went_down_meanwhile(cluster: Cluster) -> None:
+    dying, healthy = FakeEngine(num_live=0), FakeEngine(num_live=5)
+    dying.accepts = False
+    add_replica(cluster, 0, dying)
+    add_replica(cluster, 1, healthy)
+
+    def down(*_: object) -> None:   # submit refused: the replica is no longer ready
+        cluster.replicas[0].state = "down"
+        dying.submitted.append("refused")
+
+    dying.submit = lambda r, s: (down(), False)[1]  # type: ignore[method-assign]
+    cluster.dispatch(request(cluster, "r", 8), lambda out: None)
+    assert healthy.submitted == ["r"] and dying.submitted == ["refused"]
+
+
+def test_silent_worker_takes_its_replica_down(cluster: Cluster) -> None:
+    placement = cluster.register("w0", epoch=5, device="cpu", memory_bytes=1,
+                                 step_address="tcp://127.0.0.1:9", model="")
+    replica = cluster.replicas[placement.replica_id]
+    engine = FakeEngine()
+    replica.engine = engine  # type: ignore[assignment]
+    replica.state = "ready"
+    assert cluster.heartbeat("w0", 5)
+    cluster._check_heartbeats()
+    assert replica.state == "ready"
+    cluster.workers["w0"].last_heartbeat -= 1.0       # past the 0.5 s timeout
+    cluster._check_heartbeats()
+    assert replica.state == "down" and "no heartbeat" in (engine.failed_over or "")
+    assert not cluster.heartbeat("w0", 5)             # it must register again
+    with pytest.raises(RegistrationError, match="not newer"):
+        cluster.register("w0", epoch=5, device="cpu", memory_bytes=1,
+                         step_address="tcp://127.0.0.1:9", model="")
+    again = cluster.register("w0", epoch=6, device="cpu", memory_bytes=1,
+                             step_address="tcp://127.0.0.1:9", model="")
+    assert again.replica_id != placement.replica_id

@@ -162,12 +162,15 @@ def test_kvcache_killed_and_restarted_no_request_fails(tmp_path: Path, prompts, 
         killed = kill(cluster, "kvcache")
         timed("kvcache SIGKILL -> readiness NOT_SERVING",
               lambda: readiness(cluster) != SERVING, killed, 10)
-        time.sleep(1.0)                                  # it stays down a moment
+        late = Streams(cluster, [prompts[3]])           # arrives while kvcache is down
+        time.sleep(2.0)                                  # it stays down a moment
+        assert late.tokens == [[]], "admitted while kvcache_svc was down"
         progress = [len(t) for t in streams.tokens]
         restarted = time.monotonic()
         cluster.procs.start_kvcache()
         timed("kvcache restarted -> readiness SERVING", lambda: readiness(cluster) == SERVING,
               restarted, 30)
+        check_outputs(late.results(), references[3:4], "admitted after the restart")
         outputs = streams.results()
         print(f"[recovery] kvcache restart -> all 32 streams done: "
               f"{time.monotonic() - restarted:.2f}s")

@@ -46,10 +46,14 @@ def main() -> int:
         print(f"{name}: {results[name]['batch_tok_s']:.1f} tok/s", flush=True)
     base = results["pp=1"]["batch_tok_s"]
     print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens")
-    print(f"{'configuration':<28}{'all at once tok/s':>18}{'vs pp=1':>9}{'single decode':>15}")
+    print(f"{'configuration':<28}{'all at once tok/s':>18}{'vs pp=1':>9}{'single decode':>15}"
+          f"{'gap single/batch ms':>21}")
     for name, r in results.items():
+        gaps = f"{r['single_forward_gap_ms']:.2f} / {r['batch_forward_gap_ms']:.2f}"
         print(f"{name:<28}{r['batch_tok_s']:>18.1f}{r['batch_tok_s'] / base:>8.2f}x"
-              f"{r['single_decode_tok_s']:>15.1f}")
+              f"{r['single_decode_tok_s']:>15.1f}{gaps:>21}")
+    print("gap: the last stage's idle time between forward passes, mean per step (prepare "
+          "included), single stream / all at once")
     write_result(results, a.out, f"parallel-{a.dtype}")
     return 0
 

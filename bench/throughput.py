@@ -94,17 +94,41 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
                 list(pool.map(lambda p: run_stream(stub, p, 16), prompts[:8]))
             run_stream(stub, single, 16)
 
+            gaps = ForwardGaps(stub)
             n, ttft, total = run_stream(stub, single, max_tokens)
             single_decode = (n - 1) / (total - ttft)
+            single_gap = gaps.mean_since_last()
             start = time.perf_counter()
             with ThreadPoolExecutor(len(prompts)) as pool:
                 counts = list(pool.map(lambda p: run_stream(stub, p, max_tokens)[0], prompts))
             wall = time.perf_counter() - start
+            batch_gap = gaps.mean_since_last()
             assert sum(counts) == len(prompts) * max_tokens, counts
     finally:
         procs.stop()
     return {"batch_tok_s": sum(counts) / wall, "batch_wall_s": wall,
-            "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode}
+            "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode,
+            "single_forward_gap_ms": single_gap, "batch_forward_gap_ms": batch_gap}
+
+
+class ForwardGaps:
+    """Mean idle time between the workers' forward passes over an interval, from the
+    scheduler's ServerInfo counters (summed over replicas)."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+        self.stub = stub
+        self.last = self._totals()
+
+    def _totals(self) -> tuple[float, int]:
+        info = self.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
+        return (sum(r.forward_gap_ms_total for r in info.replicas),
+                sum(r.num_forward_gaps for r in info.replicas))
+
+    def mean_since_last(self) -> float:
+        now = self._totals()
+        total, count = now[0] - self.last[0], now[1] - self.last[1]
+        self.last = now
+        return total / count if count else 0.0
 
 
 def bench_hf(prompts: list[str], single: str, max_tokens: int, dtype: str,

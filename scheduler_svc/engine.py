@@ -104,9 +104,14 @@ class StepWindow:
     step_ms: float = 0.0      # StepInput sent -> StepOutput received
     update_ms: float = 0.0    # appending tokens, stop checks, detokenizing, publishing
     forward_ms: float = 0.0   # the worker's own forward + sampling time
+    gap_ms: float = 0.0       # the last stage's idle time between forwards (see StepTimings)
+    num_gaps: int = 0
 
     def add(self, plan_ms: float, step_ms: float, update_ms: float, forward_ms: float,
-            num_tokens: int) -> None:
+            num_tokens: int, gap_ms: float = 0.0) -> None:
+        if gap_ms > 0:
+            self.gap_ms += gap_ms
+            self.num_gaps += 1
         self.num_steps += 1
         self.num_tokens += num_tokens
         self.plan_ms += plan_ms
@@ -119,7 +124,8 @@ class StepWindow:
         return (f"{self.num_steps} steps ({self.num_tokens} tokens), per step: plan "
                 f"{self.plan_ms / n:.2f} ms, worker round trip {self.step_ms / n:.1f} ms "
                 f"(forward+sample {self.forward_ms / n:.1f} ms), update "
-                f"{self.update_ms / n:.2f} ms")
+                f"{self.update_ms / n:.2f} ms, gap between forwards "
+                f"{self.gap_ms / max(1, self.num_gaps):.2f} ms")
 
 
 class ReplicaEngine:
@@ -156,6 +162,8 @@ class ReplicaEngine:
         self.ready = threading.Event()
         self.num_live = 0            # requests submitted and not yet finished (any thread reads)
         self.num_steps = 0
+        self.forward_gap_ms_total = 0.0   # sum of StepTimings.gap_ms (ServerInfo)
+        self.num_forward_gaps = 0
         self._window = StepWindow()
 
     # ---------------------------------------------------------------- called from other threads
@@ -341,11 +349,15 @@ class ReplicaEngine:
         output = self._wait_output(step_id)
         received = time.perf_counter()
         self.num_steps += 1
+        if output.timings.gap_ms > 0:
+            self.forward_gap_ms_total += output.timings.gap_ms
+            self.num_forward_gaps += 1
         self._publish(self.scheduler.update(output))
         self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
                          update_ms=(time.perf_counter() - received) * 1000,
                          forward_ms=output.timings.forward_ms + output.timings.sample_ms,
-                         num_tokens=output.timings.num_tokens)
+                         num_tokens=output.timings.num_tokens,
+                         gap_ms=output.timings.gap_ms)
         cfg = self.config
         if self._window.num_steps == STEP_LOG_INTERVAL:
             log.info("replica %d, last %s", cfg.replica_id, self._window.summary())

@@ -176,6 +176,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 r.num_steps = engine.num_steps
                 r.num_kv_recoveries = engine.num_kv_recoveries
                 r.kv_ok = engine.kv_ok
+                r.forward_gap_ms_total = engine.forward_gap_ms_total
+                r.num_forward_gaps = engine.num_forward_gaps
                 num_prompt += sched.num_prompt_tokens_admitted
                 num_cached += sched.num_cached_tokens_admitted
         info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0

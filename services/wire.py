@@ -101,6 +101,9 @@ class TokenLogprobs(_Wire):
     top_logprobs: Annotated[list[float], Meta(max_length=MAX_TOP_LOGPROBS)]
 
 
+IDLE_GAP_S = 1.0  # a longer pause between steps is an idle server, not a scheduling gap
+
+
 class StepTimings(_Wire):
     """Where the worker's time went in one step, in milliseconds."""
 
@@ -108,6 +111,10 @@ class StepTimings(_Wire):
     forward_ms: float                   # model forward (all layers of this rank)
     sample_ms: float                    # logits + sampling (last stage only)
     num_tokens: Count                   # tokens computed in the step
+    # From the end of this rank's previous forward (sampling included) to the start of this
+    # one, this step's preparation included: the time the model sat idle between forwards.
+    # 0 for a rank's first step and after more than IDLE_GAP_S without a step.
+    gap_ms: float = 0.0
 
 
 class StepOutput(_Wire):

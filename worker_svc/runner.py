@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from services.model_config import ModelConfig
-from services.wire import StepInput, StepOutput, StepTimings, TokenLogprobs
+from services.wire import IDLE_GAP_S, StepInput, StepOutput, StepTimings, TokenLogprobs
 from worker_svc.attention import build_attention_metadata
 from worker_svc.input_batch import InputBatch, ScheduledRequest
 from worker_svc.kv_cache import (
@@ -67,6 +67,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
+        self._last_forward_end: float | None = None   # perf_counter() after the last forward
 
     # -------------------------------------------------------------------------------- KV cache
 
@@ -124,20 +125,24 @@ class ModelRunner:
             else:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
             prepared = time.perf_counter()
+            gap = 0.0
+            if self._last_forward_end is not None and start - self._last_forward_end < IDLE_GAP_S:
+                gap = prepared - self._last_forward_end
             hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
                                                   meta.positions, meta, self.kv_caches)
             forwarded = time.perf_counter()
             if not self.is_last_stage:
+                self._last_forward_end = forwarded
                 return StageActivations(hidden, residual)
             request_ids, token_ids, logprobs = self._sample(layout, scheduled, hidden, residual)
-        done = time.perf_counter()
+        done = self._last_forward_end = time.perf_counter()
         return StepOutput(
             step_id=step.step_id, worker_id=self.worker_id, request_ids=request_ids,
             sampled_token_ids=token_ids, logprobs=logprobs,
             timings=StepTimings(prepare_ms=(prepared - start) * 1e3,
                                 forward_ms=(forwarded - prepared) * 1e3,
                                 sample_ms=(done - forwarded) * 1e3,
-                                num_tokens=len(meta.positions)))
+                                num_tokens=len(meta.positions), gap_ms=gap * 1e3))
 
     def _empty_result(self, step: StepInput) -> StepOutput | StageActivations:
         """A step that only drops finished requests."""

@@ -117,10 +117,12 @@ def test_chunked_prefill_and_decode_match_hf_greedy(
     for name, prompt in PROMPTS.items():
         scheduler.add(name, prompt, NUM_NEW_TOKENS)
     num_steps = 0
+    gaps = []
     while scheduler.has_work:
         output = runner.execute(scheduler.schedule())
         assert isinstance(output, StepOutput)
         assert output.worker_id == "worker-0" and output.timings.num_tokens > 0
+        gaps.append(output.timings.gap_ms)
         scheduler.update(output)
         num_steps += 1
         # The runner keeps its own sampled tokens: its buffers are the scheduler's.
@@ -128,6 +130,8 @@ def test_chunked_prefill_and_decode_match_hf_greedy(
             assert runner.input_batch.requests[name].token_ids == \
                 scheduler.requests[name].token_ids
     assert num_steps > NUM_NEW_TOKENS + 3
+    # Back-to-back steps: the time between forwards is measured (prepare included) and small.
+    assert all(0 < g < 1000 for g in gaps[1:]), gaps
     for name in PROMPTS:
         assert_greedy_match(scheduler.outputs(name), *hf_reference[name])
 

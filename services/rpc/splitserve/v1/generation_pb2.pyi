@@ -199,7 +199,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., device: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps", "num_kv_recoveries", "kv_ok")
+    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps", "num_kv_recoveries", "kv_ok", "forward_gap_ms_total", "num_forward_gaps")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class ReplicaInfo(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     KV_OK_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_GAP_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORWARD_GAPS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -224,7 +226,9 @@ class ReplicaInfo(_message.Message):
     num_steps: int
     num_kv_recoveries: int
     kv_ok: bool
-    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ...) -> None: ...
+    forward_gap_ms_total: float
+    num_forward_gaps: int
+    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ..., forward_gap_ms_total: _Optional[float] = ..., num_forward_gaps: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable")

@@ -65,6 +65,7 @@ class KvCachePools:
         self._seq = 0                       # of the next batch published
         self._lock = threading.Lock()
         self._managers: dict[int, ReplicaBlockManager] = {}
+        self.scheduler_epoch = 0   # the scheduler instance that owns the pools
         self.num_plans = 0
 
     def handle(self, message: ToKvCache) -> FromKvCache:
@@ -104,6 +105,18 @@ class KvCachePools:
         return reply
 
     def _configure(self, message: ConfigurePool) -> KvAck:
+        if message.scheduler_epoch < self.scheduler_epoch:
+            return KvAck(f"scheduler epoch {message.scheduler_epoch} is older than "
+                         f"{self.scheduler_epoch}: a newer scheduler owns the pools",
+                         self.epoch)
+        if message.scheduler_epoch > self.scheduler_epoch:
+            if self._managers:
+                log.warning("a new scheduler (epoch %d) took over: dropping the %d pools of "
+                            "the previous one", message.scheduler_epoch, len(self._managers))
+            for replica_id in sorted(self._managers):
+                del self._managers[replica_id]
+                self._publish_events(replica_id, [AllBlocksCleared()])
+            self.scheduler_epoch = message.scheduler_epoch
         if message.replica_id not in self._managers and len(self._managers) >= MAX_REPLICAS:
             return KvAck(f"cannot configure replica {message.replica_id}: already "
                          f"{MAX_REPLICAS} pools", self.epoch)

@@ -134,6 +134,7 @@ class Cluster:
         self._where: dict[str, ReplicaEngine | None] = {}
         self._parked: dict[str, tuple[Request, OutputSink]] = {}
         self.num_migrations = 0
+        self.epoch = time.time_ns()     # this instance; kvcache_svc drops older ones' pools
         self.kv_reachable = False       # set by the monitor's probe
         self._route_lock = threading.Lock()
         self._route_kv: RequestClient[FromKvCache] = RequestClient(
@@ -214,7 +215,7 @@ class Cluster:
             step_timeout_s=self.config.step_timeout_s,
             ship_sampled_tokens=self.config.pp_size > 1,
             max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size,
-            async_scheduling=self.config.async_scheduling)
+            async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch)
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
         replica.engine = ReplicaEngine(engine_config, self.tokenizer, self.model.eos_token_ids,

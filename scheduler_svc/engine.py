@@ -78,6 +78,7 @@ class EngineConfig:
     ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
     max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
     async_scheduling: bool = False     # PP = 1: plan step N+1 while step N runs
+    scheduler_epoch: int = 0           # this scheduler instance (kvcache_svc drops older pools)
 
 
 @dataclass(slots=True)
@@ -255,7 +256,8 @@ class ReplicaEngine:
         cfg = self.config
         ack = kv.call(ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
                                     block_size=cfg.scheduler.block_size,
-                                    enable_prefix_caching=cfg.scheduler.prefix_caching),
+                                    enable_prefix_caching=cfg.scheduler.prefix_caching,
+                                  scheduler_epoch=cfg.scheduler_epoch),
                       timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
@@ -415,7 +417,8 @@ class ReplicaEngine:
         cfg = self.config
         configure = ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
                                   block_size=cfg.scheduler.block_size,
-                                  enable_prefix_caching=cfg.scheduler.prefix_caching)
+                                  enable_prefix_caching=cfg.scheduler.prefix_caching,
+                                  scheduler_epoch=cfg.scheduler_epoch)
         while not self._stopping:
             self._check_down()
             ack = kv.call(configure, timeout_ms=int(KV_RETRY_S * 1000))

@@ -214,12 +214,18 @@ class PlanReply(_Wire):
 
 
 class ConfigurePool(_Wire):
-    """Create (or re-create, dropping all state) the block pool of one replica."""
+    """Create (or re-create, dropping all state) the block pool of one replica.
+
+    `scheduler_epoch` is the scheduler instance's start time (ns). A newer one means the
+    scheduler restarted: kvcache_svc drops every pool of the previous instance first (their
+    replicas no longer exist). An older one is refused: a scheduler that was replaced must not
+    take pools back."""
 
     replica_id: Count
     num_blocks: Annotated[int, Meta(ge=2, lt=1 << 31)]   # including the null block 0
     block_size: Annotated[int, Meta(ge=1, le=1024)]
     enable_prefix_caching: bool
+    scheduler_epoch: Epoch = 0
 
 
 class DropPool(_Wire):

@@ -206,3 +206,20 @@ def test_a_failure_inside_a_plan_becomes_an_error_reply(
     monkeypatch.undo()
     reply = pools.handle(admit_plan(0, 6, "a", [1, 2, 3]))
     assert isinstance(reply, PlanReply) and reply.error is None
+
+
+def test_a_newer_scheduler_drops_the_previous_ones_pools_and_an_older_one_is_refused() -> None:
+    batches: list[KvEventBatch] = []
+    pools = KvCachePools(epoch=1, publish=batches.append)
+    for replica_id in (0, 1):
+        ack = pools.handle(ConfigurePool(replica_id, 16, BLOCK_SIZE, True, scheduler_epoch=10))
+        assert ack == KvAck(None, 1)
+    # The scheduler restarted (epoch 20) and configures only replica 0 so far: replica 1 of
+    # the old instance is gone with it.
+    assert pools.handle(ConfigurePool(0, 16, BLOCK_SIZE, True, scheduler_epoch=20)).error is None
+    reply = pools.handle(PrefixQuery([]))
+    assert isinstance(reply, PrefixReply) and [r.replica_id for r in reply.replicas] == [0]
+    assert [(b.replica_id, b.events) for b in batches] == [(0, [AllBlocksCleared()]),
+                                                           (1, [AllBlocksCleared()])]
+    stale = pools.handle(ConfigurePool(1, 16, BLOCK_SIZE, True, scheduler_epoch=10))
+    assert isinstance(stale, KvAck) and "older" in (stale.error or "")

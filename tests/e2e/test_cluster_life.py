@@ -127,6 +127,9 @@ def test_worker_killed_mid_generation_requests_migrate(tmp_path: Path, prompts, 
         assert server.num_migrations >= busiest.num_running
         states = {r.replica_id: r.state for r in server.replicas}
         assert sorted(states.values()) == ["down", "ready"], states
+        # The dead replica's blocks and prefix index are gone from kvcache_svc.
+        alive = [r.replica_id for r in server.replicas if r.state == "ready"]
+        assert [p.replica_id for p in cluster.kv_stats().pools] == alive
 
 
 def test_no_replica_left_requests_wait_for_a_replacement(tmp_path: Path, prompts, references,  # type: ignore[no-untyped-def]

@@ -123,16 +123,24 @@ def _generate(runner: ModelRunner) -> dict[str, list[int]]:
     return {name: scheduler.outputs(name) for name in scheduler.requests}
 
 
-def test_two_tp_ranks_give_the_tokens_of_one(model_path: Path, model_config: ModelConfig,
-                                             tmp_path: Path) -> None:
-    from tests.e2e.harness import free_ports
-
+@pytest.fixture(scope="module")
+def single_rank_tokens(model_path: Path, model_config: ModelConfig) -> dict[str, list[int]]:
     single = ModelRunner(model_config, model_path, torch.float32, "tp-none")
     single.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    expected = _generate(single)
+    return _generate(single)
+
+
+# tp=2: SmolLM2's 3 KV heads split 2 + 1 (uneven, no replication); tp=4: more ranks than KV
+# heads, so KV head 0 is replicated on two ranks that split its query group.
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_ranks_give_the_tokens_of_one(model_path: Path, tmp_path: Path, tp_size: int,
+                                         single_rank_tokens: dict[str, list[int]]) -> None:
+    from tests.e2e.harness import free_ports
+
     port = free_ports(1)[0]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_run_rank, args=(2, port, str(model_path), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
+    mp.start_processes(_run_rank, args=(tp_size, port, str(model_path), str(tmp_path)),
+                       nprocs=tp_size, start_method="spawn")
+    for rank in range(tp_size):
+        tokens = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert tokens == single_rank_tokens, rank

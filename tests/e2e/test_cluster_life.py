@@ -309,3 +309,36 @@ def stream_one(cluster: RunningCluster, ids: list[int]):  # type: ignore[no-unty
     from tests.e2e.harness import stream_tokens
 
     return stream_tokens(cluster.stub, greedy_request(ids, 4))
+
+
+def test_pipeline_rank_killed_survivor_rejoins(tmp_path: Path, prompts, references,  # type: ignore[no-untyped-def]
+                                               ) -> None:
+    """pp=2, two replicas: SIGKILL one stage of the busier replica. Its requests move to the
+    other replica; the surviving stage registers again as a new member and, with a
+    replacement worker, forms a third replica that serves."""
+    with run_cluster(tmp_path, pp=2, num_replicas=2) as cluster:
+        assert wait_for(lambda: sum(r.state == "ready" for r in info(cluster).replicas) == 2,
+                        60)
+        streams = Streams(cluster, prompts[:8])
+        assert wait_for(lambda: streams.num_with(2) >= 4, 120)
+        busiest = max(info(cluster).replicas, key=lambda r: r.num_running + r.num_waiting)
+        victim = next(w.worker_id for w in busiest.workers if w.pp_rank == 1)
+        survivor = next(w.worker_id for w in busiest.workers if w.pp_rank == 0)
+        killed = kill(cluster, victim)
+        timed("pp rank SIGKILL -> replica down",
+              lambda: any(r.state == "down" for r in info(cluster).replicas), killed, 10)
+        check_outputs(streams.results(), references[:8], "after pp rank loss")
+        assert info(cluster).num_migrations > 0
+
+        def rejoined() -> bool:   # the survivor, under a newer epoch, in a forming replica
+            return any(w.worker_id == survivor and r.state != "down"
+                       for r in info(cluster).replicas for w in r.workers)
+
+        assert wait_for(rejoined, 30), "the surviving stage did not register again"
+        started = time.monotonic()
+        cluster.procs.add_worker("replacement", ["--threads", "1"])
+        timed("replacement -> a new replica with the survivor ready",
+              lambda: sum(r.state == "ready" for r in info(cluster).replicas) == 2, started, 120)
+        ours = [t for c in cluster.stub.Generate(greedy_request(prompts[9], MAX_TOKENS),
+                                                 timeout=120) for t in c.token_ids]
+        assert_matches_reference(ours, *references[9], label="on the re-formed replicas")

@@ -252,13 +252,16 @@ class ReplicaEngine:
             kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
         self._on_down(self.config.replica_id, reason, orphans)
 
+    def _configure_pool(self) -> ConfigurePool:
+        cfg = self.config
+        return ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
+                             block_size=cfg.scheduler.block_size,
+                             enable_prefix_caching=cfg.scheduler.prefix_caching,
+                             scheduler_epoch=cfg.scheduler_epoch)
+
     def _bring_up(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
         cfg = self.config
-        ack = kv.call(ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
-                                    block_size=cfg.scheduler.block_size,
-                                    enable_prefix_caching=cfg.scheduler.prefix_caching,
-                                  scheduler_epoch=cfg.scheduler_epoch),
-                      timeout_ms=int(cfg.kv_timeout_s * 1000))
+        ack = kv.call(self._configure_pool(), timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
         self.kv_epoch = ack.epoch
@@ -415,10 +418,7 @@ class ReplicaEngine:
             self._receive_oldest()
         self.scheduler.preempt_all()
         cfg = self.config
-        configure = ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
-                                  block_size=cfg.scheduler.block_size,
-                                  enable_prefix_caching=cfg.scheduler.prefix_caching,
-                                  scheduler_epoch=cfg.scheduler_epoch)
+        configure = self._configure_pool()
         while not self._stopping:
             self._check_down()
             ack = kv.call(configure, timeout_ms=int(KV_RETRY_S * 1000))

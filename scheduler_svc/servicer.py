@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from scheduler_svc.cluster import Cluster, RegistrationError
+from scheduler_svc.cluster import Cluster
 from scheduler_svc.frontend import (
     Frontend,
     NoReplica,
@@ -17,6 +17,7 @@ from scheduler_svc.frontend import (
     QueueFull,
     RequestFailed,
 )
+from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.tokenizer import ChatMessage
 from scheduler_svc.validation import InvalidRequest, RawSampling

@@ -8,14 +8,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from scheduler_svc.cluster import (
-    Cluster,
-    RegistrationError,
-    Replica,
-    rendezvous_address,
-    split_layers,
-)
+from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.placement import RegistrationError, Replica, rendezvous_address, split_layers
 from scheduler_svc.request import RequestOutput, SamplingParams
 from services.model_config import load_model_config
 

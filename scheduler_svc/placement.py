@@ -1,0 +1,84 @@
+"""What a replica is made of: worker records, their placement as (pp_rank, tp_rank), the
+stage layer ranges, and the replica's rendezvous. Plain data and arithmetic; `Cluster`
+(cluster.py) decides who goes where and when a replica starts or goes down.
+"""
+
+import socket
+import time
+from dataclasses import dataclass, field
+
+from scheduler_svc.engine import ReplicaEngine
+from services.channels import Receiver
+from services.wire import FromWorker
+
+
+class RegistrationError(ValueError):
+    """A registration the cluster refuses (wrong model, stale epoch, unknown worker)."""
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    epoch: int
+    device: str
+    memory_bytes: int
+    step_address: str
+    replica_id: int
+    pp_rank: int
+    tp_rank: int
+    num_kv_blocks: int | None = None
+    state: str = "loading"              # loading -> ready -> down
+    last_heartbeat: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    replica_id: int
+    pp_rank: int
+    tp_rank: int
+    pp_size: int
+    tp_size: int
+    first_layer: int
+    end_layer: int
+    output_address: str
+    dist_init_method: str       # torch.distributed rendezvous of the replica ("" if one rank)
+
+
+def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous stage ranges; the first `num_layers % pp_size` stages get one layer more."""
+    base, extra = divmod(num_layers, pp_size)
+    ranges, start = [], 0
+    for stage in range(pp_size):
+        end = start + base + (1 if stage < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def rendezvous_address(rank0_step_address: str) -> str:
+    """A torch.distributed TCP rendezvous on rank 0's host. The port is picked free on this
+    host, which is rank 0's host when the cluster runs on one machine; across machines rank 0
+    may have to be started with a known free port range (not handled yet)."""
+    host = rank0_step_address.removeprefix("tcp://").rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+class Replica:
+    """The ranks of one replica and, once complete, its engine."""
+
+    def __init__(self, replica_id: int, size: int, outputs: Receiver[FromWorker]) -> None:
+        self.replica_id = replica_id
+        self.ranks: list[WorkerRecord | None] = [None] * size
+        self.outputs = outputs
+        self.dist_init_method = ""      # set when rank 0 registers (multi-rank replicas)
+        self.engine: ReplicaEngine | None = None
+        self.state = "forming"          # forming -> starting -> ready -> down
+
+    @property
+    def workers(self) -> list[WorkerRecord]:
+        return [w for w in self.ranks if w is not None]
+
+    def is_full(self) -> bool:
+        return all(w is not None for w in self.ranks)

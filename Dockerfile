@@ -8,6 +8,10 @@ FROM python:3.11-slim
 # instead, whose Linux torch wheel is that CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler: workers build their CPU attention kernel for the CPU they run on, at start
+# (worker_svc/kernels; without one they fall back to the slower torch path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX_URL"
 
 WORKDIR /app

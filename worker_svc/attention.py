@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_svc.kernels import PagedDecodeKernel
+
 
 @dataclass(slots=True)
 class PrefillGroup:
@@ -64,6 +66,8 @@ class AttentionMetadata:
     # -inf for padding
     decode_bias: torch.Tensor
     decode_mask: torch.Tensor        # [num_decodes, 1, 1, same] bool: True for a request's keys
+    decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64, 0-padded
+    decode_kv_lens: torch.Tensor     # [num_decodes] int64: tokens each decode attends to
     prefill_groups: list[PrefillGroup]  # the longer chunks, in row order after the decodes
 
 
@@ -119,7 +123,8 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         row = group.token_end
     return AttentionMetadata(block_size, positions, slot_mapping, num_decodes,
                              decode_gather_rows, decode_bias, decode_mask[:, None],
-                             prefill_groups)
+                             table[:num_decodes, :max_decode_blocks].contiguous(),
+                             decode_kv_lens, prefill_groups)
 
 
 def _gather_rows(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -169,12 +174,14 @@ def _prefill_group(row: int, query_lens: list[int], context_lens: list[int],
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, decode_kernel: PagedDecodeKernel | None = None
+                    ) -> torch.Tensor:
     """Write the step's K/V into the cache, then attend over the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
-    [num_tokens, num_heads * head_dim].
+    [num_tokens, num_heads * head_dim]. `decode_kernel` (worker_svc.kernels), if given,
+    attends the one-token queries straight from the blocks instead of the torch path.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
@@ -183,7 +190,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
     outputs = []
-    if meta.num_decodes:
+    if meta.num_decodes and decode_kernel is not None:
+        outputs.append(decode_kernel(q[:meta.num_decodes], kv_cache, meta.decode_block_table,
+                                     meta.decode_kv_lens))
+    elif meta.num_decodes:
         outputs.append(_decode_attention(q[:meta.num_decodes], blocks, meta, num_kv_heads))
     for group in meta.prefill_groups:
         outputs.append(_prefill_attention(q[group.token_start:group.token_end], blocks, group,

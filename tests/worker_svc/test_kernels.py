@@ -1,0 +1,130 @@
+"""The C decode-attention kernel against the slow reference, and how it is built and cached."""
+
+import shutil
+
+import pytest
+import torch
+
+from worker_svc import kernels
+from worker_svc.attention import (
+    build_attention_metadata,
+    paged_attention,
+    reference_paged_attention,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the kernels fall back to torch")
+
+
+def _kernel(head_dim: int, group: int, dtype: torch.dtype) -> kernels.PagedDecodeKernel:
+    kernel = kernels.paged_decode_kernel(head_dim, group, dtype)
+    assert kernel is not None, "the kernel did not build (see the log)"
+    return kernel
+
+
+def _attend(query_lens: list[int], context_lens: list[int], block_size: int,
+            num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel path, reference) outputs for requests with fresh, scattered block tables."""
+    gen = torch.Generator().manual_seed(len(query_lens) * 7 + sum(context_lens) + head_dim)
+    kv_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    need = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(need) + 8
+    # Scattered, non-increasing block ids: request i takes every len(query_lens)-th id.
+    ids = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    tables, start = [], 0
+    for n in need:
+        tables.append([1 + b for b in ids[start:start + n]])
+        start += n
+    num_tokens = sum(query_lens)
+    # q as a slice of a wider tensor, as the model passes it (rows strided, heads contiguous).
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = qk[:, :num_heads]
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    cache = cache.to(dtype)
+    cache[:, 0] = 0
+    fast_cache, slow_cache = cache.clone(), cache.clone()
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size, num_blocks)
+    kernel = _kernel(head_dim, num_heads // num_kv_heads, dtype)
+    fast = paged_attention(q, k, v, fast_cache, meta, kernel)
+    slow = reference_paged_attention(q, k, v, slow_cache, query_lens, context_lens, tables)
+    assert torch.equal(fast_cache, slow_cache)
+    return fast, slow
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16),
+                                                              (8, 2, 32), (6, 2, 8), (4, 2, 4)])
+def test_float32_decodes_match_reference(num_heads: int, num_kv_heads: int,
+                                         head_dim: int) -> None:
+    # Contexts around the kernel's 32-token tile and the 16-token block: 0, 31, 32, 33, 100.
+    contexts = [0, 31, 32, 33, 100, 7]
+    fast, slow = _attend([1] * len(contexts), contexts, 16, num_heads, num_kv_heads, head_dim,
+                         torch.float32)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_decodes_beside_prefill_chunks_and_small_blocks() -> None:
+    fast, slow = _attend([1, 1, 1, 6, 3], [5, 70, 0, 0, 9], 4, 6, 2, 16, torch.float32)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_close_to_reference() -> None:
+    contexts = [3, 40, 129, 64]
+    fast, slow = _attend([1] * 4, contexts, 16, 9, 3, 64, torch.bfloat16)
+    torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_long_context_and_large_scores_stay_finite() -> None:
+    # 3000 keys and scores in the hundreds: the running max must keep exp() in range.
+    kernel = _kernel(16, 2, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    n, block = 3000, 16
+    blocks = -(-n // block)
+    cache = torch.randn(2, blocks + 1, block, 1, 16, generator=gen) * 6
+    q = torch.randn(1, 2, 16, generator=gen) * 6
+    table = torch.arange(1, blocks + 1, dtype=torch.int64)[None]
+    out = kernel(q, cache, table, torch.tensor([n]))
+    keys = cache[0, 1:].reshape(-1, 16)[:n]
+    values = cache[1, 1:].reshape(-1, 16)[:n]
+    expected = torch.softmax(q[0] @ keys.T / 4, dim=-1) @ values
+    torch.testing.assert_close(out.view(2, 16), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_mismatched_tensors() -> None:
+    kernel = _kernel(16, 2, torch.float32)
+    cache = torch.zeros(2, 4, 4, 1, 16)
+    table = torch.ones(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="unexpected"):
+        kernel(torch.zeros(1, 3, 16), cache, table, torch.ones(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unexpected"):
+        kernel(torch.zeros(1, 2, 16), cache.bfloat16(), table, torch.ones(1, dtype=torch.int64))
+
+
+def test_build_is_cached_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_libraries", {})
+    assert kernels.paged_decode_kernel(16, 2, torch.float32) is not None
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+    monkeypatch.setattr(kernels, "_libraries", {})
+    assert kernels.paged_decode_kernel(16, 2, torch.float32) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == built, "built twice"
+    assert kernels.paged_decode_kernel(16, 2, torch.bfloat16) is not None
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_no_compiler_or_switched_off_falls_back(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SPLITSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_libraries", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    assert kernels.paged_decode_kernel(16, 2, torch.float32) is None
+    assert "no C compiler" in caplog.text
+    monkeypatch.undo()
+    assert kernels.paged_decode_kernel(10, 2, torch.float32) is None   # not a multiple of 4
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    assert kernels.paged_decode_kernel(16, 2, torch.float32) is None

@@ -1,0 +1,165 @@
+"""CPU kernels in C, compiled on this machine when a worker starts and called through ctypes.
+
+Why C and not torch ops: decode attention over paged K/V in torch needs a gathered copy of
+every request's keys and values per layer and a batched matmul padded for GQA; one pass in C
+that reads the blocks where they lie is 2-3x faster (see bench/kernels.py). Why compiled
+here: `-march=native` and the model's head size as constants give GCC fixed-size loops over
+vector registers, and the build takes well under a second with only a C compiler (no torch
+headers, no Python extension module).
+
+A build is cached under `$SPLITSERVE_KERNEL_DIR` (default `~/.cache/splitserve/kernels`),
+named by a hash of the source, the flags, the compiler and this CPU's feature flags, so a
+cache shared between machines never hands one CPU code built for another. Builds are
+written to a temporary file and renamed, so workers starting together do not collide.
+
+If there is no C compiler or the build fails, `paged_decode_kernel` returns None, the worker
+logs why once, and attention uses the torch path (same results, slower).
+`SPLITSERVE_CPU_KERNELS=0` turns the kernels off.
+
+The kernels use OpenMP through the libgomp torch already loaded (same soname), so
+`torch.set_num_threads` sizes their thread pool too.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+_libraries: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+_warned: set[str] = set()
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
+
+
+def _cpu_signature() -> str:
+    """This CPU's model and feature flags (Linux), else the platform's description."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("SPLITSERVE_KERNEL_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "splitserve" / "kernels"
+
+
+def build(source: str, defines: dict[str, int]) -> ctypes.CDLL | None:
+    """Compile `source` (a file beside this module) with `-D` defines, or take it from the
+    cache; load it. None (with one warning) where that cannot be done."""
+    flags = tuple(f"-D{k}={v}" for k, v in sorted(defines.items())) + CFLAGS
+    key = (source, flags)
+    if key in _libraries:
+        return _libraries[key]
+    library = None
+    try:
+        library = _build(SOURCE_DIR / source, flags)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        if source not in _warned:
+            _warned.add(source)
+            log.warning("CPU kernel %s unavailable, using the torch path: %s", source, e)
+    _libraries[key] = library
+    return library
+
+
+def _build(path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    digest = hashlib.sha256("\0".join([path.read_text(), *flags, version,
+                                       _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{path.stem}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *flags, str(path), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+            log.info("built CPU kernel %s", target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(target))
+
+
+def _lanes(head_dim: int) -> int | None:
+    for lanes in (16, 8, 4):
+        if head_dim % lanes == 0:
+            return lanes
+    return None
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class PagedDecodeKernel:
+    """`paged_decode.c` for one (head_dim, query heads per KV head, dtype)."""
+
+    __slots__ = ("fn", "head_dim", "group", "dtype")
+
+    def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, dtype: torch.dtype):
+        self.fn = library.paged_decode
+        self.fn.restype = None
+        self.fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P]
+        self.head_dim, self.group, self.dtype = head_dim, group, dtype
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 kv_lens: torch.Tensor) -> torch.Tensor:
+        """q [num_decodes, num_heads, head_dim], rows may be strided (heads and dim
+        contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+        block_tables [num_decodes, max_blocks] int64; kv_lens [num_decodes] int64, each
+        request's token count including the new one. Returns [num_decodes, heads * dim]."""
+        num_decodes, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if (head_dim != self.head_dim or num_heads != num_kv_heads * self.group
+                or q.dtype != self.dtype or kv_cache.dtype != self.dtype
+                or q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous()
+                or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
+                or kv_lens.dtype != torch.int64 or block_tables.shape[0] != num_decodes
+                or kv_lens.shape != (num_decodes,)):
+            raise ValueError("paged decode kernel: unexpected shapes, strides or dtypes")
+        out = torch.empty(num_decodes, num_heads * head_dim, dtype=q.dtype)
+        self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.shape[1], kv_lens.data_ptr(), num_decodes, num_kv_heads,
+                num_blocks, block_size, head_dim ** -0.5, out.data_ptr())
+        return out
+
+
+def paged_decode_kernel(head_dim: int, group: int, dtype: torch.dtype
+                        ) -> PagedDecodeKernel | None:
+    """The decode attention kernel for this shape, or None (use the torch path)."""
+    lanes = _lanes(head_dim)
+    if not kernels_enabled() or lanes is None or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    library = build("paged_decode.c", {"HEAD_DIM": head_dim, "GROUP": group, "LANES": lanes,
+                                       "ELEM_BF16": int(dtype == torch.bfloat16)})
+    return None if library is None else PagedDecodeKernel(library, head_dim, group, dtype)

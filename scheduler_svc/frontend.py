@@ -5,9 +5,10 @@ replica and streams its outputs back. No protobuf here; `servicer.py` adapts it 
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from scheduler_svc.cluster import Cluster
@@ -55,6 +56,32 @@ class PreparedRequest:
     sampling: SamplingParams
 
 
+class LoopPoster:
+    """Hands callbacks from engine threads to one asyncio loop, many per wake-up.
+
+    A step finishes dozens of requests' outputs at once; one `call_soon_threadsafe` each
+    would wake the loop (a pipe write, a GIL hand-over) dozens of times per step. Here the
+    first post since the last drain schedules one drain and later ones only append."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
+
+    def post(self, fn: Callable[[RequestOutput], None], arg: RequestOutput) -> None:
+        with self._lock:
+            self._pending.append((fn, arg))
+            first = len(self._pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fn, arg in pending:
+            fn(arg)
+
+
 class Frontend:
     def __init__(self, cluster: Cluster, tokenizer: TextTokenizer, limits: Limits,
                  max_live_requests: int, replica_wait_s: float = 60.0,
@@ -67,6 +94,7 @@ class Frontend:
         # was lost with no other left), unless the client's deadline comes first.
         self.replica_wait_s = replica_wait_s
         self._live: set[str] = set()
+        self._poster: LoopPoster | None = None      # for the loop serving the clients
         self.metrics = metrics
         self.num_requests_total = 0
         self.draining = False
@@ -114,10 +142,13 @@ class Frontend:
         if len(self._live) >= self.max_live_requests:
             raise QueueFull(f"{len(self._live)} requests are live; try again later")
         loop = asyncio.get_running_loop()
+        if self._poster is None or self._poster.loop is not loop:
+            self._poster = LoopPoster(loop)
+        poster = self._poster
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            poster.post(outputs.put_nowait, out)
 
         wait_s = self.replica_wait_s
         if time_remaining is not None:   # end before the client's own deadline fires

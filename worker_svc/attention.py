@@ -1,4 +1,4 @@
-"""Paged attention on CPU in plain torch, with a slow reference twin.
+"""Paged attention on CPU: the C kernel's metadata, the torch path, and a slow reference twin.
 
 KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). A token's slot is `block_id * block_size + position % block_size`
@@ -13,7 +13,12 @@ Each layer first writes the K/V of every new token of the batch, then reads K/V 
 from the cache only, so a request can use blocks another request wrote in the same step.
 
 The batch is flat: `num_tokens` rows, requests one after another, every one-token query
-("decode", including a one-token prefill chunk) before any longer chunk. Decodes run together
+("decode", including a one-token prefill chunk) before any longer chunk.
+
+Where the C kernel builds (worker_svc.kernels, the default), it attends every row in one call
+per layer: a row is a one-token query over its request's first `position + 1` keys, read
+from the blocks in place, so causal masking is only each row's length. Otherwise (or with
+`torch_path=True` metadata and no kernel) the torch path runs: decodes run together
 over their padded, gathered K/V (see `_decode_attention`); longer chunks run in groups of
 similar sizes, one padded SDPA call per group, with a bottom-right aligned causal mask (query
 i of a chunk starting at context length c sees keys 0..c+i).
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_svc.kernels import PagedDecodeKernel
+from worker_svc.kernels import PagedAttentionKernel
 
 
 @dataclass(slots=True)
@@ -66,19 +71,22 @@ class AttentionMetadata:
     # -inf for padding
     decode_bias: torch.Tensor
     decode_mask: torch.Tensor        # [num_decodes, 1, 1, same] bool: True for a request's keys
-    decode_block_table: torch.Tensor  # [num_decodes, max_decode_blocks] int64, 0-padded
-    decode_kv_lens: torch.Tensor     # [num_decodes] int64: tokens each decode attends to
+    # For the C kernel (worker_svc.kernels), which takes every row as a one-token query:
+    block_table: torch.Tensor        # [num_reqs, max_blocks] int64, 0-padded
+    row_request: torch.Tensor        # [num_tokens] int64: each row's request (table row)
+    row_kv_lens: torch.Tensor        # [num_tokens] int64: keys each row sees (position + 1)
     prefill_groups: list[PrefillGroup]  # the longer chunks, in row order after the decodes
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
                              block_tables: list[list[int]], block_size: int,
-                             num_blocks: int) -> AttentionMetadata:
+                             num_blocks: int, torch_path: bool = True) -> AttentionMetadata:
     """Per-step tensors for requests laid out in the given order (one-token queries first).
 
     `context_lens[i]` tokens of request i are already cached; its `query_lens[i]` new tokens
     take positions context_len .. context_len + query_len - 1; `block_tables[i]` must cover them.
-    `num_blocks` is the cache's block count.
+    `num_blocks` is the cache's block count. `torch_path=False` (the layers use the C kernel)
+    skips the torch path's gather rows, masks and prefill groups: they stay empty.
     """
     num_reqs = len(query_lens)
     num_decodes = 0
@@ -105,6 +113,12 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
     slot_mapping = (table[row_request, positions // block_size] * block_size
                     + positions % block_size)                                    # [num_tokens]
 
+    if not torch_path:
+        empty = torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(block_size, positions, slot_mapping, num_decodes, empty,
+                                 torch.empty(0, 1, 0), torch.empty(0, 1, 1, 0, dtype=torch.bool),
+                                 table, row_request, positions + 1, [])
+
     max_decode_blocks = max(blocks_needed[:num_decodes], default=1)
     decode_gather_rows = _gather_rows(table[:num_decodes, :max_decode_blocks], num_blocks)
     decode_kv_lens = torch.tensor(kv_lens[:num_decodes], dtype=torch.int64)
@@ -123,8 +137,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         row = group.token_end
     return AttentionMetadata(block_size, positions, slot_mapping, num_decodes,
                              decode_gather_rows, decode_bias, decode_mask[:, None],
-                             table[:num_decodes, :max_decode_blocks].contiguous(),
-                             decode_kv_lens, prefill_groups)
+                             table, row_request, positions + 1, prefill_groups)
 
 
 def _gather_rows(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -174,26 +187,25 @@ def _prefill_group(row: int, query_lens: list[int], context_lens: list[int],
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, decode_kernel: PagedDecodeKernel | None = None
+                    meta: AttentionMetadata, kernel: PagedAttentionKernel | None = None
                     ) -> torch.Tensor:
     """Write the step's K/V into the cache, then attend over the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
-    [num_tokens, num_heads * head_dim]. `decode_kernel` (worker_svc.kernels), if given,
-    attends the one-token queries straight from the blocks instead of the torch path.
+    [num_tokens, num_heads * head_dim]. `kernel` (worker_svc.kernels), if given, attends
+    every row straight from the blocks in one call instead of the torch path below.
     """
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots[0].index_copy_(0, meta.slot_mapping, k)
     slots[1].index_copy_(0, meta.slot_mapping, v)
+    if kernel is not None:
+        return kernel(q, kv_cache, meta.block_table, meta.row_request, meta.row_kv_lens)
     blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
     outputs = []
-    if meta.num_decodes and decode_kernel is not None:
-        outputs.append(decode_kernel(q[:meta.num_decodes], kv_cache, meta.decode_block_table,
-                                     meta.decode_kv_lens))
-    elif meta.num_decodes:
+    if meta.num_decodes:
         outputs.append(_decode_attention(q[:meta.num_decodes], blocks, meta, num_kv_heads))
     for group in meta.prefill_groups:
         outputs.append(_prefill_attention(q[group.token_start:group.token_end], blocks, group,

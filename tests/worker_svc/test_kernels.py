@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against the slow reference, and how it is built and cached."""
+"""The C paged-attention kernel against the slow reference, and how it is built and cached."""
 
 import shutil
 
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
                                 reason="no C compiler: the kernels fall back to torch")
 
 
-def _kernel(head_dim: int, group: int, dtype: torch.dtype) -> kernels.PagedDecodeKernel:
-    kernel = kernels.paged_decode_kernel(head_dim, group, dtype)
+def _kernel(head_dim: int, group: int, dtype: torch.dtype) -> kernels.PagedAttentionKernel:
+    kernel = kernels.paged_attention_kernel(head_dim, group, dtype)
     assert kernel is not None, "the kernel did not build (see the log)"
     return kernel
 
@@ -46,7 +46,8 @@ def _attend(query_lens: list[int], context_lens: list[int], block_size: int,
     cache = cache.to(dtype)
     cache[:, 0] = 0
     fast_cache, slow_cache = cache.clone(), cache.clone()
-    meta = build_attention_metadata(query_lens, context_lens, tables, block_size, num_blocks)
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size, num_blocks,
+                                    torch_path=False)
     kernel = _kernel(head_dim, num_heads // num_kv_heads, dtype)
     fast = paged_attention(q, k, v, fast_cache, meta, kernel)
     slow = reference_paged_attention(q, k, v, slow_cache, query_lens, context_lens, tables)
@@ -65,14 +66,18 @@ def test_float32_decodes_match_reference(num_heads: int, num_kv_heads: int,
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
-def test_decodes_beside_prefill_chunks_and_small_blocks() -> None:
-    fast, slow = _attend([1, 1, 1, 6, 3], [5, 70, 0, 0, 9], 4, 6, 2, 16, torch.float32)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_chunks_beside_decodes(block_size: int) -> None:
+    # Fresh prompts, chunks after cached context (mid-block and aligned) and a 70-token chunk
+    # whose later rows cross tiles: every row is causal by its own length.
+    fast, slow = _attend([1, 1, 1, 6, 3, 5, 70], [5, 70, 0, 0, 9, 16, 40], block_size, 6, 2,
+                         16, torch.float32)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_close_to_reference() -> None:
-    contexts = [3, 40, 129, 64]
-    fast, slow = _attend([1] * 4, contexts, 16, 9, 3, 64, torch.bfloat16)
+    contexts = [3, 40, 129, 64, 0]
+    fast, slow = _attend([1] * 4 + [20], contexts, 16, 9, 3, 64, torch.bfloat16)
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -85,7 +90,7 @@ def test_long_context_and_large_scores_stay_finite() -> None:
     cache = torch.randn(2, blocks + 1, block, 1, 16, generator=gen) * 6
     q = torch.randn(1, 2, 16, generator=gen) * 6
     table = torch.arange(1, blocks + 1, dtype=torch.int64)[None]
-    out = kernel(q, cache, table, torch.tensor([n]))
+    out = kernel(q, cache, table, torch.zeros(1, dtype=torch.int64), torch.tensor([n]))
     keys = cache[0, 1:].reshape(-1, 16)[:n]
     values = cache[1, 1:].reshape(-1, 16)[:n]
     expected = torch.softmax(q[0] @ keys.T / 4, dim=-1) @ values
@@ -96,22 +101,25 @@ def test_rejects_mismatched_tensors() -> None:
     kernel = _kernel(16, 2, torch.float32)
     cache = torch.zeros(2, 4, 4, 1, 16)
     table = torch.ones(1, 1, dtype=torch.int64)
+    row, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="unexpected"):
-        kernel(torch.zeros(1, 3, 16), cache, table, torch.ones(1, dtype=torch.int64))
+        kernel(torch.zeros(1, 3, 16), cache, table, row, one)          # 3 heads: not 2 per KV
     with pytest.raises(ValueError, match="unexpected"):
-        kernel(torch.zeros(1, 2, 16), cache.bfloat16(), table, torch.ones(1, dtype=torch.int64))
+        kernel(torch.zeros(1, 2, 16), cache.bfloat16(), table, row, one)
+    with pytest.raises(ValueError, match="unexpected"):
+        kernel(torch.zeros(1, 2, 16), cache, table, row.int(), one)
 
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_KERNEL_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_libraries", {})
-    assert kernels.paged_decode_kernel(16, 2, torch.float32) is not None
+    assert kernels.paged_attention_kernel(16, 2, torch.float32) is not None
     built = sorted(p.name for p in tmp_path.iterdir())
-    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+    assert len(built) == 1 and built[0].startswith("paged_attention-") and built[0].endswith(".so")
     monkeypatch.setattr(kernels, "_libraries", {})
-    assert kernels.paged_decode_kernel(16, 2, torch.float32) is not None
+    assert kernels.paged_attention_kernel(16, 2, torch.float32) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == built, "built twice"
-    assert kernels.paged_decode_kernel(16, 2, torch.bfloat16) is not None
+    assert kernels.paged_attention_kernel(16, 2, torch.bfloat16) is not None
     assert len(list(tmp_path.iterdir())) == 2
 
 
@@ -122,9 +130,9 @@ def test_no_compiler_or_switched_off_falls_back(tmp_path, monkeypatch: pytest.Mo
     monkeypatch.setattr(kernels, "_warned", set())
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    assert kernels.paged_decode_kernel(16, 2, torch.float32) is None
+    assert kernels.paged_attention_kernel(16, 2, torch.float32) is None
     assert "no C compiler" in caplog.text
     monkeypatch.undo()
-    assert kernels.paged_decode_kernel(10, 2, torch.float32) is None   # not a multiple of 4
+    assert kernels.paged_attention_kernel(10, 2, torch.float32) is None   # not a multiple of 4
     monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
-    assert kernels.paged_decode_kernel(16, 2, torch.float32) is None
+    assert kernels.paged_attention_kernel(16, 2, torch.float32) is None

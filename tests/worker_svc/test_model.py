@@ -21,8 +21,8 @@ def fp32_weights(model_path: Path, model_config: ModelConfig) -> ModelWeights:
 
 
 def _model(config: ModelConfig, weights: ModelWeights, first: int = 0,
-           end: int | None = None, last: bool = True) -> LlamaModel:
-    model = LlamaModel(config, torch.float32, first, end, last)
+           end: int | None = None, last: bool = True, cpu_kernels: bool = True) -> LlamaModel:
+    model = LlamaModel(config, torch.float32, first, end, last, cpu_kernels=cpu_kernels)
     model.load_weights(weights)
     return model
 
@@ -49,9 +49,11 @@ def _prefill_all(config: ModelConfig, num_layers: int, dtype: torch.dtype = torc
     return torch.tensor([t for p in prompts for t in p]), meta, caches
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernel", "torch-path"])
 def test_logits_match_hf(model_config: ModelConfig, fp32_weights: ModelWeights,
-                         hf_model) -> None:  # type: ignore[no-untyped-def]
-    model = _model(model_config, fp32_weights)
+                         hf_model, cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
+    model = _model(model_config, fp32_weights, cpu_kernels=cpu_kernels)
+    assert (model.attention_kernel is not None) == cpu_kernels
     input_ids, meta, caches = _prefill_all(model_config, model_config.num_layers)
     with torch.inference_mode():
         hidden, residual = model.forward(input_ids, None, None, meta.positions, meta, caches)

@@ -1,8 +1,8 @@
 """CPU kernels in C, compiled on this machine when a worker starts and called through ctypes.
 
-Why C and not torch ops: decode attention over paged K/V in torch needs a gathered copy of
-every request's keys and values per layer and a batched matmul padded for GQA; one pass in C
-that reads the blocks where they lie is 2-3x faster (see bench/kernels.py). Why compiled
+Why C and not torch ops: attention over paged K/V in torch needs a gathered copy of every
+request's keys and values per layer, padded batches and masks; one pass in C that reads the
+blocks where they lie is 2-3x faster for decodes and prefill chunks alike (bench/kernels.py). Why compiled
 here: `-march=native` and the model's head size as constants give GCC fixed-size loops over
 vector registers, and the build takes well under a second with only a C compiler (no torch
 headers, no Python extension module).
@@ -12,7 +12,7 @@ named by a hash of the source, the flags, the compiler and this CPU's feature fl
 cache shared between machines never hands one CPU code built for another. Builds are
 written to a temporary file and renamed, so workers starting together do not collide.
 
-If there is no C compiler or the build fails, `paged_decode_kernel` returns None, the worker
+If there is no C compiler or the build fails, `paged_attention_kernel` returns None, the worker
 logs why once, and attention uses the torch path (same results, slower).
 `SPLITSERVE_CPU_KERNELS=0` turns the kernels off.
 
@@ -121,45 +121,47 @@ def _lanes(head_dim: int) -> int | None:
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class PagedDecodeKernel:
-    """`paged_decode.c` for one (head_dim, query heads per KV head, dtype)."""
+class PagedAttentionKernel:
+    """`paged_attention.c` for one (head_dim, query heads per KV head, dtype)."""
 
     __slots__ = ("fn", "head_dim", "group", "dtype")
 
     def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, dtype: torch.dtype):
-        self.fn = library.paged_decode
+        self.fn = library.paged_attention
         self.fn.restype = None
-        self.fn.argtypes = [_P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _F, _P]
+        self.fn.argtypes = [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P]
         self.head_dim, self.group, self.dtype = head_dim, group, dtype
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 kv_lens: torch.Tensor) -> torch.Tensor:
-        """q [num_decodes, num_heads, head_dim], rows may be strided (heads and dim
-        contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous;
-        block_tables [num_decodes, max_blocks] int64; kv_lens [num_decodes] int64, each
-        request's token count including the new one. Returns [num_decodes, heads * dim]."""
-        num_decodes, num_heads, head_dim = q.shape
+                 row_request: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+        """q [rows, num_heads, head_dim], one query token per row (rows may be strided;
+        heads and dim contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads,
+        head_dim] contiguous; block_tables [requests, max_blocks] int64; row_request [rows]
+        int64: each row's request; kv_lens [rows] int64: the keys each row attends to (its
+        position + 1). Returns [rows, heads * dim]."""
+        rows, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if (head_dim != self.head_dim or num_heads != num_kv_heads * self.group
                 or q.dtype != self.dtype or kv_cache.dtype != self.dtype
                 or q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous()
                 or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
-                or kv_lens.dtype != torch.int64 or block_tables.shape[0] != num_decodes
-                or kv_lens.shape != (num_decodes,)):
-            raise ValueError("paged decode kernel: unexpected shapes, strides or dtypes")
-        out = torch.empty(num_decodes, num_heads * head_dim, dtype=q.dtype)
+                or row_request.dtype != torch.int64 or row_request.shape != (rows,)
+                or kv_lens.dtype != torch.int64 or kv_lens.shape != (rows,)
+                or not (row_request.is_contiguous() and kv_lens.is_contiguous())):
+            raise ValueError("paged attention kernel: unexpected shapes, strides or dtypes")
+        out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
         self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.shape[1], kv_lens.data_ptr(), num_decodes, num_kv_heads,
-                num_blocks, block_size, head_dim ** -0.5, out.data_ptr())
+                block_tables.shape[1], row_request.data_ptr(), kv_lens.data_ptr(), rows,
+                num_kv_heads, num_blocks, block_size, head_dim ** -0.5, out.data_ptr())
         return out
 
 
-def paged_decode_kernel(head_dim: int, group: int, dtype: torch.dtype
-                        ) -> PagedDecodeKernel | None:
-    """The decode attention kernel for this shape, or None (use the torch path)."""
+def paged_attention_kernel(head_dim: int, group: int, dtype: torch.dtype
+                           ) -> PagedAttentionKernel | None:
+    """The attention kernel for this shape, or None (use the torch path)."""
     lanes = _lanes(head_dim)
     if not kernels_enabled() or lanes is None or dtype not in (torch.bfloat16, torch.float32):
         return None
-    library = build("paged_decode.c", {"HEAD_DIM": head_dim, "GROUP": group, "LANES": lanes,
-                                       "ELEM_BF16": int(dtype == torch.bfloat16)})
-    return None if library is None else PagedDecodeKernel(library, head_dim, group, dtype)
+    library = build("paged_attention.c", {"HEAD_DIM": head_dim, "GROUP": group, "LANES": lanes,
+                                          "ELEM_BF16": int(dtype == torch.bfloat16)})
+    return None if library is None else PagedAttentionKernel(library, head_dim, group, dtype)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
-from worker_svc.kernels import PagedDecodeKernel, paged_decode_kernel
+from worker_svc.kernels import PagedAttentionKernel, paged_attention_kernel
 from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
 from worker_svc.tensor_parallel import (
     TpGroup,
@@ -112,19 +112,19 @@ class LlamaLayer:
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
                  "o_proj", "post_attention_norm", "gate_up_proj", "down_proj", "tp",
-                 "decode_kernel")
+                 "attention_kernel")
 
     def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
                  prefix: str, tp: TpGroup | None = None,
-                 decode_kernel: PagedDecodeKernel | None = None):
+                 attention_kernel: PagedAttentionKernel | None = None):
         """`shard`: the heads and MLP slice this rank holds (all of them without TP).
-        `decode_kernel`: the C decode attention (None: the torch path)."""
+        `attention_kernel`: the C paged attention (None: the torch path)."""
         self.num_heads = shard.num_heads         # this rank's
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
         self.eps = eps
         self.tp = tp
-        self.decode_kernel = decode_kernel
+        self.attention_kernel = attention_kernel
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
@@ -156,7 +156,7 @@ class LlamaLayer:
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta,    # [num_tokens, heads*dim]
-                               self.decode_kernel)
+                               self.attention_kernel)
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads
@@ -197,13 +197,13 @@ class LlamaModel:
     held by one TP rank (`tp` None: the whole width)."""
 
     __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "shard", "tp",
-                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "decode_kernel")
+                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "attention_kernel")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
                  tp: TpGroup | None = None, cpu_kernels: bool = True):
-        """`cpu_kernels`: attend decodes with the C kernel where it builds (see
-        worker_svc.kernels); off = the torch path only."""
+        """`cpu_kernels`: attend with the C kernel where it builds (see worker_svc.kernels);
+        off = the torch path only."""
         self.config = config
         self.dtype = dtype
         self.first_layer = first_layer
@@ -218,9 +218,9 @@ class LlamaModel:
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype)
-        self.decode_kernel = None
-        if cpu_kernels and self.shard.num_kv_heads:
-            self.decode_kernel = paged_decode_kernel(
+        self.attention_kernel = None
+        if cpu_kernels:
+            self.attention_kernel = paged_attention_kernel(
                 config.head_dim, self.shard.num_heads // self.shard.num_kv_heads, dtype)
 
     @property
@@ -237,7 +237,7 @@ class LlamaModel:
                 self.embed_tokens = slice_rows(tensors["model.embed_tokens.weight"], v0, v1)
             self.layers = [
                 LlamaLayer(self.shard, cfg.head_dim, cfg.rms_norm_eps, weights,
-                           f"model.layers.{i}.", self.tp, self.decode_kernel)
+                           f"model.layers.{i}.", self.tp, self.attention_kernel)
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]

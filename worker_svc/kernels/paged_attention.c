@@ -1,5 +1,6 @@
-/* Paged attention for one-token queries ("decodes") on CPU, reading K/V straight from the
- * block cache: no gathered copy, float32 arithmetic throughout, online softmax over tiles.
+/* Paged attention on CPU, one query token ("row") at a time, reading K/V straight from the
+ * block cache: no gathered copy, no padding, float32 arithmetic throughout, online softmax
+ * over tiles of keys. Decodes and the tokens of prefill chunks go through the same loop.
  *
  * Built at run time by worker_svc/kernels/__init__.py for one model shape and dtype, with
  *   -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head> -DLANES=<floats per vector>
@@ -12,10 +13,10 @@
  * head_dim], keys then values; token t of a request lives in block table[t / block_size] at
  * offset t % block_size. Query head h * GROUP + g reads KV head h.
  *
- * Work item = (request, KV head): its GROUP query rows are scored against every key of the
- * request, TILE tokens at a time; the softmax is rescaled per tile (running max and sum), so
- * no buffer grows with the context. Items are spread over OpenMP threads; each item's result
- * depends only on its own inputs, so it is the same whichever thread or TP rank computes it.
+ * Work item = (row, KV head): its GROUP query heads are scored against the row's keys, TILE
+ * tokens at a time; the softmax is rescaled per tile (running max and sum), so no buffer
+ * grows with the context. Items are spread over OpenMP threads; each item's result depends
+ * only on its own inputs, so it is the same whichever thread or TP rank computes it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -142,10 +143,10 @@ static inline const elem_t *next_row(cursor_t *c) {
   return row;
 }
 
-/* One (request, KV head) item: q = its GROUP query rows (contiguous), table = its block ids,
- * kv_len = its tokens, out = its GROUP output rows. Reading K/V rows dominates (each is a
+/* One (row, KV head) item: q = its GROUP query heads (contiguous), table = its request's
+ * block ids, kv_len = the tokens it attends to, out = its GROUP output heads. Reading K/V rows dominates (each is a
  * couple of cache lines in a scattered block). */
-static void decode_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t kv_len,
+static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t kv_len,
                         int64_t value_offset, int64_t block_size, int64_t row_stride,
                         int64_t head, float scale, elem_t *out) {
   vf qv[GROUP][NVEC], acc[GROUP][NVEC];
@@ -213,22 +214,24 @@ static void decode_item(const elem_t *q, const elem_t *kv, const int64_t *table,
   }
 }
 
-/* Every (request, KV head) item. q: rows of request r start at q + r * q_stride (elements),
- * heads and dims contiguous; kv_cache as above; block_tables [num_decodes, max_blocks];
- * kv_lens [num_decodes] (tokens attended, the new one included); out [num_decodes, heads,
- * HEAD_DIM]. Contiguous item ranges per thread keep a request's three heads on one core. */
-void paged_decode(const elem_t *q, int64_t q_stride, const elem_t *kv_cache,
-                  const int64_t *block_tables, int64_t max_blocks, const int64_t *kv_lens,
-                  int64_t num_decodes, int64_t num_kv_heads, int64_t num_blocks,
-                  int64_t block_size, float scale, elem_t *out) {
+/* Every (row, KV head) item. A row is one query token: a decode, or one token of a prefill
+ * chunk, which attends to its request's first kv_lens[row] tokens (its own included), so
+ * causal masking is just each row's length. q: row r starts at q + r * q_stride (elements),
+ * heads and dims contiguous; kv_cache as above; block_tables [requests, max_blocks];
+ * row_request [rows]: the request (table row) of each row; out [rows, heads, HEAD_DIM].
+ * Rows are handed out a few at a time: a prefill chunk's later rows cost more. */
+void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *kv_cache,
+                     const int64_t *block_tables, int64_t max_blocks, const int64_t *row_request,
+                     const int64_t *kv_lens, int64_t num_rows, int64_t num_kv_heads,
+                     int64_t num_blocks, int64_t block_size, float scale, elem_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const int64_t value_offset = num_blocks * block_size * row_stride;
-  const int64_t items = num_decodes * num_kv_heads;
-#pragma omp parallel for schedule(static)
+  const int64_t items = num_rows * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 4)
   for (int64_t item = 0; item < items; item++) {
     const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-    decode_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache, block_tables + r * max_blocks,
-                kv_lens[r], value_offset, block_size, row_stride, h, scale,
-                out + (r * num_kv_heads + h) * GROUP * HEAD_DIM);
+    attend_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache,
+                block_tables + row_request[r] * max_blocks, kv_lens[r], value_offset, block_size,
+                row_stride, h, scale, out + (r * num_kv_heads + h) * GROUP * HEAD_DIM);
   }
 }

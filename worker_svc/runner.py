@@ -114,7 +114,7 @@ class ModelRunner:
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
                 [s.state.block_ids for s in layout], self.input_batch.block_size,
                 self.input_batch.num_blocks,
-                torch_path=self.model.attention_kernel is None)
+                torch_path=self.model.kernels.attention is None)
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
                 input_ids = torch.tensor(

@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from worker_svc import kernels
 from worker_svc.attention import (
@@ -136,3 +137,60 @@ def test_no_compiler_or_switched_off_falls_back(tmp_path, monkeypatch: pytest.Mo
     assert kernels.paged_attention_kernel(10, 2, torch.float32) is None   # not a multiple of 4
     monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
     assert kernels.paged_attention_kernel(16, 2, torch.float32) is None
+
+
+# ------------------------------------------------------------------------ elementwise kernels
+
+def _elementwise(dtype: torch.dtype) -> kernels.ElementwiseKernels:
+    ew = kernels.elementwise_kernels(dtype)
+    assert ew is not None, "the elementwise kernels did not build (see the log)"
+    return ew
+
+
+def _close(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else \
+        {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [576, 13])            # 13: the scalar tail only
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_torch(dtype: torch.dtype, dim: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(70, dim, generator=gen) * 3).to(dtype)
+    residual = torch.randn(70, dim, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(dim, generator=gen).to(dtype)
+    new_residual, normed = _elementwise(dtype).add_rms_norm(x, residual, weight, 1e-5)
+    expected_residual = x if residual is None else x + residual
+    assert torch.equal(new_residual, expected_residual)       # rounded exactly as torch
+    expected = F.rms_norm(expected_residual.float(), (dim,), weight.float(), 1e-5)
+    torch.testing.assert_close(normed.float(), expected, **_close(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(33, 2 * 1539, generator=gen) * 8).to(dtype)   # tail of 3
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])             # far and at zero
+    out = _elementwise(dtype).silu_mul(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, **_close(dtype))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
+    from worker_svc.model.llama import RotaryEmbedding, apply_rotary
+
+    heads, kv_heads, rows = 9, 3, 21
+    rope = RotaryEmbedding(head_dim, 10000.0, 512, dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+    expected = apply_rotary(qk.float(), *(t.float() for t in rope.lookup(positions)))
+    values = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    _elementwise(dtype).rotary_(qkv, heads + kv_heads, head_dim, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(qk.float(), expected, **_close(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values), "values were touched"

@@ -53,7 +53,8 @@ def _prefill_all(config: ModelConfig, num_layers: int, dtype: torch.dtype = torc
 def test_logits_match_hf(model_config: ModelConfig, fp32_weights: ModelWeights,
                          hf_model, cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
     model = _model(model_config, fp32_weights, cpu_kernels=cpu_kernels)
-    assert (model.attention_kernel is not None) == cpu_kernels
+    assert (model.kernels.attention is not None) == cpu_kernels
+    assert (model.kernels.elementwise is not None) == cpu_kernels
     input_ids, meta, caches = _prefill_all(model_config, model_config.num_layers)
     with torch.inference_mode():
         hidden, residual = model.forward(input_ids, None, None, meta.positions, meta, caches)

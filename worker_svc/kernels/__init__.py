@@ -1,11 +1,15 @@
 """CPU kernels in C, compiled on this machine when a worker starts and called through ctypes.
 
-Why C and not torch ops: attention over paged K/V in torch needs a gathered copy of every
-request's keys and values per layer, padded batches and masks; one pass in C that reads the
-blocks where they lie is 2-3x faster for decodes and prefill chunks alike (bench/kernels.py). Why compiled
-here: `-march=native` and the model's head size as constants give GCC fixed-size loops over
-vector registers, and the build takes well under a second with only a C compiler (no torch
-headers, no Python extension module).
+- `paged_attention.c`: attention for every row of a step (decodes and prefill tokens) read
+  from the paged blocks where they lie. In torch that needs a gathered copy of every
+  request's keys and values per layer, padded batches and masks; this is 2-3x faster
+  (bench/kernels.py).
+- `elementwise.c`: residual add + RMSNorm, SiLU-and-multiply, and rotary embedding, one pass
+  each instead of several torch kernels whose per-call overhead dominates at decode sizes.
+
+Why compiled here: `-march=native` and the model's head size as constants give GCC
+fixed-size loops over vector registers, and a build takes well under a second with only a C
+compiler (no torch headers, no Python extension module).
 
 A build is cached under `$SPLITSERVE_KERNEL_DIR` (default `~/.cache/splitserve/kernels`),
 named by a hash of the source, the flags, the compiler and this CPU's feature flags, so a
@@ -91,7 +95,8 @@ def _build(path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    digest = hashlib.sha256("\0".join([path.read_text(), *flags, version,
+    headers = [h.read_text() for h in sorted(path.parent.glob("*.h"))]
+    digest = hashlib.sha256("\0".join([path.read_text(), *headers, *flags, version,
                                        _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{path.stem}-{digest}.so"
     if not target.exists():
@@ -165,3 +170,67 @@ def paged_attention_kernel(head_dim: int, group: int, dtype: torch.dtype
     library = build("paged_attention.c", {"HEAD_DIM": head_dim, "GROUP": group, "LANES": lanes,
                                           "ELEM_BF16": int(dtype == torch.bfloat16)})
     return None if library is None else PagedAttentionKernel(library, head_dim, group, dtype)
+
+
+class ElementwiseKernels:
+    """`elementwise.c` for one dtype: the per-token steps of a layer in one pass each."""
+
+    __slots__ = ("lib", "dtype")
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype):
+        self.lib, self.dtype = library, dtype
+        library.add_rms_norm.restype = None
+        library.add_rms_norm.argtypes = [_P, _P, _P, _F, _P, _P, _I, _I]
+        library.silu_mul.restype = None
+        library.silu_mul.argtypes = [_P, _P, _I, _I]
+        library.rotary.restype = None
+        library.rotary.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
+
+    def _check(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.dtype != self.dtype or not t.is_contiguous():
+                raise ValueError(f"elementwise kernel: expected contiguous {self.dtype}, got "
+                                 f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [rows, dim] (residual None: x alone) -> (x + residual, its RMSNorm
+        times weight), both new tensors."""
+        self._check(x, weight, *(() if residual is None else (residual,)))
+        rows, dim = x.shape
+        if weight.shape != (dim,) or (residual is not None and residual.shape != x.shape):
+            raise ValueError("add_rms_norm: mismatched shapes")
+        new_residual, normed = torch.empty_like(x), torch.empty_like(x)
+        self.lib.add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                              weight.data_ptr(), eps, new_residual.data_ptr(),
+                              normed.data_ptr(), rows, dim)
+        return new_residual, normed
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] (gate, then up) -> silu(gate) * up, [rows, inter]."""
+        self._check(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate, in place, the first `num_heads` heads of each row of x [rows, width >=
+        num_heads * head_dim] (rows contiguous) by the cos / signed-sin tables [max_positions,
+        head_dim] at positions [rows] (int64)."""
+        self._check(x, cos, sin)
+        if (positions.dtype != torch.int64 or not positions.is_contiguous()
+                or positions.shape != (x.shape[0],) or x.shape[1] < num_heads * head_dim
+                or cos.shape[1] != head_dim or sin.shape != cos.shape or head_dim % 2):
+            raise ValueError("rotary: mismatched shapes")
+        self.lib.rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), x.shape[0], num_heads, head_dim)
+
+
+def elementwise_kernels(dtype: torch.dtype) -> ElementwiseKernels | None:
+    """The elementwise kernels for this dtype, or None (use torch)."""
+    if not kernels_enabled() or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    library = build("elementwise.c", {"ELEM_BF16": int(dtype == torch.bfloat16)})
+    return None if library is None else ElementwiseKernels(library, dtype)

@@ -18,21 +18,13 @@
  * grows with the context. Items are spread over OpenMP threads; each item's result depends
  * only on its own inputs, so it is the same whichever thread or TP rank computes it.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
 #ifndef GROUP
 #error "GROUP must be defined"
-#endif
-#ifndef LANES
-#define LANES 16
-#endif
-#ifndef ELEM_BF16
-#error "ELEM_BF16 must be defined (1: bfloat16 tensors, 0: float32)"
 #endif
 #if HEAD_DIM % LANES != 0
 #error "HEAD_DIM must be a multiple of LANES"
@@ -41,90 +33,13 @@
 #define NVEC (HEAD_DIM / LANES) /* vectors per head row */
 #define TILE 32                 /* tokens scored before each softmax update */
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu32 __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(LANES * 2)));
-
-/* ---- loads and stores of one head row (HEAD_DIM elements) as NVEC float vectors ---- */
-
-
-#if ELEM_BF16
-typedef uint16_t elem_t;
-static inline void load_row(const uint16_t *src, vf *dst) {
-  for (int j = 0; j < NVEC; j++) {
-    vu16 raw;
-    memcpy(&raw, src + j * LANES, sizeof raw);
-    vu32 wide = __builtin_convertvector(raw, vu32) << 16; /* bfloat16 = top half of a float */
-    memcpy(&dst[j], &wide, sizeof wide);
-  }
+/* ---- one head row (HEAD_DIM elements) as NVEC float vectors ---- */
+static inline void load_row(const elem_t *src, vf *dst) {
+  for (int j = 0; j < NVEC; j++) dst[j] = load_vec(src + j * LANES);
 }
 
-static inline void store_row(const vf *src, uint16_t *dst) {
-  for (int j = 0; j < NVEC; j++) {
-    vu32 bits;
-    memcpy(&bits, &src[j], sizeof bits);
-    /* round to nearest even; NaN stays NaN (quiet bit set) */
-    vu32 rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-    vi32 is_nan = (bits & 0x7fffffff) > 0x7f800000;
-    rounded = (vu32)((vi32)rounded & ~is_nan) | ((vu32)is_nan & ((bits >> 16) | 0x40));
-    vu16 narrow = __builtin_convertvector(rounded, vu16);
-    memcpy(dst + j * LANES, &narrow, sizeof narrow);
-  }
-}
-
-#else
-typedef float elem_t;
-static inline void load_row(const float *src, vf *dst) {
-  for (int j = 0; j < NVEC; j++) memcpy(&dst[j], src + j * LANES, sizeof(vf));
-}
-
-static inline void store_row(const vf *src, float *dst) {
-  for (int j = 0; j < NVEC; j++) memcpy(dst + j * LANES, &src[j], sizeof(vf));
-}
-#endif
-
-/* Sum of a vector's lanes by halving (log2(LANES) dependent adds, not LANES - 1). */
-static inline float hsum(vf v) {
-#if LANES == 16
-  typedef float vf8 __attribute__((vector_size(32)));
-  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#elif LANES == 8
-  typedef float vf8 __attribute__((vector_size(32)));
-  vf8 a = v;
-#endif
-#if LANES >= 8
-  typedef float vf4 __attribute__((vector_size(16)));
-  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#else
-  typedef float vf4 __attribute__((vector_size(16)));
-  vf4 b = v;
-#endif
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* exp(x) for x <= 0 (scores minus their running max), vectorized: x = k ln2 + r with
- * |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error below 2e-7), 2^k built in
- * the exponent bits. Inputs below -87 give 0. */
-static inline vf vexp(vf x) {
-  const vf lo = (vf){0} - 87.0f;
-  vi32 tiny = x < lo;
-  x = (vf)((vi32)x & ~tiny) + (vf)((vi32)lo & tiny); /* max(x, -87) */
-  vf kf = x * 1.44269504088896341f;
-  vi32 k = __builtin_convertvector(kf - 0.5f, vi32);  /* floor(kf + 0.5) for kf <= 0.5 */
-  kf = __builtin_convertvector(k, vf);
-  vf r = x - kf * 0.693359375f + kf * 2.12194440e-4f;  /* x - k ln2, ln2 in two parts */
-  vf p = (vf){0} + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  vi32 scale = (k + 127) << 23;
-  vf result = p * (vf)scale;
-  return (vf)((vi32)result & ~tiny);
+static inline void store_row(const vf *src, elem_t *dst) {
+  for (int j = 0; j < NVEC; j++) store_vec(src[j], dst + j * LANES);
 }
 
 /* Where token t of a request lives, walked in order without a division per token. */

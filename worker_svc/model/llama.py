@@ -19,12 +19,19 @@ Its scales and offsets are bfloat16, so those weights equal the file's values up
 rounding of the per-32 scale and offset, as the dense path rounds each weight.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
-from worker_svc.kernels import PagedAttentionKernel, paged_attention_kernel
+from worker_svc.kernels import (
+    ElementwiseKernels,
+    PagedAttentionKernel,
+    elementwise_kernels,
+    paged_attention_kernel,
+)
 from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
 from worker_svc.tensor_parallel import (
     TpGroup,
@@ -107,24 +114,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    """The C kernels a model's layers use (worker_svc.kernels); None = that part in torch."""
+
+    attention: PagedAttentionKernel | None
+    elementwise: ElementwiseKernels | None
+
+
 class LlamaLayer:
     """One decoder layer's weights and forward."""
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
                  "o_proj", "post_attention_norm", "gate_up_proj", "down_proj", "tp",
-                 "attention_kernel")
+                 "rotary", "kernels")
 
     def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
-                 prefix: str, tp: TpGroup | None = None,
-                 attention_kernel: PagedAttentionKernel | None = None):
+                 prefix: str, rotary: RotaryEmbedding, tp: TpGroup | None = None,
+                 kernels: CpuKernels | None = None):
         """`shard`: the heads and MLP slice this rank holds (all of them without TP).
-        `attention_kernel`: the C paged attention (None: the torch path)."""
+        `kernels`: the C kernels that built (None or None fields: torch ops)."""
         self.num_heads = shard.num_heads         # this rank's
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
         self.eps = eps
         self.tp = tp
-        self.attention_kernel = attention_kernel
+        self.rotary = rotary
+        self.kernels = kernels or CpuKernels(None, None)
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
@@ -141,32 +157,51 @@ class LlamaLayer:
         # [2 * inter, hidden]
         self.down_proj = _linear(weights, [(prefix + "mlp.down_proj.weight", "cols", i0, i1)])
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor] | None,
+                meta: AttentionMetadata, kv_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual: [num_tokens, hidden_size]; positions [num_tokens]; rope_rows:
+        each token's (cos, signed sin) [num_tokens, 1, head_dim] for the torch path, None
+        where the elementwise kernels rotate from the tables by position."""
         num_tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        # hidden, residual: [num_tokens, hidden_size]
-        residual = hidden if residual is None else hidden + residual
-        x = F.rms_norm(residual, self.input_norm.shape, self.input_norm, self.eps)
+        ew = self.kernels.elementwise
+        if ew is not None:
+            residual, x = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        else:
+            residual = hidden if residual is None else hidden + residual
+            x = F.rms_norm(residual, self.input_norm.shape, self.input_norm, self.eps)
 
         qkv = self.qkv_proj(x)                             # [num_tokens, (heads+2*kv_heads)*dim]
-        qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
-        qk = apply_rotary(qk, cos, sin)                    # [num_tokens, heads+kv_heads, dim]
-        q, k = qk[:, :heads], qk[:, heads:]
+        if ew is not None:                                 # q and k rotated in place
+            ew.rotary_(qkv, heads + kv_heads, dim, positions, self.rotary.cos, self.rotary.sin)
+            q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
+            k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
+        else:
+            assert rope_rows is not None
+            qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+            qk = apply_rotary(qk, *rope_rows)              # [num_tokens, heads+kv_heads, dim]
+            q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta,    # [num_tokens, heads*dim]
-                               self.attention_kernel)
+                               self.kernels.attention)
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads
 
-        residual = hidden + residual
-        x = F.rms_norm(residual, self.post_attention_norm.shape, self.post_attention_norm,
-                       self.eps)
+        if ew is not None:
+            residual, x = ew.add_rms_norm(hidden, residual, self.post_attention_norm, self.eps)
+        else:
+            residual = hidden + residual
+            x = F.rms_norm(residual, self.post_attention_norm.shape, self.post_attention_norm,
+                           self.eps)
         gate_up = self.gate_up_proj(x)                     # [num_tokens, 2*intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = self.down_proj(F.silu(gate) * up)         # [num_tokens, hidden_size]
+        if ew is not None:
+            hidden = self.down_proj(ew.silu_mul(gate_up))  # [num_tokens, hidden_size]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.down_proj(F.silu(gate) * up)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
@@ -197,7 +232,7 @@ class LlamaModel:
     held by one TP rank (`tp` None: the whole width)."""
 
     __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "shard", "tp",
-                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "attention_kernel")
+                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "kernels")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
@@ -218,10 +253,12 @@ class LlamaModel:
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype)
-        self.attention_kernel = None
+        self.kernels = CpuKernels(None, None)
         if cpu_kernels:
-            self.attention_kernel = paged_attention_kernel(
-                config.head_dim, self.shard.num_heads // self.shard.num_kv_heads, dtype)
+            self.kernels = CpuKernels(
+                paged_attention_kernel(config.head_dim,
+                                       self.shard.num_heads // self.shard.num_kv_heads, dtype),
+                elementwise_kernels(dtype))
 
     @property
     def is_first_stage(self) -> bool:
@@ -237,7 +274,7 @@ class LlamaModel:
                 self.embed_tokens = slice_rows(tensors["model.embed_tokens.weight"], v0, v1)
             self.layers = [
                 LlamaLayer(self.shard, cfg.head_dim, cfg.rms_norm_eps, weights,
-                           f"model.layers.{i}.", self.tp, self.attention_kernel)
+                           f"model.layers.{i}.", self.rotary, self.tp, self.kernels)
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]
@@ -271,10 +308,12 @@ class LlamaModel:
             hidden_states = self.embed(input_ids)                       # [num_tokens, hidden]
             residual = None
         assert hidden_states is not None
-        cos, sin = self.rotary.lookup(positions)         # [num_tokens, 1, head_dim] each
+        rope_rows = None                      # the elementwise kernel reads the tables
+        if self.kernels.elementwise is None:
+            rope_rows = self.rotary.lookup(positions)   # [num_tokens, 1, head_dim] each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer.forward(hidden_states, residual, cos, sin, meta,
-                                                    kv_cache)
+            hidden_states, residual = layer.forward(hidden_states, residual, positions,
+                                                    rope_rows, meta, kv_cache)
         assert residual is not None
         return hidden_states, residual
 
@@ -282,7 +321,11 @@ class LlamaModel:
         """Last stage: final norm and LM head on the given rows -> [rows, vocab], model dtype
         (the full vocabulary on every TP rank)."""
         assert self.norm is not None and self.lm_head is not None
-        x = F.rms_norm(hidden_states + residual, self.norm.shape, self.norm,
-                       self.config.rms_norm_eps)
+        if self.kernels.elementwise is not None:
+            _, x = self.kernels.elementwise.add_rms_norm(hidden_states, residual, self.norm,
+                                                         self.config.rms_norm_eps)
+        else:
+            x = F.rms_norm(hidden_states + residual, self.norm.shape, self.norm,
+                           self.config.rms_norm_eps)
         logits = self.lm_head(x)
         return logits if self.tp is None else self.tp.gather_vocab(logits)

@@ -1,0 +1,105 @@
+/* The small per-token operations of a decoder layer, each one pass over memory instead of
+ * several torch kernels (and their per-call overhead, which dominates at decode sizes).
+ *
+ * Built by worker_svc/kernels/__init__.py with -DELEM_BF16=<1|0> and -march=native. Every
+ * result is computed in float32 and rounded once to the tensor dtype. Rows are spread over
+ * OpenMP threads only when there are enough of them to pay for waking the threads.
+ */
+#include "vec.h"
+
+#define PARALLEL_MIN_ELEMENTS (1 << 16)
+
+/* new_residual = x + residual (x alone when residual is NULL), rounded to the dtype;
+ * normed = new_residual * rsqrt(mean(new_residual^2) + eps) * weight. All [rows, dim]
+ * contiguous, weight [dim]. As HF: the norm reads the residual as stored (rounded). */
+void add_rms_norm(const elem_t *x, const elem_t *residual, const elem_t *weight, float eps,
+                  elem_t *new_residual, elem_t *normed, int64_t rows, int64_t dim) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const elem_t *xr = x + r * dim;
+    const elem_t *rr = residual ? residual + r * dim : NULL;
+    elem_t *sum = new_residual + r * dim, *out = normed + r * dim;
+    vf squares = (vf){0};
+    float tail = 0.f;
+    int64_t i = 0;
+    for (; i + LANES <= dim; i += LANES) {
+      vf v = load_vec(xr + i);
+      if (rr) {
+        store_vec(v + load_vec(rr + i), sum + i);
+        v = load_vec(sum + i); /* the rounded value */
+      } else {
+        store_vec(v, sum + i);
+      }
+      squares += v * v;
+    }
+    for (; i < dim; i++) {
+      float v = load_one(xr + i);
+      if (rr) {
+        store_one(v + load_one(rr + i), sum + i);
+        v = load_one(sum + i);
+      } else {
+        store_one(v, sum + i);
+      }
+      tail += v * v;
+    }
+    const float scale = 1.f / sqrtf((hsum(squares) + tail) / (float)dim + eps);
+    for (i = 0; i + LANES <= dim; i += LANES)
+      store_vec(load_vec(sum + i) * scale * load_vec(weight + i), out + i);
+    for (; i < dim; i++) store_one(load_one(sum + i) * scale * load_one(weight + i), out + i);
+  }
+}
+
+/* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; gate_up [rows, 2 * inter],
+ * out [rows, inter]. silu(g) = g * sigmoid(g), with sigmoid from exp(-|g|) (never overflows). */
+static inline vf vsilu(vf g) {
+  vi32 negative = g < 0;
+  vf e = vexp((vf)((vi32)g | ((vi32){0} + INT32_MIN))); /* exp(-|g|): set the sign bit */
+  vf one = (vf){0} + 1.f;
+  vf numerator = (vf)(((vi32)e & negative) | ((vi32)one & ~negative));
+  return g * numerator / (one + e);
+}
+
+static inline float silu_one(float g) {
+  float e = expf(-fabsf(g));
+  return g * (g < 0 ? e : 1.f) / (1.f + e);
+}
+
+void silu_mul(const elem_t *gate_up, elem_t *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const elem_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+    elem_t *o = out + r * inter;
+    int64_t i = 0;
+    for (; i + LANES <= inter; i += LANES)
+      store_vec(vsilu(load_vec(gate + i)) * load_vec(up + i), o + i);
+    for (; i < inter; i++) store_one(silu_one(load_one(gate + i)) * load_one(up + i), o + i);
+  }
+}
+
+/* Rotary embedding in place (HF convention: dimension i pairs with i + head_dim / 2) on the
+ * first `heads` heads of each row of x; row r starts at x + r * row_stride. cos and sin are
+ * [max_positions, head_dim] tables; sin has its first half negated, so that
+ * out = x * cos + rotate(x) * sin with rotate(x) = (x[half:], x[:half]). */
+void rotary(elem_t *x, int64_t row_stride, const int64_t *positions, const elem_t *cos_table,
+            const elem_t *sin_table, int64_t rows, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const elem_t *c = cos_table + positions[r] * head_dim;
+    const elem_t *s = sin_table + positions[r] * head_dim;
+    for (int64_t h = 0; h < heads; h++) {
+      elem_t *v = x + r * row_stride + h * head_dim;
+      int64_t i = 0;
+      for (; i + LANES <= half; i += LANES) {
+        vf a = load_vec(v + i), b = load_vec(v + half + i);
+        store_vec(a * load_vec(c + i) + b * load_vec(s + i), v + i);
+        store_vec(b * load_vec(c + half + i) + a * load_vec(s + half + i), v + half + i);
+      }
+      for (; i < half; i++) {
+        float a = load_one(v + i), b = load_one(v + half + i);
+        store_one(a * load_one(c + i) + b * load_one(s + i), v + i);
+        store_one(b * load_one(c + half + i) + a * load_one(s + half + i), v + half + i);
+      }
+    }
+  }
+}

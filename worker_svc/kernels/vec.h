@@ -1,0 +1,112 @@
+/* Vector helpers shared by the CPU kernels: float vectors of LANES lanes (GCC vector
+ * extensions, lowered to whatever SIMD -march=native offers), the tensor element type chosen
+ * by ELEM_BF16, and a vectorized exp.
+ *
+ * bfloat16 is the top half of a float: widening is a shift; narrowing rounds to nearest even
+ * exactly as torch does, and keeps NaN a NaN. */
+#ifndef SPLITSERVE_VEC_H
+#define SPLITSERVE_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifndef LANES
+#define LANES 16
+#endif
+#ifndef ELEM_BF16
+#error "ELEM_BF16 must be defined (1: bfloat16 tensors, 0: float32)"
+#endif
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi32 __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(LANES * 2)));
+
+#if ELEM_BF16
+typedef uint16_t elem_t;
+
+static inline vf load_vec(const uint16_t *src) {
+  vu16 raw;
+  memcpy(&raw, src, sizeof raw);
+  return (vf)(__builtin_convertvector(raw, vu32) << 16);
+}
+
+static inline void store_vec(vf v, uint16_t *dst) {
+  vu32 bits = (vu32)v;
+  vu32 rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  vi32 is_nan = (bits & 0x7fffffff) > 0x7f800000;
+  rounded = (vu32)((vi32)rounded & ~is_nan) | ((vu32)is_nan & ((bits >> 16) | 0x40));
+  vu16 narrow = __builtin_convertvector(rounded, vu16);
+  memcpy(dst, &narrow, sizeof narrow);
+}
+
+static inline float load_one(const uint16_t *src) {
+  uint32_t bits = (uint32_t)*src << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline void store_one(float f, uint16_t *dst) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffff) > 0x7f800000)
+    *dst = (uint16_t)((bits >> 16) | 0x40);
+  else
+    *dst = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+#else
+typedef float elem_t;
+
+static inline vf load_vec(const float *src) {
+  vf v;
+  memcpy(&v, src, sizeof v);
+  return v;
+}
+
+static inline void store_vec(vf v, float *dst) { memcpy(dst, &v, sizeof v); }
+static inline float load_one(const float *src) { return *src; }
+static inline void store_one(float f, float *dst) { *dst = f; }
+#endif
+
+/* Sum of a vector's lanes by halving (log2(LANES) dependent adds, not LANES - 1). */
+static inline float hsum(vf v) {
+  typedef float vf4 __attribute__((vector_size(16)));
+#if LANES == 16
+  typedef float vf8 __attribute__((vector_size(32)));
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif LANES == 8
+  vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  vf4 b = v;
+#endif
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorized: x = k ln2 + r with
+ * |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (relative error below 2e-7), 2^k built in
+ * the exponent bits. Inputs below -87 give 0. */
+static inline vf vexp(vf x) {
+  const vf lo = (vf){0} - 87.0f;
+  vi32 tiny = x < lo;
+  x = (vf)((vi32)x & ~tiny) + (vf)((vi32)lo & tiny); /* max(x, -87) */
+  vf kf = x * 1.44269504088896341f;
+  vi32 k = __builtin_convertvector(kf - 0.5f, vi32);  /* floor(kf + 0.5) for kf <= 0.5 */
+  kf = __builtin_convertvector(k, vf);
+  vf r = x - kf * 0.693359375f + kf * 2.12194440e-4f;  /* x - k ln2, ln2 in two parts */
+  vf p = (vf){0} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  vi32 scale = (k + 127) << 23;
+  vf result = p * (vf)scale;
+  return (vf)((vi32)result & ~tiny);
+}
+
+#endif

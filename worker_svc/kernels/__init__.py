@@ -3,7 +3,7 @@
 - `paged_attention.c`: attention for every row of a step (decodes and prefill tokens) read
   from the paged blocks where they lie. In torch that needs a gathered copy of every
   request's keys and values per layer, padded batches and masks; this is 2-3x faster
-  (bench/kernels.py).
+  (bench/cpu_kernels.py).
 - `elementwise.c`: residual add + RMSNorm, SiLU-and-multiply, and rotary embedding, one pass
   each instead of several torch kernels whose per-call overhead dominates at decode sizes.
 

@@ -1,6 +1,8 @@
 """Decode attention: the C kernel (worker_svc/kernels) against the torch path, side by side.
 
-    .venv/bin/python bench/kernels.py [--dtype bfloat16] [--layers 30]
+    .venv/bin/python bench/cpu_kernels.py [--dtype bfloat16] [--layers 30]
+
+(Not named kernels.py: transformers imports a top-level `kernels` module when one exists.)
 
 SmolLM2's attention shape (9 query heads, 3 KV heads, head_dim 64), 16-token blocks scattered
 over a cache per layer (so K/V come from memory, as in a real step, not from cache), for
@@ -27,13 +29,13 @@ from worker_svc.attention import (  # noqa: E402
     build_attention_metadata,
     paged_attention,
 )
-from worker_svc.kernels import PagedDecodeKernel, paged_decode_kernel  # noqa: E402
+from worker_svc.kernels import PagedAttentionKernel, paged_attention_kernel  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def attend_all(caches: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-               meta: AttentionMetadata, kernel: PagedDecodeKernel | None) -> None:
+               meta: AttentionMetadata, kernel: PagedAttentionKernel | None) -> None:
     """One step's decode attention over every layer (k doubles as v)."""
     for cache in caches:
         paged_attention(q, k, k, cache, meta, kernel)
@@ -56,7 +58,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
-    kernel = paged_decode_kernel(HEAD_DIM, HEADS // KV_HEADS, dtype)
+    kernel = paged_attention_kernel(HEAD_DIM, HEADS // KV_HEADS, dtype)
     if kernel is None:
         raise SystemExit("the C kernel did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(0)
@@ -81,7 +83,7 @@ def main() -> int:
                      "kernel_ms": t_kernel, "speedup": t_torch / t_kernel})
         print(f"{batch:>5} {context:>7} {t_torch:>8.2f} {t_kernel:>8.2f} "
               f"{t_torch / t_kernel:>7.2f}x")
-    write_result({"dtype": a.dtype, "layers": a.layers, "rows": rows}, a.out, "kernels")
+    write_result({"dtype": a.dtype, "layers": a.layers, "rows": rows}, a.out, "cpu-kernels")
     return 0
 
 

@@ -196,12 +196,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     [num_tokens, num_heads * head_dim]. `kernel` (worker_svc.kernels), if given, attends
     every row straight from the blocks in one call instead of the torch path below.
     """
+    if kernel is not None:
+        return kernel(q, k, v, kv_cache, meta.slot_mapping, meta.block_table, meta.row_request,
+                      meta.row_kv_lens)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     slots[0].index_copy_(0, meta.slot_mapping, k)
     slots[1].index_copy_(0, meta.slot_mapping, v)
-    if kernel is not None:
-        return kernel(q, kv_cache, meta.block_table, meta.row_request, meta.row_kv_lens)
     blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
     outputs = []

@@ -91,9 +91,13 @@ def test_long_context_and_large_scores_stay_finite() -> None:
     cache = torch.randn(2, blocks + 1, block, 1, 16, generator=gen) * 6
     q = torch.randn(1, 2, 16, generator=gen) * 6
     table = torch.arange(1, blocks + 1, dtype=torch.int64)[None]
-    out = kernel(q, cache, table, torch.zeros(1, dtype=torch.int64), torch.tensor([n]))
+    k_new, v_new = torch.randn(2, 1, 1, 16, generator=gen) * 6    # the query token's own
+    slot = torch.tensor([block + n - 1])                            # position n - 1
+    out = kernel(q, k_new, v_new, cache, slot, table, torch.zeros(1, dtype=torch.int64),
+                 torch.tensor([n]))
     keys = cache[0, 1:].reshape(-1, 16)[:n]
     values = cache[1, 1:].reshape(-1, 16)[:n]
+    assert torch.equal(keys[-1], k_new[0, 0]) and torch.equal(values[-1], v_new[0, 0])
     expected = torch.softmax(q[0] @ keys.T / 4, dim=-1) @ values
     torch.testing.assert_close(out.view(2, 16), expected, atol=1e-4, rtol=1e-4)
 
@@ -103,12 +107,15 @@ def test_rejects_mismatched_tensors() -> None:
     cache = torch.zeros(2, 4, 4, 1, 16)
     table = torch.ones(1, 1, dtype=torch.int64)
     row, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    kv = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match="unexpected"):           # 3 heads: not 2 per KV head
+        kernel(torch.zeros(1, 3, 16), kv, kv, cache, one, table, row, one)
     with pytest.raises(ValueError, match="unexpected"):
-        kernel(torch.zeros(1, 3, 16), cache, table, row, one)          # 3 heads: not 2 per KV
+        kernel(torch.zeros(1, 2, 16), kv, kv, cache.bfloat16(), one, table, row, one)
     with pytest.raises(ValueError, match="unexpected"):
-        kernel(torch.zeros(1, 2, 16), cache.bfloat16(), table, row, one)
-    with pytest.raises(ValueError, match="unexpected"):
-        kernel(torch.zeros(1, 2, 16), cache, table, row.int(), one)
+        kernel(torch.zeros(1, 2, 16), kv, kv, cache, one, table, row.int(), one)
+    with pytest.raises(ValueError, match="unexpected"):           # two rows of K for one query
+        kernel(torch.zeros(1, 2, 16), torch.zeros(2, 1, 16), kv, cache, one, table, row, one)
 
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,28 +134,35 @@ class PagedAttentionKernel:
     def __init__(self, library: ctypes.CDLL, head_dim: int, group: int, dtype: torch.dtype):
         self.fn = library.paged_attention
         self.fn.restype = None
-        self.fn.argtypes = [_P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _F, _P]
+        self.fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
+                            _F, _P]
         self.head_dim, self.group, self.dtype = head_dim, group, dtype
 
-    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  row_request: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-        """q [rows, num_heads, head_dim], one query token per row (rows may be strided;
-        heads and dim contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads,
-        head_dim] contiguous; block_tables [requests, max_blocks] int64; row_request [rows]
-        int64: each row's request; kv_lens [rows] int64: the keys each row attends to (its
-        position + 1). Returns [rows, heads * dim]."""
+        """Write k, v into their slots, then attend. q [rows, num_heads, head_dim], one query
+        token per row; k, v [rows, num_kv_heads, head_dim] (rows may be strided; heads and
+        dim contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
+        contiguous; slot_mapping [rows] int64: each row's cache slot; block_tables [requests,
+        max_blocks] int64; row_request [rows] int64: each row's request; kv_lens [rows]
+        int64: the keys each row attends to (its position + 1). Returns [rows, heads * dim].
+        """
         rows, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        index_ok = all(t.dtype == torch.int64 and t.shape == (rows,) and t.is_contiguous()
+                       for t in (slot_mapping, row_request, kv_lens))
+        rows_ok = all(t.dtype == self.dtype and t.stride(2) == 1 and t.stride(1) == head_dim
+                      for t in (q, k, v))
         if (head_dim != self.head_dim or num_heads != num_kv_heads * self.group
-                or q.dtype != self.dtype or kv_cache.dtype != self.dtype
-                or q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous()
-                or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
-                or row_request.dtype != torch.int64 or row_request.shape != (rows,)
-                or kv_lens.dtype != torch.int64 or kv_lens.shape != (rows,)
-                or not (row_request.is_contiguous() and kv_lens.is_contiguous())):
+                or not rows_ok or not index_ok or kv_cache.dtype != self.dtype
+                or k.shape != (rows, num_kv_heads, head_dim) or v.shape != k.shape
+                or not kv_cache.is_contiguous() or block_tables.dtype != torch.int64
+                or not block_tables.is_contiguous()):
             raise ValueError("paged attention kernel: unexpected shapes, strides or dtypes")
         out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
-        self.fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(),
+        self.fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                slot_mapping.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.shape[1], row_request.data_ptr(), kv_lens.data_ptr(), rows,
                 num_kv_heads, num_blocks, block_size, head_dim ** -0.5, out.data_ptr())
         return out

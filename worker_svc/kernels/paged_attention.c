@@ -59,8 +59,9 @@ static inline const elem_t *next_row(cursor_t *c) {
 }
 
 /* One (row, KV head) item: q = its GROUP query heads (contiguous), table = its request's
- * block ids, kv_len = the tokens it attends to, out = its GROUP output heads. Reading K/V rows dominates (each is a
- * couple of cache lines in a scattered block). */
+ * block ids, kv_len = the tokens it attends to, out = its GROUP output heads. Reading K/V
+ * rows dominates (each is a couple of cache lines in a scattered block). Measured slower
+ * here: prefetching K rows ahead, and items of a whole row (all KV heads) tile by tile. */
 static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t kv_len,
                         int64_t value_offset, int64_t block_size, int64_t row_stride,
                         int64_t head, float scale, elem_t *out) {
@@ -129,24 +130,39 @@ static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table,
   }
 }
 
-/* Every (row, KV head) item. A row is one query token: a decode, or one token of a prefill
- * chunk, which attends to its request's first kv_lens[row] tokens (its own included), so
- * causal masking is just each row's length. q: row r starts at q + r * q_stride (elements),
- * heads and dims contiguous; kv_cache as above; block_tables [requests, max_blocks];
- * row_request [rows]: the request (table row) of each row; out [rows, heads, HEAD_DIM].
- * Rows are handed out a few at a time: a prefill chunk's later rows cost more. */
-void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *kv_cache,
+/* Writes the step's new K/V rows into their cache slots, then attends every (row, KV head)
+ * item. A row is one query token: a decode, or one token of a prefill chunk, which attends
+ * to its request's first kv_lens[row] tokens (its own included), so causal masking is just
+ * each row's length; rows may read slots other rows wrote in this call (the write finishes
+ * first). q: row r starts at q + r * q_stride (elements), heads and dims contiguous; k, v
+ * likewise with their strides ([rows, num_kv_heads, HEAD_DIM] each); slots [rows]: each
+ * row's cache slot (block * block_size + offset); kv_cache as above; block_tables [requests,
+ * max_blocks]; row_request [rows]: each row's request (table row); out [rows, heads,
+ * HEAD_DIM]. Items are handed out a few at a time: a chunk's later rows cost more. */
+void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t k_stride,
+                     const elem_t *v, int64_t v_stride, const int64_t *slots, elem_t *kv_cache,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *row_request,
                      const int64_t *kv_lens, int64_t num_rows, int64_t num_kv_heads,
                      int64_t num_blocks, int64_t block_size, float scale, elem_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const int64_t value_offset = num_blocks * block_size * row_stride;
   const int64_t items = num_rows * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 4)
-  for (int64_t item = 0; item < items; item++) {
-    const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-    attend_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache,
-                block_tables + row_request[r] * max_blocks, kv_lens[r], value_offset, block_size,
-                row_stride, h, scale, out + (r * num_kv_heads + h) * GROUP * HEAD_DIM);
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < num_rows; r++) {
+      memcpy(kv_cache + slots[r] * row_stride, k + r * k_stride, row_stride * sizeof(elem_t));
+      memcpy(kv_cache + value_offset + slots[r] * row_stride, v + r * v_stride,
+             row_stride * sizeof(elem_t));
+    }
+    /* (the implicit barrier here: every slot is written before any row reads) */
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < items; item++) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t first_head = (r * num_kv_heads + h) * GROUP * HEAD_DIM; /* in out */
+      attend_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache,
+                  block_tables + row_request[r] * max_blocks, kv_lens[r], value_offset,
+                  block_size, row_stride, h, scale, out + first_head);
+    }
   }
 }

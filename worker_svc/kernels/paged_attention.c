@@ -58,10 +58,18 @@ static inline const elem_t *next_row(cursor_t *c) {
   return row;
 }
 
+/* A token's V row is read after its tile's softmax: ask for it as its K row is read (one at
+ * a time: a burst of prefetches for the whole tile, or prefetching K rows ahead, measured
+ * slower; they compete with the misses being waited on). */
+#define PREFETCH_VALUE(key_row)                                                                \
+  for (int c = 0; c < HEAD_DIM * (int)sizeof(elem_t); c += 64)                                 \
+  __builtin_prefetch((const char *)((key_row) + value_offset) + c)
+
 /* One (row, KV head) item: q = its GROUP query heads (contiguous), table = its request's
  * block ids, kv_len = the tokens it attends to, out = its GROUP output heads. Reading K/V
- * rows dominates (each is a couple of cache lines in a scattered block). Measured slower
- * here: prefetching K rows ahead, and items of a whole row (all KV heads) tile by tile. */
+ * rows dominates (each is a couple of cache lines in a scattered block). Measured slower:
+ * items of a whole row (all KV heads) tile by tile; summing 16 tokens' dot products with one
+ * transposing shuffle tree instead of a horizontal sum each. */
 static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t kv_len,
                         int64_t value_offset, int64_t block_size, int64_t row_stride,
                         int64_t head, float scale, elem_t *out) {
@@ -77,23 +85,15 @@ static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table,
     run_sum[g] = 0.f;
   }
   cursor_t cursor = {kv + head * HEAD_DIM, table, block_size, row_stride, 0, 0};
-  const elem_t *rows[2][TILE]; /* this tile's K rows and the next one's */
-  int n_next = kv_len < TILE ? (int)kv_len : TILE;
-  for (int i = 0; i < n_next; i++) rows[0][i] = next_row(&cursor);
-  for (int64_t start = 0, tile = 0; start < kv_len; start += TILE, tile ^= 1) {
-    const int n = n_next;
-    const elem_t **here = (const elem_t **)rows[tile], **ahead = (const elem_t **)rows[tile ^ 1];
-    const int64_t left = kv_len - start - n;
-    n_next = left < TILE ? (int)left : TILE;
-    for (int i = 0; i < n_next; i++) ahead[i] = next_row(&cursor);
+  for (int64_t start = 0; start < kv_len; start += TILE) {
+    const int n = kv_len - start < TILE ? (int)(kv_len - start) : TILE;
+    const elem_t *rows[TILE];
+    for (int i = 0; i < n; i++) rows[i] = next_row(&cursor);
     float scores[GROUP][TILE];
     for (int i = 0; i < n; i++) {
-      /* this token's V is read after the tile's softmax: ask for it now. (Prefetching the
-       * next tile's K as well measured slower: it competes with this tile's misses.) */
-      for (int c = 0; c < HEAD_DIM * (int)sizeof(elem_t); c += 64)
-        __builtin_prefetch((const char *)(here[i] + value_offset) + c);
+      PREFETCH_VALUE(rows[i]);
       vf k[NVEC];
-      load_row(here[i], k);
+      load_row(rows[i], k);
       for (int g = 0; g < GROUP; g++) {
         vf dot = qv[g][0] * k[0];
         for (int j = 1; j < NVEC; j++) dot += qv[g][j] * k[j];
@@ -118,7 +118,7 @@ static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table,
     }
     for (int i = 0; i < n; i++) {
       vf v[NVEC];
-      load_row(here[i] + value_offset, v);
+      load_row(rows[i] + value_offset, v);
       for (int g = 0; g < GROUP; g++)
         for (int j = 0; j < NVEC; j++) acc[g][j] += scores[g][i] * v[j];
     }

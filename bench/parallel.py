@@ -17,12 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import bench_splitserve, load_workload, write_result  # noqa: E402
 
-CONFIGS = [  # name, tp, pp, scheduler flags
-    ("pp=1", 1, 1, []),
+CONFIGS = [  # name, tp, pp, scheduler flags (synchronous steps but where named)
+    ("pp=1", 1, 1, ["--no-async-scheduling"]),
     ("pp=2, batch queue", 1, 2, []),
     ("pp=2, one batch at a time", 1, 2, ["--max-batches-in-flight", "1"]),
-    ("tp=2", 2, 1, []),
-    ("pp=1, async scheduling", 1, 1, ["--async-scheduling"]),
+    ("tp=2", 2, 1, ["--no-async-scheduling"]),
+    ("pp=1, async scheduling", 1, 1, ["--async-scheduling"]),   # the default with pp=1
 ]
 
 

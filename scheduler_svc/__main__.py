@@ -63,9 +63,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    default=env("NO_PREFIX_CACHING") == "1")
     p.add_argument("--max-batches-in-flight", type=int, default=0,
                    help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   default=env("ASYNC_SCHEDULING") == "1",
-                   help="plan step N+1 while step N runs (one pipeline stage only)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default={"1": True, "0": False}.get(env("ASYNC_SCHEDULING") or ""),
+                   help="plan step N+1 while step N runs (default: on with one pipeline "
+                        "stage; pipeline stages use the batch queue instead)")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--heartbeat-timeout", type=float,
                    default=float(env("HEARTBEAT_TIMEOUT", "3") or 3),
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         p.error("--tp and --pp must be >= 1")
     if a.async_scheduling and a.pp > 1:
         p.error("--async-scheduling needs --pp 1 (pipeline stages use the batch queue)")
+    if a.async_scheduling is None:
+        a.async_scheduling = a.pp == 1
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = str(a.model or default_model_path())

@@ -27,8 +27,9 @@ def _up(a: argparse.Namespace) -> int:
         sched_args.append("--no-chunked-prefill")
     if a.no_prefix_caching:
         sched_args.append("--no-prefix-caching")
-    if a.async_scheduling:
-        sched_args.append("--async-scheduling")
+    if a.async_scheduling is not None:
+        sched_args.append("--async-scheduling" if a.async_scheduling
+                          else "--no-async-scheduling")
     worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
     if a.no_int4_kernels:
         worker_args.append("--no-int4-kernels")
@@ -137,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
     up.add_argument("--no-chunked-prefill", action="store_true")
     up.add_argument("--no-prefix-caching", action="store_true")
-    up.add_argument("--async-scheduling", action="store_true",
-                    help="plan the next step while one runs (pp 1 only)")
+    up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                    default=None, help="plan the next step while one runs (default: on "
+                                       "with --pp 1)")
     up.add_argument("--no-int4-kernels", action="store_true",
                     help="bfloat16: run every matmul on dense bf16 weights (no 4-bit kernel)")
     up.add_argument("--threads", type=int, default=0, help="torch threads per worker")

@@ -1,5 +1,6 @@
 """The same greedy outputs under other batching regimes: chunked prefill off, a token budget
-small enough to force many chunks, and forced preemption through a tiny KV pool."""
+small enough to force many chunks, forced preemption through a tiny KV pool, and synchronous
+and async scheduling."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,21 +55,25 @@ def test_many_chunks_with_tiny_token_budget(tmp_path: Path, prompts, references)
         assert steps >= sum(len(p) for p in prompts[:8]) // 7, "prompts should be chunked"
 
 
-def test_forced_preemption(tmp_path: Path, prompts, references) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["--async-scheduling", "--no-async-scheduling"])
+def test_forced_preemption(tmp_path: Path, prompts, references, mode: str) -> None:  # type: ignore[no-untyped-def]
     # 16 requests of ~35 + 24 tokens need ~4 blocks of 16 each (64 in all); 21 usable blocks
     # force preemption by recompute while every request still fits alone.
     # Prefix caching stays on: a resumed request may find its own freed blocks still cached.
-    with run_cluster(tmp_path, scheduler_args=["--num-kv-blocks", "22"]) as cluster:
+    with run_cluster(tmp_path, scheduler_args=["--num-kv-blocks", "22", mode]) as cluster:
         check_all(cluster, prompts, references)
         info = replica_info(cluster)
         assert info.num_kv_blocks == 22
         assert info.num_preemptions > 0, "the tiny pool should have forced preemption"
 
 
-def test_async_scheduling_matches_sync(tmp_path: Path, prompts, references) -> None:  # type: ignore[no-untyped-def]
-    with run_cluster(tmp_path, scheduler_args=["--async-scheduling"]) as cluster:
+@pytest.mark.parametrize("mode", ["--async-scheduling", "--no-async-scheduling"])
+def test_sync_and_async_scheduling_match(tmp_path: Path, prompts, references, mode: str) -> None:  # type: ignore[no-untyped-def]
+    # Async is the default with one pipeline stage; both modes give the reference outputs.
+    with run_cluster(tmp_path, scheduler_args=[mode]) as cluster:
         check_all(cluster, prompts, references)
-        # Stopping at EOS: the token computed one step ahead is dropped, not streamed.
+        # Stopping at EOS (async: the token computed one step ahead is dropped, not
+        # streamed).
         r = greedy_request(prompts[0], 200)
         r.sampling.ignore_eos = False
         ids, _, last = stream_tokens(cluster.stub, r)

@@ -17,8 +17,9 @@ The batch is flat: `num_tokens` rows, requests one after another, every one-toke
 
 Where the C kernel builds (worker_svc.kernels, the default), it attends every row in one call
 per layer: a row is a one-token query over its request's first `position + 1` keys, read
-from the blocks in place, so causal masking is only each row's length. Otherwise (or with
-`torch_path=True` metadata and no kernel) the torch path runs: decodes run together
+from the blocks in place, so causal masking is only each row's length (it also writes the
+step's K/V). Without the kernel the torch path runs (its metadata is built only when
+`torch_path=True`): decodes run together
 over their padded, gathered K/V (see `_decode_attention`); longer chunks run in groups of
 similar sizes, one padded SDPA call per group, with a bottom-right aligned causal mask (query
 i of a chunk starting at context length c sees keys 0..c+i).

@@ -105,13 +105,40 @@ class RotaryEmbedding:
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens] positions -> cos, signed sin, each [num_tokens, 1, head_dim]."""
-        return (self.cos.index_select(0, positions).unsqueeze(1),
-                self.sin.index_select(0, positions).unsqueeze(1))
+        return rotary_rows(self.cos, self.sin, positions)
+
+
+def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [max_positions, head_dim] tables' rows at positions, each [num_tokens, 1, head_dim]."""
+    return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim] -> rotated copy (HF rotate_half convention)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class TorchElementwise:
+    """The torch twin of `worker_svc.kernels.ElementwiseKernels` (same methods), used where
+    the C kernels did not build or are off."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else x + residual
+        return residual, F.rms_norm(residual, weight.shape, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+        heads.copy_(apply_rotary(heads, *rotary_rows(cos, sin, positions)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +154,7 @@ class LlamaLayer:
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
                  "o_proj", "post_attention_norm", "gate_up_proj", "down_proj", "tp",
-                 "rotary", "kernels")
+                 "rotary", "kernels", "elementwise")
 
     def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
                  prefix: str, rotary: RotaryEmbedding, tp: TpGroup | None = None,
@@ -141,6 +168,7 @@ class LlamaLayer:
         self.tp = tp
         self.rotary = rotary
         self.kernels = kernels or CpuKernels(None, None)
+        self.elementwise = self.kernels.elementwise or TorchElementwise()   # C or torch
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
@@ -158,31 +186,18 @@ class LlamaLayer:
         self.down_proj = _linear(weights, [(prefix + "mlp.down_proj.weight", "cols", i0, i1)])
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                positions: torch.Tensor, rope_rows: tuple[torch.Tensor, torch.Tensor] | None,
-                meta: AttentionMetadata, kv_cache: torch.Tensor
+                positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual: [num_tokens, hidden_size]; positions [num_tokens]; rope_rows:
-        each token's (cos, signed sin) [num_tokens, 1, head_dim] for the torch path, None
-        where the elementwise kernels rotate from the tables by position."""
+        """hidden, residual: [num_tokens, hidden_size] (residual None on the first layer);
+        positions [num_tokens]."""
         num_tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        ew = self.kernels.elementwise
-        if ew is not None:
-            residual, x = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
-        else:
-            residual = hidden if residual is None else hidden + residual
-            x = F.rms_norm(residual, self.input_norm.shape, self.input_norm, self.eps)
-
+        ew = self.elementwise
+        residual, x = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)                             # [num_tokens, (heads+2*kv_heads)*dim]
-        if ew is not None:                                 # q and k rotated in place
-            ew.rotary_(qkv, heads + kv_heads, dim, positions, self.rotary.cos, self.rotary.sin)
-            q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
-            k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
-        else:
-            assert rope_rows is not None
-            qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
-            qk = apply_rotary(qk, *rope_rows)              # [num_tokens, heads+kv_heads, dim]
-            q, k = qk[:, :heads], qk[:, heads:]
+        ew.rotary_(qkv, heads + kv_heads, dim, positions, self.rotary.cos, self.rotary.sin)
+        q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
+        k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta,    # [num_tokens, heads*dim]
                                self.kernels.attention)
@@ -190,18 +205,9 @@ class LlamaLayer:
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads
 
-        if ew is not None:
-            residual, x = ew.add_rms_norm(hidden, residual, self.post_attention_norm, self.eps)
-        else:
-            residual = hidden + residual
-            x = F.rms_norm(residual, self.post_attention_norm.shape, self.post_attention_norm,
-                           self.eps)
+        residual, x = ew.add_rms_norm(hidden, residual, self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)                     # [num_tokens, 2*intermediate]
-        if ew is not None:
-            hidden = self.down_proj(ew.silu_mul(gate_up))  # [num_tokens, hidden_size]
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = self.down_proj(F.silu(gate) * up)
+        hidden = self.down_proj(ew.silu_mul(gate_up))      # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
@@ -232,13 +238,14 @@ class LlamaModel:
     held by one TP rank (`tp` None: the whole width)."""
 
     __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "shard", "tp",
-                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "kernels")
+                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "kernels",
+                 "elementwise")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
                  tp: TpGroup | None = None, cpu_kernels: bool = True):
-        """`cpu_kernels`: attend with the C kernel where it builds (see worker_svc.kernels);
-        off = the torch path only."""
+        """`cpu_kernels`: use the C kernels where they build (see worker_svc.kernels); off,
+        or where they do not build, the torch twins (same results, slower)."""
         self.config = config
         self.dtype = dtype
         self.first_layer = first_layer
@@ -259,6 +266,7 @@ class LlamaModel:
                 paged_attention_kernel(config.head_dim,
                                        self.shard.num_heads // self.shard.num_kv_heads, dtype),
                 elementwise_kernels(dtype))
+        self.elementwise = self.kernels.elementwise or TorchElementwise()   # C or torch
 
     @property
     def is_first_stage(self) -> bool:
@@ -308,12 +316,9 @@ class LlamaModel:
             hidden_states = self.embed(input_ids)                       # [num_tokens, hidden]
             residual = None
         assert hidden_states is not None
-        rope_rows = None                      # the elementwise kernel reads the tables
-        if self.kernels.elementwise is None:
-            rope_rows = self.rotary.lookup(positions)   # [num_tokens, 1, head_dim] each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer.forward(hidden_states, residual, positions,
-                                                    rope_rows, meta, kv_cache)
+            hidden_states, residual = layer.forward(hidden_states, residual, positions, meta,
+                                                    kv_cache)
         assert residual is not None
         return hidden_states, residual
 
@@ -321,11 +326,7 @@ class LlamaModel:
         """Last stage: final norm and LM head on the given rows -> [rows, vocab], model dtype
         (the full vocabulary on every TP rank)."""
         assert self.norm is not None and self.lm_head is not None
-        if self.kernels.elementwise is not None:
-            _, x = self.kernels.elementwise.add_rms_norm(hidden_states, residual, self.norm,
-                                                         self.config.rms_norm_eps)
-        else:
-            x = F.rms_norm(hidden_states + residual, self.norm.shape, self.norm,
-                           self.config.rms_norm_eps)
+        _, x = self.elementwise.add_rms_norm(hidden_states, residual, self.norm,
+                                             self.config.rms_norm_eps)
         logits = self.lm_head(x)
         return logits if self.tp is None else self.tp.gather_vocab(logits)

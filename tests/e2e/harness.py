@@ -1,6 +1,7 @@
 """End-to-end helpers: start the services as real processes on free ports, talk gRPC to them,
 and compare with HF transformers (greedy, fp32, same GGUF weights) as the oracle."""
 
+import random
 import socket
 import subprocess
 import time
@@ -24,15 +25,30 @@ from services.rpc.splitserve.v1 import (
 TIE_MARGIN = 1e-3  # reference top-2 logits closer than this: either token is accepted
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """n distinct ports free now, taken below the kernel's ephemeral range: a port from that
+    range can be taken by some process's outgoing connection before our service binds it
+    (seen in CI as "Address already in use" for a port we had just found free)."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(10000, max(10001, low - 8))   # the CLI also takes port+2..+5
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

@@ -1,6 +1,10 @@
 """The C paged-attention kernel against the slow reference, and how it is built and cached."""
 
+import fnmatch
+import re
 import shutil
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +205,19 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> Non
     _elementwise(dtype).rotary_(qkv, heads + kv_heads, head_dim, positions, rope.cos, rope.sin)
     torch.testing.assert_close(qk.float(), expected, **_close(dtype))
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values), "values were touched"
+
+
+def test_package_data_ships_every_kernel_file() -> None:
+    # A non-editable install (the Docker image) carries only what package-data names: a
+    # source or header left out makes every build fail there, silently slow (torch path).
+    root = Path(kernels.__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["worker_svc"]
+    sources = sorted(kernels.SOURCE_DIR.glob("*.c"))
+    needed = {p.name for p in sources}
+    for source in sources:
+        needed |= set(re.findall(r'#include "([^"]+)"', source.read_text()))
+    for name in sorted(needed):
+        assert (kernels.SOURCE_DIR / name).exists(), name
+        assert any(fnmatch.fnmatch(f"kernels/{name}", pat) for pat in patterns), \
+            f"{name} is not in pyproject's package-data"

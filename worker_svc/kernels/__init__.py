@@ -6,6 +6,9 @@
   (bench/cpu_kernels.py).
 - `elementwise.c`: residual add + RMSNorm, SiLU-and-multiply, and rotary embedding, one pass
   each instead of several torch kernels whose per-call overhead dominates at decode sizes.
+- `gemm_bf16.c` (CPUs with AVX512-BF16 only): bfloat16 matmul for decode-sized batches that
+  prefetches the next weight panel while it multiplies the current one (oneDNN leaves the
+  weight stream exposed there; see the source).
 
 Why compiled here: `-march=native` and the model's head size as constants give GCC
 fixed-size loops over vector registers, and a build takes well under a second with only a C
@@ -114,6 +117,16 @@ def _build(path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(target))
+
+
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU feature flag (False where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in line.split()[2:] for line in text.splitlines()
+               if line.startswith("flags"))
 
 
 def _lanes(head_dim: int) -> int | None:
@@ -241,3 +254,55 @@ def elementwise_kernels(dtype: torch.dtype) -> ElementwiseKernels | None:
         return None
     library = build("elementwise.c", {"ELEM_BF16": int(dtype == torch.bfloat16)})
     return None if library is None else ElementwiseKernels(library, dtype)
+
+
+GEMM_PANEL = 48   # output columns per packed weight panel (NR in gemm_bf16.c)
+
+
+class Bf16Gemm:
+    """`gemm_bf16.c`: x @ w.T in bfloat16 with a weight packed once by `pack`."""
+
+    __slots__ = ("lib",)
+
+    def __init__(self, library: ctypes.CDLL):
+        self.lib = library
+        library.pack_weight.restype = None
+        library.pack_weight.argtypes = [_P, _P, _I, _I]
+        library.gemm_bf16.restype = None
+        library.gemm_bf16.argtypes = [_P, _P, _P, _I, _I, _I]
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether `pack` takes this [n, k] weight: bfloat16, n a multiple of GEMM_PANEL, k
+        even."""
+        return (weight.dim() == 2 and weight.dtype == torch.bfloat16
+                and weight.shape[0] % GEMM_PANEL == 0 and weight.shape[1] % 2 == 0)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[n, k] -> the kernel's layout, in a tensor of the same shape (not a matrix)."""
+        if not self.fits(weight):
+            raise ValueError(f"gemm_bf16: cannot pack {weight.dtype} {tuple(weight.shape)}")
+        weight = weight.contiguous()
+        packed = torch.empty_like(weight)
+        self.lib.pack_weight(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+        return packed
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [m, k] contiguous bfloat16, packed from a [n, k] weight -> [m, n]."""
+        n, k = packed.shape
+        if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k
+                or not x.is_contiguous()):
+            raise ValueError(f"gemm_bf16: expected contiguous bfloat16 [m, {k}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        out = x.new_empty(x.shape[0], n)
+        self.lib.gemm_bf16(x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0], n, k)
+        return out
+
+
+def bf16_gemm_kernel() -> Bf16Gemm | None:
+    """The decode-size bfloat16 matmul, or None (oneDNN does them all): only on CPUs with
+    AVX512-BF16."""
+    if not kernels_enabled() or not _cpu_has("avx512_bf16"):
+        return None
+    library = build("gemm_bf16.c", {})
+    return None if library is None else Bf16Gemm(library)

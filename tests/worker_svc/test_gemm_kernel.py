@@ -60,6 +60,7 @@ def test_rejects_shapes_it_does_not_take(gemm: kernels.Bf16Gemm) -> None:
     assert not gemm.fits(torch.zeros(50, 64, dtype=torch.bfloat16))     # n not a multiple of 48
     assert not gemm.fits(torch.zeros(48, 63, dtype=torch.bfloat16))     # odd k
     assert not gemm.fits(torch.zeros(48, 64))                           # float32
+    assert not gemm.fits(torch.zeros(48, 0, dtype=torch.bfloat16))      # nothing to multiply
     with pytest.raises(ValueError, match="cannot pack"):
         gemm.pack(torch.zeros(50, 64, dtype=torch.bfloat16))
     packed = gemm.pack(torch.zeros(48, 64, dtype=torch.bfloat16))
@@ -67,6 +68,7 @@ def test_rejects_shapes_it_does_not_take(gemm: kernels.Bf16Gemm) -> None:
         gemm(torch.zeros(4, 62, dtype=torch.bfloat16), packed)
     with pytest.raises(ValueError, match="expected contiguous bfloat16"):
         gemm(torch.zeros(64, 4, dtype=torch.bfloat16).T, packed)
+    assert gemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 48)
 
 
 def test_linear_uses_it_up_to_the_threshold_then_onednn(gemm: kernels.Bf16Gemm) -> None:

@@ -274,8 +274,8 @@ class Bf16Gemm:
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
         """Whether `pack` takes this [n, k] weight: bfloat16, n a multiple of GEMM_PANEL, k
-        even."""
-        return (weight.dim() == 2 and weight.dtype == torch.bfloat16
+        even, neither empty."""
+        return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.numel() > 0
                 and weight.shape[0] % GEMM_PANEL == 0 and weight.shape[1] % 2 == 0)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:

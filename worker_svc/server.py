@@ -39,6 +39,7 @@ from services.wire import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_RPC_TIMEOUT_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -79,7 +80,8 @@ class WorkerServer:
         step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
         channel = grpc.insecure_channel(cfg.scheduler_address, options=CHANNEL_OPTIONS)
         control = control_pb2_grpc.WorkerControlStub(channel)
-        threading.Thread(target=self._heartbeat, args=(control,), daemon=True).start()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True)
+        heartbeat.start()
         runner, runner_key = None, None
         first = True
         try:
@@ -101,6 +103,10 @@ class WorkerServer:
                                 "again as epoch %d", self.epoch)
             return 0
         finally:
+            # End the heartbeat thread before its channel closes: a call on a closed channel
+            # raises ValueError in that thread (seen once in CI as a stray traceback on exit).
+            self._stop.set()
+            heartbeat.join(timeout=HEARTBEAT_RPC_TIMEOUT_S + 1)
             steps.close()
             channel.close()
             ctx.destroy(linger=0)
@@ -277,7 +283,7 @@ class WorkerServer:
                 continue
             request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=self.epoch)
             try:
-                known = control.Heartbeat(request, timeout=2.0).known
+                known = control.Heartbeat(request, timeout=HEARTBEAT_RPC_TIMEOUT_S).known
             except grpc.RpcError as exc:
                 if not failing:
                     log.warning("heartbeat failed (%s); serving on and retrying",

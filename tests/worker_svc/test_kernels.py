@@ -192,7 +192,7 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 8])
 def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
-    from worker_svc.model.llama import RotaryEmbedding, apply_rotary
+    from worker_svc.model.llama import RotaryEmbedding, apply_rotary, rotary_rows
 
     heads, kv_heads, rows = 9, 3, 21
     rope = RotaryEmbedding(head_dim, 10000.0, 512, dtype)
@@ -200,7 +200,8 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> Non
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 512, (rows,), generator=gen)
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
-    expected = apply_rotary(qk.float(), *(t.float() for t in rope.lookup(positions)))
+    rows_cos_sin = rotary_rows(rope.cos, rope.sin, positions)
+    expected = apply_rotary(qk.float(), *(t.float() for t in rows_cos_sin))
     values = qkv[:, (heads + kv_heads) * head_dim:].clone()
     _elementwise(dtype).rotary_(qkv, heads + kv_heads, head_dim, positions, rope.cos, rope.sin)
     torch.testing.assert_close(qk.float(), expected, **_close(dtype))

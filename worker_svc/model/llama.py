@@ -119,10 +119,6 @@ class RotaryEmbedding:
         sin[:, :half] = -sin[:, :half]
         self.sin = sin.to(dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens] positions -> cos, signed sin, each [num_tokens, 1, head_dim]."""
-        return rotary_rows(self.cos, self.sin, positions)
-
 
 def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +161,10 @@ class CpuKernels:
     elementwise: ElementwiseKernels | None
     gemm: Bf16Gemm | None = None
 
+    def elementwise_ops(self) -> "ElementwiseKernels | TorchElementwise":
+        """The elementwise kernels, or their torch twin where they did not build."""
+        return self.elementwise or TorchElementwise()
+
 
 class LlamaLayer:
     """One decoder layer's weights and forward."""
@@ -185,7 +185,7 @@ class LlamaLayer:
         self.tp = tp
         self.rotary = rotary
         self.kernels = kernels or CpuKernels(None, None)
-        self.elementwise = self.kernels.elementwise or TorchElementwise()   # C or torch
+        self.elementwise = self.kernels.elementwise_ops()
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
@@ -288,7 +288,7 @@ class LlamaModel:
                                        self.shard.num_heads // self.shard.num_kv_heads, dtype),
                 elementwise_kernels(dtype),
                 bf16_gemm_kernel() if dtype == torch.bfloat16 else None)
-        self.elementwise = self.kernels.elementwise or TorchElementwise()   # C or torch
+        self.elementwise = self.kernels.elementwise_ops()
 
     @property
     def is_first_stage(self) -> bool:

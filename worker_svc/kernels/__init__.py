@@ -52,14 +52,19 @@ def kernels_enabled() -> bool:
     return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
 
 
-def _cpu_signature() -> str:
-    """This CPU's model and feature flags (Linux), else the platform's description."""
+def _cpuinfo_lines(*prefixes: str) -> list[str]:
+    """The distinct /proc/cpuinfo lines starting with these prefixes ([] where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
     except OSError:
-        return platform.processor() + platform.machine()
+        return []
+    return sorted({line for line in text.splitlines() if line.startswith(prefixes)})
+
+
+def _cpu_signature() -> str:
+    """This CPU's model and feature flags (Linux), else the platform's description."""
+    lines = _cpuinfo_lines("model name", "flags")
+    return "\n".join(lines) if lines else platform.processor() + platform.machine()
 
 
 def _compiler() -> str | None:
@@ -121,12 +126,7 @@ def _build(path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
 
 def _cpu_has(flag: str) -> bool:
     """Whether /proc/cpuinfo lists this CPU feature flag (False where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in line.split()[2:] for line in text.splitlines()
-               if line.startswith("flags"))
+    return any(flag in line.split()[2:] for line in _cpuinfo_lines("flags"))
 
 
 def _lanes(head_dim: int) -> int | None:

@@ -1,11 +1,14 @@
 """Throughput on the shared workload: splitserve (all services, over gRPC) against HF
 transformers, same prompts, same dtype, in one invocation.
 
-    .venv/bin/python bench/throughput.py [--dtype bfloat16] [--skip-hf] [--out FILE]
+    .venv/bin/python bench/throughput.py [--dtype bfloat16] [--repeats 3] [--skip-hf]
+                                         [--skip-dense] [--out FILE]
 
 Workload (shared/bench/WORKLOAD): 64 chat prompts, greedy, exactly 128 new tokens each (EOS
 ignored), all submitted at once; single stream = prompt 0. Each system gets an untimed warm-up.
-Prints output tokens/s for both and the ratios; writes a JSON result to bench/results/.
+The systems take turns, one round each, `--repeats` rounds (splitserve on a fresh cluster every
+round); prints each figure's median, the ratios of the medians and the batch ratio of every
+round; writes a JSON result (medians and every round) to bench/results/.
 
 The batch client is one asyncio event loop (grpc.aio), as a load generator should be: it shares
 the machine's cores with the services, and 64 threads blocking on sync streams cost about twice
@@ -16,9 +19,11 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,34 +157,48 @@ class ForwardGaps:
         return total / count if count else 0.0
 
 
-def bench_hf(prompts: list[str], single: str, max_tokens: int, dtype: str,
-             ) -> dict[str, float]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class HfBaseline:
+    """HF transformers on the same GGUF weights, loaded once; `run()` times one repeat (the
+    first call also warms up, untimed)."""
 
-    path = default_model_path()
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch_dtype).eval()
+    def __init__(self, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def generate(texts: list[str], n: int) -> tuple[int, float]:
-        enc = tok(texts, return_tensors="pt", padding=True)
+        path = default_model_path()
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype).eval()
+        self.warm = False
+
+    def _generate(self, texts: list[str], n: int) -> tuple[int, float]:
+        import torch
+
+        enc = self.tok(texts, return_tensors="pt", padding=True)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+            out = self.model.generate(**enc, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=self.tok.pad_token_id)
         return (out.shape[1] - enc["input_ids"].shape[1]) * len(texts), \
             time.perf_counter() - start
 
-    generate(prompts[:8], 8)                 # warm-up
-    _, ttft = generate([single], 1)
-    n, total = generate([single], max_tokens)
-    single_decode = (n - 1) / (total - ttft)
-    count, wall = generate(prompts, max_tokens)
-    return {"batch_tok_s": count / wall, "batch_wall_s": wall, "single_ttft_ms": ttft * 1000,
-            "single_decode_tok_s": single_decode}
+    def run(self, prompts: list[str], single: str, max_tokens: int) -> dict[str, float]:
+        if not self.warm:
+            self._generate(prompts[:8], 8)
+            self.warm = True
+        _, ttft = self._generate([single], 1)
+        n, total = self._generate([single], max_tokens)
+        single_decode = (n - 1) / (total - ttft)
+        count, wall = self._generate(prompts, max_tokens)
+        return {"batch_tok_s": count / wall, "batch_wall_s": wall,
+                "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode}
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, object]:
+    """Each figure's median over the repeats, plus the repeats themselves."""
+    return {**{key: statistics.median(r[key] for r in runs) for key in runs[0]}, "runs": runs}
 
 
 def main() -> int:
@@ -187,6 +206,8 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of every system in turn; the table shows medians")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
                    help="bf16: skip the run without the int4 small-step kernel")
@@ -195,49 +216,66 @@ def main() -> int:
                    "--scheduler-arg=--no-prefix-caching")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
 
-    results: dict[str, object] = {"dtype": a.dtype, "num_prompts": len(prompts),
-                                  "max_tokens": max_tokens, "cpus": os.cpu_count()}
-    ours = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg, [])
-    results["splitserve"] = ours
-    rows = [("splitserve", ours)]
+    # Every system runs once per round, in turn, so slow and fast spells of this shared
+    # machine fall on all of them; splitserve gets a fresh cluster every time (a cold prefix
+    # cache, as on the first round).
+    systems: dict[str, Callable[[], dict[str, float]]] = {
+        "splitserve": lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
+                                               a.scheduler_arg, [])}
     if a.dtype == "bfloat16" and not a.skip_dense:
         # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
         # steps): the strict same-dtype comparison.
-        dense = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg,
-                                 ["--no-int4-kernels"])
-        results["splitserve_dense_bf16"] = dense
-        rows.append(("splitserve dense", dense))
+        systems["splitserve dense"] = lambda: bench_splitserve(
+            prompts, single, max_tokens, a.dtype, a.scheduler_arg, ["--no-int4-kernels"])
     if not a.skip_hf:
-        hf = bench_hf(prompts, single, max_tokens, a.dtype)
-        results["hf_transformers"] = hf
-        rows.append(("hf transformers", hf))
-        results["ratio_batch"] = ours["batch_tok_s"] / hf["batch_tok_s"]
-        results["ratio_single_decode"] = ours["single_decode_tok_s"] / hf["single_decode_tok_s"]
-        if "splitserve_dense_bf16" in results:
-            dense_r = results["splitserve_dense_bf16"]
-            assert isinstance(dense_r, dict)
-            results["ratio_batch_dense"] = dense_r["batch_tok_s"] / hf["batch_tok_s"]
-            results["ratio_single_decode_dense"] = (dense_r["single_decode_tok_s"]
-                                                    / hf["single_decode_tok_s"])
+        hf = HfBaseline(a.dtype)
+        systems["hf transformers"] = lambda: hf.run(prompts, single, max_tokens)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    for round_no in range(1, a.repeats + 1):
+        for name, run in systems.items():
+            runs[name].append(run())
+            print(f"round {round_no}/{a.repeats} {name}: "
+                  f"{runs[name][-1]['batch_tok_s']:.1f} tok/s all at once", flush=True)
 
-    print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens")
+    results: dict[str, object] = {"dtype": a.dtype, "num_prompts": len(prompts),
+                                  "max_tokens": max_tokens, "cpus": os.cpu_count(),
+                                  "repeats": a.repeats}
+    table = {name: medians(r) for name, r in runs.items()}
+    for name, key in (("splitserve", "splitserve"), ("splitserve dense", "splitserve_dense_bf16"),
+                      ("hf transformers", "hf_transformers")):
+        if name in table:
+            results[key] = table[name]
+
+    print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens, "
+          f"median of {a.repeats} round(s)")
     print(f"{'system':<18}{'all at once tok/s':>18}{'single decode tok/s':>21}"
           f"{'single TTFT ms':>16}")
-    for name, r in rows:
+    for name, r in table.items():
         print(f"{name:<18}{r['batch_tok_s']:>18.1f}{r['single_decode_tok_s']:>21.1f}"
               f"{r['single_ttft_ms']:>16.0f}")
-    if "ratio_batch" in results:
-        for name, r in rows[:-1]:
-            hf_r = results["hf_transformers"]
-            print(f"ratio {name} / HF: batch {r['batch_tok_s'] / hf_r['batch_tok_s']:.2f}x, "
-                  f"single decode {r['single_decode_tok_s'] / hf_r['single_decode_tok_s']:.2f}x")
+    if "hf transformers" in runs:
+        hf_runs = runs["hf transformers"]
+        for name, suffix in (("splitserve", ""), ("splitserve dense", "_dense")):
+            if name not in runs:
+                continue
+            ours, hf_r = table[name], table["hf transformers"]
+            batch = [o["batch_tok_s"] / h["batch_tok_s"] for o, h in zip(runs[name], hf_runs)]
+            results[f"ratio_batch{suffix}"] = ours["batch_tok_s"] / hf_r["batch_tok_s"]
+            results[f"ratio_single_decode{suffix}"] = (ours["single_decode_tok_s"]
+                                                       / hf_r["single_decode_tok_s"])
+            results[f"ratio_batch{suffix}_per_round"] = batch
+            print(f"ratio {name} / HF: batch {results[f'ratio_batch{suffix}']:.2f}x "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in batch)}), single decode "
+                  f"{results[f'ratio_single_decode{suffix}']:.2f}x")
     write_result(results, a.out, f"throughput-{a.dtype}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -172,7 +172,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            residual.index_select(0, index))  # [rows, vocab]
         token_ids, logprobs = sample(logits, [s.state.sampling for s in sampling],
-                                     [s.state.generator for s in sampling])
+                                     [s.state.generator for s in sampling],
+                                     argmax=self.model.elementwise.argmax)
         by_request: dict[str, tuple[int, TokenLogprobs | None]] = {}
         for s, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
             s.state.token_ids.append(token_id)

@@ -8,7 +8,7 @@ of the batch, and a generator re-created after preemption can be fast-forwarded
 (`new_generator`). Everything is computed in float32 (cumulative sums in float64).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,17 +28,20 @@ def new_generator(seed: int, num_samples_done: int = 0) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
-           generators: Sequence[torch.Generator | None]
+           generators: Sequence[torch.Generator | None],
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [rows, vocab] in any float dtype, one row per request, in `specs` order.
 
     `generators[i]` is request i's own generator, or None for unseeded requests (drawn from
-    torch's default generator). Returns the sampled token ids and, per row, its logprobs or
-    None where the request asked for none.
+    torch's default generator). `argmax` ([rows, vocab] -> [rows], first maximum, as
+    torch.argmax) serves a batch that is all greedy without logprobs straight from `logits`'
+    dtype (the C kernel); by default the rows are widened to float32 first. Returns the sampled
+    token ids and, per row, its logprobs or None where the request asked for none.
     """
-    logits = logits.float()      # (also faster: argmax over bfloat16 is ~3x slower on CPU)
     if all(s.temperature == 0 and s.num_logprobs is None for s in specs):
-        return logits.argmax(dim=-1).tolist(), [None] * len(specs)
+        return (argmax or _argmax_float)(logits).tolist(), [None] * len(specs)
+    logits = logits.float()
     random_rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
     if len(random_rows) == len(specs):
         token_ids = _sample_random(logits, specs, generators)
@@ -50,6 +53,10 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                 logits.index_select(0, rows), [specs[i] for i in random_rows],
                 [generators[i] for i in random_rows])
     return token_ids.tolist(), _logprobs(logits, token_ids, specs)
+
+
+def _argmax_float(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
 
 
 def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],

@@ -208,6 +208,45 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> Non
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values), "values were touched"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [49152, 1003])        # 1003: a scalar tail of 11
+def test_argmax_matches_torch(dtype: torch.dtype, cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(67, cols, generator=gen) * 4).to(dtype)
+    # Ties keep the first column (bfloat16 logits tie often); the maximum in the tail; a row
+    # of -inf; NaN counts as the largest, as in torch; -0.0 and 0.0 are equal.
+    x[1, 5] = x[1, 700] = x[1, cols - 1] = 100.0
+    x[2, cols - 1] = 100.0
+    x[3] = float("-inf")
+    x[4, 9] = x[4, 800] = float("nan")
+    x[5] = -1.0
+    x[5, 40], x[5, 30] = 0.0, -0.0
+    got = _elementwise(dtype).argmax(x)
+    expected = x.float().argmax(dim=-1)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected), (got[:6].tolist(), expected[:6].tolist())
+    assert got[:6].tolist() == [expected[0].item(), 5, cols - 1, 0, 9, 30]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_ties_across_lanes_and_short_rows(dtype: torch.dtype) -> None:
+    # Few distinct values: the maximum sits in several lanes and vectors at once.
+    gen = torch.Generator().manual_seed(5)
+    for cols in (1, 5, 16, 17, 33, 100):
+        x = torch.randint(-3, 3, (40, cols), generator=gen).to(dtype)
+        assert torch.equal(_elementwise(dtype).argmax(x), x.float().argmax(dim=-1)), cols
+
+
+def test_argmax_rejects_what_it_cannot_read() -> None:
+    ew = _elementwise(torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous"):
+        ew.argmax(torch.zeros(4, 8, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="expected contiguous"):
+        ew.argmax(torch.zeros(4, 8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="rows, cols"):
+        ew.argmax(torch.zeros(4, 0, dtype=torch.bfloat16))
+
+
 def test_package_data_ships_every_kernel_file() -> None:
     # A non-editable install (the Docker image) carries only what package-data names: a
     # source or header left out makes every build fail there, silently slow (torch path).

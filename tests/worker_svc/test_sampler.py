@@ -29,6 +29,23 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
     assert logprobs == [None] * 4
 
 
+def test_an_all_greedy_batch_uses_the_given_argmax() -> None:
+    logits = random_logits(3).to(torch.bfloat16)
+    seen: list[torch.Tensor] = []
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x)
+        return x.float().argmax(dim=-1)
+
+    tokens, _ = sample(logits, [spec(temperature=0.0)] * 3, [None] * 3, argmax=argmax)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert len(seen) == 1 and seen[0].dtype == torch.bfloat16   # not widened first
+    # Logprobs or a random row take the float32 path.
+    sample(logits, [spec(temperature=0.0, num_logprobs=1)] * 3, [None] * 3, argmax=argmax)
+    sample(logits, [spec(temperature=0.0)] * 2 + [spec(seed=1)], [None] * 3, argmax=argmax)
+    assert len(seen) == 1
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = random_logits(8, seed=1)
     greedy = logits.argmax(dim=-1).tolist()

@@ -205,6 +205,8 @@ class ElementwiseKernels:
         library.silu_mul.argtypes = [_P, _P, _I, _I]
         library.rotary.restype = None
         library.rotary.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I]
+        library.argmax_rows.restype = None
+        library.argmax_rows.argtypes = [_P, _I, _I, _P]
 
     def _check(self, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -246,6 +248,16 @@ class ElementwiseKernels:
             raise ValueError("rotary: mismatched shapes")
         self.lib.rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
                         sin.data_ptr(), x.shape[0], num_heads, head_dim)
+
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, cols] -> int64 [rows]: each row's first maximum, as torch.argmax(dim=-1)."""
+        self._check(x)
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError(f"argmax: expected [rows, cols > 0], got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
 
 def elementwise_kernels(dtype: torch.dtype) -> ElementwiseKernels | None:

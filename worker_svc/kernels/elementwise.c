@@ -103,3 +103,58 @@ void rotary(elem_t *x, int64_t row_stride, const int64_t *positions, const elem_
     }
   }
 }
+
+/* Greedy sampling: out[r] = the column of row r's largest element, the first one on ties, as
+ * torch.argmax (which also counts NaN as the largest: a row holding NaN gives its first NaN).
+ * x [rows, cols] contiguous, cols < 2^31. One pass: every lane keeps its largest value and the
+ * first column it was seen at (strictly greater replaces), then the lanes' maxima are merged,
+ * lowest column first on ties. Reading bfloat16 logits directly saves widening the whole
+ * [rows, vocab] matrix to float32 first. */
+void argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    const elem_t *row = x + r * cols;
+    vf best;
+    vi32 at, column, nan = {0};
+    for (int l = 0; l < LANES; l++) {
+      best[l] = -INFINITY;
+      at[l] = l;
+      column[l] = l;
+    }
+    int64_t c = 0;
+    for (; c + LANES <= cols; c += LANES, column += LANES) {
+      const vf v = load_vec(row + c);
+      const vi32 greater = v > best;
+      best = (vf)(((vi32)v & greater) | ((vi32)best & ~greater));
+      at = (column & greater) | (at & ~greater);
+      nan |= v != v;
+    }
+    float top = -INFINITY;
+    int64_t found = 0, has_nan = 0;
+    for (int l = 0; l < LANES && c > 0; l++) {
+      if (best[l] > top || (best[l] == top && at[l] < found) || l == 0) {
+        top = best[l];
+        found = at[l];
+      }
+      has_nan |= nan[l] != 0;
+    }
+    for (int64_t t = c; t < cols; t++) {
+      const float v = load_one(row + t);
+      has_nan |= v != v;
+      if (v > top || t == 0) {
+        top = v;
+        found = t;
+      }
+    }
+    if (has_nan) {
+      for (int64_t t = 0; t < cols; t++) {
+        const float v = load_one(row + t);
+        if (v != v) {
+          found = t;
+          break;
+        }
+      }
+    }
+    out[r] = found;
+  }
+}

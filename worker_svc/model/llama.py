@@ -152,6 +152,10 @@ class TorchElementwise:
         heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
         heads.copy_(apply_rotary(heads, *rotary_rows(cos, sin, positions)))
 
+    @staticmethod
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        return x.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
+
 
 @dataclass(frozen=True, slots=True)
 class CpuKernels:

@@ -40,7 +40,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     token ids and, per row, its logprobs or None where the request asked for none.
     """
     if all(s.temperature == 0 and s.num_logprobs is None for s in specs):
-        return (argmax or _argmax_float)(logits).tolist(), [None] * len(specs)
+        return (argmax or argmax_float)(logits).tolist(), [None] * len(specs)
     logits = logits.float()
     random_rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
     if len(random_rows) == len(specs):
@@ -55,7 +55,8 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     return token_ids.tolist(), _logprobs(logits, token_ids, specs)
 
 
-def _argmax_float(logits: torch.Tensor) -> torch.Tensor:
+def argmax_float(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows], first maximum, in torch (also TorchElementwise.argmax)."""
     return logits.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
 
 

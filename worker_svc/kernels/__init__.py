@@ -249,7 +249,6 @@ class ElementwiseKernels:
         self.lib.rotary(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
                         sin.data_ptr(), x.shape[0], num_heads, head_dim)
 
-
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, cols] -> int64 [rows]: each row's first maximum, as torch.argmax(dim=-1)."""
         self._check(x)

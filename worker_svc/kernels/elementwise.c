@@ -129,10 +129,11 @@ void argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *out) {
       at = (column & greater) | (at & ~greater);
       nan |= v != v;
     }
-    float top = -INFINITY;
-    int64_t found = 0, has_nan = 0;
-    for (int l = 0; l < LANES && c > 0; l++) {
-      if (best[l] > top || (best[l] == top && at[l] < found) || l == 0) {
+    /* (A row shorter than a vector leaves every lane at -inf, column 0 winning: right.) */
+    float top = best[0];
+    int64_t found = at[0], has_nan = nan[0] != 0;
+    for (int l = 1; l < LANES; l++) {
+      if (best[l] > top || (best[l] == top && at[l] < found)) {
         top = best[l];
         found = at[l];
       }
@@ -141,7 +142,7 @@ void argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *out) {
     for (int64_t t = c; t < cols; t++) {
       const float v = load_one(row + t);
       has_nan |= v != v;
-      if (v > top || t == 0) {
+      if (v > top) {
         top = v;
         found = t;
       }

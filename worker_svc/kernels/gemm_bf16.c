@@ -20,7 +20,9 @@
  * Work split: each OpenMP thread takes a contiguous range of panels; within a panel, rows go
  * MR = 8 at a time (24 accumulators in registers), and rows in chunks of MC so a chunk of a
  * stays in L2 across panels. Every output element is one dot product in a fixed order, so
- * results do not depend on the thread count.
+ * results do not depend on the thread count. Full row tiles run a copy of the loop compiled
+ * for exactly MR rows (no test per row; GCC then keeps the row pointers in registers): 5-15%
+ * faster than one loop for any row count, measured at 13 to 128 rows.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -49,20 +51,20 @@ void pack_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
       }
 }
 
-/* rows (<= MR) rows of a times one panel -> c. While at it, prefetch `per_step` lines of
- * `prefetch` (the next panel; NULL: none) per pair step, from line `prefetch_first` on, so
- * that the row tiles of a panel fetch all of the next one between them. */
-static inline void micro_tile(const uint16_t *a, int64_t lda, const uint16_t *panel,
-                              int64_t pairs, uint16_t *c, int64_t ldc, int rows,
-                              const char *prefetch, int64_t prefetch_first, int64_t per_step,
-                              int64_t prefetch_lines) {
+/* `rows` (<= MR) rows of a times one panel -> c. Meanwhile prefetch up to `per_step` lines
+ * per pair step from *next on (the next panel), stopping at next_end. Inlined twice: with
+ * rows == MR a constant, so that full tiles run without a test per row. */
+static inline __attribute__((always_inline)) void
+tile_rows(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs, uint16_t *c,
+          int64_t ldc, const int rows, const char **next, const char *next_end,
+          int64_t per_step) {
   __m512 acc[MR][3];
   for (int r = 0; r < MR; r++)
     for (int j = 0; j < 3; j++) acc[r][j] = _mm512_setzero_ps();
+  const char *pf = *next;
   for (int64_t p = 0; p < pairs; p++) {
-    for (int64_t i = prefetch_first + p * per_step; prefetch && i < prefetch_first +
-         (p + 1) * per_step && i < prefetch_lines; i++)
-      _mm_prefetch(prefetch + i * 64, _MM_HINT_T1);
+    for (int64_t i = 0; i < per_step && pf < next_end; i++, pf += 64)
+      _mm_prefetch(pf, _MM_HINT_T1);
     const uint16_t *row = panel + p * NR * 2;
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(row + 32);
@@ -79,17 +81,30 @@ static inline void micro_tile(const uint16_t *a, int64_t lda, const uint16_t *pa
       }
     }
   }
+  *next = pf;
   for (int r = 0; r < rows; r++)
     for (int j = 0; j < 3; j++) /* round to nearest even, as torch */
       _mm256_storeu_si256((__m256i *)(c + r * ldc + j * 16),
                           (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
+static void full_tile(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs,
+                      uint16_t *c, int64_t ldc, const char **next, const char *next_end,
+                      int64_t per_step) {
+  tile_rows(a, lda, panel, pairs, c, ldc, MR, next, next_end, per_step);
+}
+
+static void part_tile(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs,
+                      uint16_t *c, int64_t ldc, int rows, const char **next,
+                      const char *next_end, int64_t per_step) {
+  tile_rows(a, lda, panel, pairs, c, ldc, rows, next, next_end, per_step);
+}
+
 /* c [m, n] = a [m, k] @ w^T, w given packed by pack_weight; a and c row-major, contiguous. */
 void gemm_bf16(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m, int64_t n,
                int64_t k) {
   const int64_t pairs = k / 2, panels = n / NR;
-  const int64_t panel_elems = pairs * NR * 2, panel_lines = panel_elems * 2 / 64;
+  const int64_t panel_elems = pairs * NR * 2, panel_bytes = panel_elems * 2;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -97,14 +112,19 @@ void gemm_bf16(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m
     for (int64_t m0 = 0; m0 < m; m0 += MC) {
       const int64_t m1 = m0 + MC < m ? m0 + MC : m;
       const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-      const int64_t per_step = (panel_lines + tiles * pairs - 1) / (tiles * pairs);
+      /* lines of the next panel per pair step, so that this panel's tiles fetch all of it */
+      const int64_t per_step = (panel_bytes / 64 + tiles * pairs - 1) / (tiles * pairs);
       for (int64_t panel = first; panel < end; panel++) {
         const uint16_t *weights = packed + panel * panel_elems;
-        const char *next = panel + 1 < end ? (const char *)(weights + panel_elems) : NULL;
-        for (int64_t r0 = m0, tile = 0; r0 < m1; r0 += MR, tile++) {
-          const int rows = m1 - r0 < MR ? (int)(m1 - r0) : MR;
-          micro_tile(a + r0 * k, k, weights, pairs, c + r0 * n + panel * NR, n, rows, next,
-                     tile * pairs * per_step, per_step, panel_lines);
+        const char *next = (const char *)(weights + panel_elems);
+        const char *next_end = panel + 1 < end ? next + panel_bytes : next;
+        for (int64_t r0 = m0; r0 < m1; r0 += MR) {
+          if (m1 - r0 >= MR)
+            full_tile(a + r0 * k, k, weights, pairs, c + r0 * n + panel * NR, n, &next,
+                      next_end, per_step);
+          else
+            part_tile(a + r0 * k, k, weights, pairs, c + r0 * n + panel * NR, n,
+                      (int)(m1 - r0), &next, next_end, per_step);
         }
       }
     }

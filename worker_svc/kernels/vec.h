@@ -32,6 +32,15 @@ static inline vf load_vec(const uint16_t *src) {
   return (vf)(__builtin_convertvector(raw, vu32) << 16);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && LANES == 16
+#include <immintrin.h>
+/* One instruction: VCVTNEPS2BF16 rounds to nearest even like the code below; a NaN stays a
+ * NaN (made quiet). */
+static inline void store_vec(vf v, uint16_t *dst) {
+  __m256bh narrow = _mm512_cvtneps_pbh((__m512)v);
+  memcpy(dst, &narrow, sizeof narrow);
+}
+#else
 static inline void store_vec(vf v, uint16_t *dst) {
   vu32 bits = (vu32)v;
   vu32 rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
@@ -40,6 +49,7 @@ static inline void store_vec(vf v, uint16_t *dst) {
   vu16 narrow = __builtin_convertvector(rounded, vu16);
   memcpy(dst, &narrow, sizeof narrow);
 }
+#endif
 
 static inline float load_one(const uint16_t *src) {
   uint32_t bits = (uint32_t)*src << 16;

@@ -88,18 +88,6 @@ tile_rows(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs, 
                           (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
-static void full_tile(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs,
-                      uint16_t *c, int64_t ldc, const char **next, const char *next_end,
-                      int64_t per_step) {
-  tile_rows(a, lda, panel, pairs, c, ldc, MR, next, next_end, per_step);
-}
-
-static void part_tile(const uint16_t *a, int64_t lda, const uint16_t *panel, int64_t pairs,
-                      uint16_t *c, int64_t ldc, int rows, const char **next,
-                      const char *next_end, int64_t per_step) {
-  tile_rows(a, lda, panel, pairs, c, ldc, rows, next, next_end, per_step);
-}
-
 /* c [m, n] = a [m, k] @ w^T, w given packed by pack_weight; a and c row-major, contiguous. */
 void gemm_bf16(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m, int64_t n,
                int64_t k) {
@@ -119,12 +107,13 @@ void gemm_bf16(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m
         const char *next = (const char *)(weights + panel_elems);
         const char *next_end = panel + 1 < end ? next + panel_bytes : next;
         for (int64_t r0 = m0; r0 < m1; r0 += MR) {
-          if (m1 - r0 >= MR)
-            full_tile(a + r0 * k, k, weights, pairs, c + r0 * n + panel * NR, n, &next,
-                      next_end, per_step);
+          const uint16_t *rows_a = a + r0 * k;
+          uint16_t *rows_c = c + r0 * n + panel * NR;
+          if (m1 - r0 >= MR) /* MR as a constant: the full-tile copy of the loop */
+            tile_rows(rows_a, k, weights, pairs, rows_c, n, MR, &next, next_end, per_step);
           else
-            part_tile(a + r0 * k, k, weights, pairs, c + r0 * n + panel * NR, n,
-                      (int)(m1 - r0), &next, next_end, per_step);
+            tile_rows(rows_a, k, weights, pairs, rows_c, n, (int)(m1 - r0), &next, next_end,
+                      per_step);
         }
       }
     }

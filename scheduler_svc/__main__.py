@@ -46,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    help="address workers use to reach this host (default: --host)")
     p.add_argument("--kvcache", default=env("KVCACHE", "tcp://127.0.0.1:50053"),
                    help="kvcache_svc plan socket")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=env("DTYPE", "float32"))
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   default=env("DTYPE", "auto"),
+                   help="compute dtype; auto: each replica takes what its workers compute best "
+                        "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
+                        "float32)")
     p.add_argument("--tp", type=int, default=int(env("TP", "1") or 1))
     p.add_argument("--pp", type=int, default=int(env("PP", "1") or 1))
     p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "256") or 256))
@@ -151,7 +155,7 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
                         max_live_requests=config.max_queue_len,
                         replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(frontend, model, config.dtype), server)
+        GenerationServicer(frontend, model), server)
     control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), server)
     try:
         port = bind(server, config.host, config.port)

@@ -84,7 +84,11 @@ class Cluster:
     # ------------------------------------------------------------------ registration
 
     def register(self, worker_id: str, epoch: int, device: str, memory_bytes: int,
-                 step_address: str, model: str) -> Placement:
+                 step_address: str, model: str, preferred_dtype: str = "",
+                 cpu_level: str = "") -> Placement:
+        """Places a worker as the next free rank of the replica being formed. `preferred_dtype`:
+        what the worker computes best in; with `--dtype auto` the first rank's choice becomes
+        the replica's (later ranks follow it: every rank of a replica must agree)."""
         if model and model != self.model.name:
             raise RegistrationError(f"worker serves {model!r}; this cluster serves "
                                     f"{self.model.name!r}")
@@ -100,18 +104,34 @@ class Cluster:
             rank = replica.ranks.index(None)
             pp_rank, tp_rank = divmod(rank, self.config.tp_size)
             record = WorkerRecord(worker_id, epoch, device, memory_bytes, step_address,
-                                  replica.replica_id, pp_rank, tp_rank)
+                                  replica.replica_id, pp_rank, tp_rank, cpu_level=cpu_level)
+            if not replica.dtype:
+                replica.dtype = self._replica_dtype(preferred_dtype)
             replica.ranks[rank] = record
             self.workers[worker_id] = record
             if rank == 0 and len(replica.ranks) > 1:
                 replica.dist_init_method = rendezvous_address(step_address)
             first, end = self._layer_ranges[pp_rank]
-            log.info("worker %s (epoch %d, %s) -> replica %d pp_rank %d tp_rank %d layers "
-                     "[%d, %d)", worker_id, epoch, device, replica.replica_id, pp_rank, tp_rank,
-                     first, end)
+            log.info("worker %s (epoch %d, %s %s) -> replica %d pp_rank %d tp_rank %d layers "
+                     "[%d, %d), %s", worker_id, epoch, device, cpu_level, replica.replica_id,
+                     pp_rank, tp_rank, first, end, replica.dtype)
             return Placement(replica.replica_id, pp_rank, tp_rank, self.config.pp_size,
                              self.config.tp_size, first, end, replica.outputs.address,
-                             replica.dist_init_method)
+                             replica.dist_init_method, replica.dtype)
+
+    def _replica_dtype(self, preferred: str) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return preferred if preferred in ("float32", "bfloat16") else "float32"
+
+    def served_dtype(self) -> str:
+        """The dtype the replicas compute in (see ModelInfoResponse.dtype)."""
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        with self._lock:
+            dtypes = sorted({r.dtype for r in self.replicas.values()
+                             if r.dtype and r.state != "down"})
+        return ",".join(dtypes) or "auto"
 
     def _forming_replica_locked(self) -> Replica:
         for replica in self.replicas.values():

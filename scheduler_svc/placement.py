@@ -28,6 +28,7 @@ class WorkerRecord:
     tp_rank: int
     num_kv_blocks: int | None = None
     state: str = "loading"              # loading -> ready -> down
+    cpu_level: str = ""                 # the kernel level it reported ("" for a GPU)
     last_heartbeat: float = field(default_factory=time.monotonic)
 
 
@@ -42,6 +43,7 @@ class Placement:
     end_layer: int
     output_address: str
     dist_init_method: str       # torch.distributed rendezvous of the replica ("" if one rank)
+    dtype: str                  # the replica's compute dtype
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -73,6 +75,7 @@ class Replica:
         self.ranks: list[WorkerRecord | None] = [None] * size
         self.outputs = outputs
         self.dist_init_method = ""      # set when rank 0 registers (multi-rank replicas)
+        self.dtype = ""                 # set when its first rank registers
         self.engine: ReplicaEngine | None = None
         self.state = "forming"          # forming -> starting -> ready -> down
 

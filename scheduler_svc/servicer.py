@@ -80,10 +80,9 @@ def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, model: ModelConfig, dtype: str) -> None:
+    def __init__(self, frontend: Frontend, model: ModelConfig) -> None:
         self.frontend = frontend
         self.model = model
-        self.dtype = dtype
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
@@ -145,7 +144,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.ModelInfoResponse(
             model=m.name, architecture=m.architecture, vocab_size=m.vocab_size,
             max_model_len=m.max_model_len, num_layers=m.num_layers, hidden_size=m.hidden_size,
-            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, dtype=self.dtype,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            dtype=self.frontend.cluster.served_dtype(),
             eos_token_ids=list(m.eos_token_ids),
             has_chat_template=self.frontend.tokenizer.chat_template is not None)
 
@@ -161,11 +161,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         num_prompt = num_cached = 0
         for replica in list(cluster.replicas.values()):
             r = info.replicas.add(replica_id=replica.replica_id, state=replica.state,
-                                  block_size=sc.block_size)
+                                  block_size=sc.block_size, dtype=replica.dtype)
             for w in replica.workers:
                 r.workers.add(worker_id=w.worker_id, epoch=w.epoch, pp_rank=w.pp_rank,
                               tp_rank=w.tp_rank, device=w.device,
-                              num_kv_blocks=w.num_kv_blocks or 0, state=w.state)
+                              num_kv_blocks=w.num_kv_blocks or 0, state=w.state,
+                              cpu_level=w.cpu_level)
             engine = replica.engine
             if engine is not None:
                 sched = engine.scheduler
@@ -196,14 +197,15 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
                        context: grpc.aio.ServicerContext) -> control_pb2.RegisterResponse:
         try:
             p = self.cluster.register(request.worker_id, request.epoch, request.device,
-                                      request.memory_bytes, request.step_address, request.model)
+                                      request.memory_bytes, request.step_address, request.model,
+                                      request.preferred_dtype, request.cpu_level)
         except RegistrationError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return control_pb2.RegisterResponse(
             replica_id=p.replica_id, pp_rank=p.pp_rank, tp_rank=p.tp_rank, pp_size=p.pp_size,
             tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
             block_size=self.cluster.sched_config.block_size, output_address=p.output_address,
-            dtype=self.cluster.config.dtype, dist_init_method=p.dist_init_method)
+            dtype=p.dtype, dist_init_method=p.dist_init_method)
 
     async def ReportCapacity(self, request: control_pb2.CapacityReport,
                              context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:

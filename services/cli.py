@@ -1,6 +1,6 @@
 """`splitserve`: start a local cluster (`up`) or talk to one (`generate`).
 
-    splitserve up [--model PATH] [--port 50051] [--dtype float32|bfloat16] ...
+    splitserve up [--model PATH] [--port 50051] [--dtype auto|float32|bfloat16] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
 """
 
@@ -33,6 +33,8 @@ def _up(a: argparse.Namespace) -> int:
     worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
     if a.no_int4_kernels:
         worker_args.append("--no-int4-kernels")
+    if a.cpu_level:
+        worker_args += ["--cpu-level", a.cpu_level]
     metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
     spec = ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
                        kv_admin_port=a.port + 3, kv_events_port=a.port + 4,
@@ -127,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "takes PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
-    up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: bfloat16 on a GPU or a CPU with native bfloat16 dot products "
+                         "(AVX512-BF16), float32 elsewhere")
+    up.add_argument("--cpu-level", default=None,
+                    help="workers' kernel instruction set: auto, avx512_bf16, avx512, avx2, none")
     up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     up.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     up.add_argument("--replicas", type=int, default=1)
@@ -143,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "with --pp 1)")
     up.add_argument("--no-int4-kernels", action="store_true",
                     help="bfloat16: run every matmul on dense bf16 weights (no 4-bit kernel)")
-    up.add_argument("--threads", type=int, default=0, help="torch threads per worker")
+    up.add_argument("--threads", type=int, default=0,
+                    help="threads per worker (0: this machine's CPUs divided among the workers)")
     up.add_argument("--startup-timeout", type=float, default=300.0)
     up.add_argument("--log-dir", default=None, help="write each service's log here")
     up.add_argument("--log-level", default="info")

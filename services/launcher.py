@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cpus import available_cpus
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,13 +34,13 @@ class ClusterSpec:
     kv_admin_port: int = 50054
     kv_events_port: int = 50055             # KV events PUB (0: any free port)
     metrics_port: int = 8000                # scheduler Prometheus /metrics (-1: off, 0: any)
-    dtype: str = "float32"
+    dtype: str = "auto"
     tp: int = 1
     pp: int = 1
     num_replicas: int = 1
     scheduler_args: tuple[str, ...] = ()    # extra scheduler flags
     worker_args: tuple[str, ...] = ()       # extra worker flags
-    threads_per_worker: int = 0             # 0: cores / workers
+    threads_per_worker: int = 0             # 0: this machine's CPUs / workers
     log_level: str = "info"
     env: dict[str, str] = field(default_factory=dict)
 
@@ -73,13 +75,18 @@ class ServiceProcesses:
         self.start_kvcache()
         self.start_scheduler()
         model = ["--model", s.model] if s.model else []
-        num_workers = s.tp * s.pp * s.num_replicas
-        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // num_workers)
-        for i in range(num_workers):
+        for i in range(s.tp * s.pp * s.num_replicas):
             self._spawn(f"worker{i}", "worker_svc", [
                 *model, "--scheduler", self.address, "--host", s.host,
-                "--threads", str(threads), "--worker-id", f"worker{i}", *common,
-                *s.worker_args])
+                "--threads", str(self.threads_per_worker), "--worker-id", f"worker{i}",
+                *common, *s.worker_args])
+
+    @property
+    def threads_per_worker(self) -> int:
+        """Every worker on this machine gets an equal share of its CPUs: each taking all of
+        them would make their OpenMP threads wait for each other at every barrier."""
+        s = self.spec
+        return s.threads_per_worker or max(1, available_cpus() // (s.tp * s.pp * s.num_replicas))
 
     def start_scheduler(self) -> None:
         """(Re)starts scheduler_svc; running workers register with a restarted one."""
@@ -104,6 +111,7 @@ class ServiceProcesses:
         s = self.spec
         model = ["--model", s.model] if s.model else []
         self._spawn(name, "worker_svc", [*model, "--scheduler", self.address, "--host", s.host,
+                                         "--threads", str(self.threads_per_worker),
                                          "--worker-id", name, "--log-level", s.log_level,
                                          *s.worker_args, *extra])
 

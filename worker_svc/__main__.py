@@ -23,6 +23,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 from services.model_config import ModelFormatError, default_model_path
+from worker_svc.kernels.cpu import describe, select_level
 from worker_svc.memory import keep_freed_memory
 from worker_svc.server import WorkerConfig, WorkerServer
 
@@ -51,10 +52,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
                    help="CPU: bytes of memory given to the KV cache")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0") or 0),
-                   help="torch intra-op threads (0: all cores)")
+                   help="torch and kernel threads (0: the CPUs this process may use: its "
+                        "affinity, capped by a container's CPU quota)")
     p.add_argument("--no-int4-kernels", action="store_true",
                    default=env("NO_INT4_KERNELS") == "1",
                    help="bfloat16: never use the int4 kernel on Q4 GGUF blocks for small steps")
+    p.add_argument("--cpu-level", default=env("CPU_LEVEL", "auto"),
+                   help="instruction set of the C kernels and matmul paths: auto (the best "
+                        "this CPU has), avx512_bf16, avx512, avx2 or none (torch only); a "
+                        "level above the CPU's is refused")
     p.add_argument("--register-timeout", type=float, default=60.0,
                    help="seconds to reach the scheduler at start (and for the replica's "
                         "ranks to meet); after the first registration it retries forever")
@@ -64,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = a.cpu_level
+    if env("CPU_KERNELS", "1") in ("0", "false", "no", "off"):   # the older switch
+        level = "none"
+    try:
+        cpu_level = select_level(level)
+    except ValueError as exc:
+        p.error(str(exc))
+    log.info("%s", describe(cpu_level))
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     advertise = a.advertise_host or a.host
     if advertise in ("0.0.0.0", "::"):
@@ -75,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         worker_id=worker_id, epoch=time.time_ns(), device=a.device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
-        int4_kernels=not a.no_int4_kernels,
+        int4_kernels=not a.no_int4_kernels, cpu_level=cpu_level,
         register_timeout_s=a.register_timeout, health_file=a.health_file)
 
 

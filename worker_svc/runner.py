@@ -21,6 +21,7 @@ from services.model_config import ModelConfig
 from services.wire import IDLE_GAP_S, StepInput, StepOutput, StepTimings, TokenLogprobs
 from worker_svc.attention import build_attention_metadata
 from worker_svc.input_batch import InputBatch, ScheduledRequest
+from worker_svc.kernels import CpuLevel
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
@@ -47,17 +48,19 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  worker_id: str, first_layer: int = 0, end_layer: int | None = None,
                  is_last_stage: bool = True, int4_kernels: bool = True,
-                 tp: TpGroup | None = None):
+                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None):
         """`int4_kernels`: in bfloat16, run small steps on the GGUF's own 4-bit blocks (see
         worker_svc.model.llama); off = every matmul on dense bf16 weights. `tp`: this rank's
-        tensor-parallel group (None: the whole width on this process)."""
+        tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
+        kernels' level (None: the best this CPU has)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
-        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp)
+        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp,
+                                cpu_level)
         weights = load_weights(model_path, model_config, dtype, first_layer,
                                self.model.end_layer, is_last_stage)
         if not int4_kernels:

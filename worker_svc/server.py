@@ -24,6 +24,7 @@ import zmq
 
 from services.channels import Receiver, Sender
 from services.codec import Codec
+from services.cpus import available_cpus
 from services.grpc_server import CHANNEL_OPTIONS
 from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import control_pb2, control_pb2_grpc
@@ -35,6 +36,7 @@ from services.wire import (
     ToWorker,
     WorkerFailure,
 )
+from worker_svc.kernels import CpuLevel
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,9 @@ class WorkerConfig:
     device: str
     kv_cache_bytes: int             # CPU KV budget
     gpu_memory_utilization: float
-    num_threads: int                # 0 = all cores
+    num_threads: int                # 0 = the CPUs this process may use (services.cpus)
     int4_kernels: bool              # bf16: small steps on the GGUF's 4-bit blocks
+    cpu_level: CpuLevel             # the C kernels' instruction set (kernels/cpu.py)
     register_timeout_s: float
     health_file: str | None = None  # touched on every acknowledged heartbeat
 
@@ -69,12 +72,21 @@ class WorkerServer:
         self._lost = threading.Event()   # the scheduler no longer knows this incarnation
         self._registered = False         # heartbeats are sent only while registered
 
+    @property
+    def preferred_dtype(self) -> str:
+        """What this worker computes best in (RegisterRequest.preferred_dtype): bfloat16 on
+        a GPU or a CPU with a native bfloat16 dot product; elsewhere bfloat16 would compute
+        in float32 anyway, and float32 is as fast and exact."""
+        if self.config.device.startswith("cuda") or self.config.cpu_level.native_bf16:
+            return "bfloat16"
+        return "float32"
+
     def run(self) -> int:
         cfg = self.config
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
-        if cfg.num_threads > 0:
-            torch.set_num_threads(cfg.num_threads)
+        torch.set_num_threads(cfg.num_threads or available_cpus())
+        log.info("%d threads", torch.get_num_threads())
         ctx = zmq.Context()
         steps: Receiver[ToWorker] = Receiver(ctx, Codec(ToWorker), f"tcp://{cfg.host}:{cfg.port}")
         step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
@@ -166,7 +178,8 @@ class WorkerServer:
         model = load_model_config(cfg.model_path)
         request = control_pb2.RegisterRequest(
             worker_id=cfg.worker_id, epoch=self.epoch, device=cfg.device,
-            memory_bytes=cfg.kv_cache_bytes, step_address=step_address, model=model.name)
+            memory_bytes=cfg.kv_cache_bytes, step_address=step_address, model=model.name,
+            preferred_dtype=self.preferred_dtype, cpu_level=cfg.cpu_level.label)
         deadline = time.monotonic() + cfg.register_timeout_s
         while not self._stop.is_set():
             try:
@@ -216,7 +229,7 @@ class WorkerServer:
         runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
-                             int4_kernels=cfg.int4_kernels, tp=tp)
+                             int4_kernels=cfg.int4_kernels, tp=tp, cpu_level=cfg.cpu_level)
         log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
                  "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
                  time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),

@@ -155,3 +155,46 @@ def test_silent_worker_takes_its_replica_down(cluster: Cluster) -> None:
     again = cluster.register("w0", epoch=6, device="cpu", memory_bytes=1,
                              step_address="tcp://127.0.0.1:9", model="")
     assert again.replica_id != placement.replica_id
+
+
+def _cluster_with(model_path: Path, tokenizer, dtype: str, tp: int  # type: ignore[no-untyped-def]
+                  ) -> Cluster:
+    config = ServerConfig(model_path=str(model_path), model_name="", dtype=dtype, tp_size=tp,
+                          kvcache_address="tcp://127.0.0.1:9")
+    return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                   tokenizer, zmq.Context.instance())
+
+
+def test_dtype_auto_takes_each_replicas_first_rank_choice(model_path: Path,
+                                                          tokenizer) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster_with(model_path, tokenizer, "auto", tp=2)
+    try:
+        assert cluster.served_dtype() == "auto"                     # nothing placed yet
+
+        def place(worker: str, preferred: str) -> str:
+            return cluster.register(worker, 1, "cpu", 1, "tcp://127.0.0.1:9", "",
+                                    preferred_dtype=preferred, cpu_level="avx2").dtype
+
+        # Replica 0: its first rank prefers bfloat16; the second rank follows (ranks agree).
+        assert place("a0", "bfloat16") == "bfloat16"
+        assert place("a1", "float32") == "bfloat16"
+        assert cluster.served_dtype() == "bfloat16"
+        # Replica 1 forms on a float32 worker (an unknown preference counts as float32).
+        assert place("b0", "float32") == "float32"
+        assert place("b1", "") == "float32"
+        assert cluster.served_dtype() == "bfloat16,float32"
+        assert cluster.workers["b1"].cpu_level == "avx2"
+        assert [r.dtype for r in cluster.replicas.values()] == ["bfloat16", "float32"]
+    finally:
+        cluster.shutdown()
+
+
+def test_an_explicit_dtype_overrides_the_workers(model_path: Path,
+                                                 tokenizer) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster_with(model_path, tokenizer, "float32", tp=1)
+    try:
+        placement = cluster.register("w", 1, "cpu", 1, "tcp://127.0.0.1:9", "",
+                                     preferred_dtype="bfloat16")
+        assert placement.dtype == "float32" and cluster.served_dtype() == "float32"
+    finally:
+        cluster.shutdown()

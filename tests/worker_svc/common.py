@@ -1,8 +1,10 @@
 """Shared by the worker tests: prompts, sampling specs, and greedy comparison against HF."""
 
+import pytest
 import torch
 
 from services.wire import SamplingSpec
+from worker_svc.kernels.cpu import CpuLevel, detect_level
 
 # Token ids from HF's tokenizer for the default GGUF (fixed here: loading it takes seconds).
 PROMPTS = {
@@ -47,3 +49,16 @@ def assert_greedy_match(ours: list[int], reference: list[int],
             assert mine in tie, f"token {i}: {mine} is neither of the near-tied {tie}"
             return
         assert mine == theirs, f"token {i}: {mine} != {theirs}\nours {ours}\nhf   {reference}"
+
+
+def level_params(with_none: bool = False) -> list:  # type: ignore[type-arg]
+    """Every kernel level (and level none, torch only, if asked) as pytest params. Those above
+    this CPU's are skipped here (their code would die on an illegal instruction) and run on CI
+    machines that have them; every level's code still compiles on any machine
+    (test_cpu_level.py)."""
+    detected = detect_level()
+    levels = [CpuLevel.NONE] * with_none + [CpuLevel.AVX2, CpuLevel.AVX512,
+                                            CpuLevel.AVX512_BF16]
+    return [pytest.param(level, id=level.label, marks=pytest.mark.skipif(
+        level > detected, reason=f"this CPU's best level is {detected.label}"))
+        for level in levels]

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from services.model_config import ModelConfig, load_model_config
+from tests.worker_svc.common import level_params
+from worker_svc.kernels.cpu import CpuLevel
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +24,9 @@ def hf_model(model_path: Path):  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(params=level_params())
+def kernel_level(request: pytest.FixtureRequest) -> CpuLevel:
+    """Each C-kernel level this CPU can run (forced, whatever the CPU's best)."""
+    return request.param  # type: ignore[no-any-return]

@@ -16,18 +16,23 @@ from worker_svc.attention import (
     paged_attention,
     reference_paged_attention,
 )
+from worker_svc.kernels import build
+from worker_svc.kernels.cpu import CpuLevel, detect_level
+from worker_svc.kernels.elementwise import elementwise_kernels
+from worker_svc.kernels.paged_attention import paged_attention_kernel
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the kernels fall back to torch")
 
 
-def _kernel(head_dim: int, group: int, dtype: torch.dtype) -> kernels.PagedAttentionKernel:
-    kernel = kernels.paged_attention_kernel(head_dim, group, dtype)
+def _kernel(level: CpuLevel, head_dim: int, group: int, dtype: torch.dtype
+            ) -> kernels.PagedAttentionKernel:
+    kernel = paged_attention_kernel(level, head_dim, group, dtype)
     assert kernel is not None, "the kernel did not build (see the log)"
     return kernel
 
 
-def _attend(query_lens: list[int], context_lens: list[int], block_size: int,
+def _attend(level: CpuLevel, query_lens: list[int], context_lens: list[int], block_size: int,
             num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel path, reference) outputs for requests with fresh, scattered block tables."""
@@ -53,7 +58,7 @@ def _attend(query_lens: list[int], context_lens: list[int], block_size: int,
     fast_cache, slow_cache = cache.clone(), cache.clone()
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size, num_blocks,
                                     torch_path=False)
-    kernel = _kernel(head_dim, num_heads // num_kv_heads, dtype)
+    kernel = _kernel(level, head_dim, num_heads // num_kv_heads, dtype)
     fast = paged_attention(q, k, v, fast_cache, meta, kernel)
     slow = reference_paged_attention(q, k, v, slow_cache, query_lens, context_lens, tables)
     assert torch.equal(fast_cache, slow_cache)
@@ -62,33 +67,33 @@ def _attend(query_lens: list[int], context_lens: list[int], block_size: int,
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16),
                                                               (8, 2, 32), (6, 2, 8), (4, 2, 4)])
-def test_float32_decodes_match_reference(num_heads: int, num_kv_heads: int,
-                                         head_dim: int) -> None:
+def test_float32_decodes_match_reference(kernel_level: CpuLevel, num_heads: int,
+                                         num_kv_heads: int, head_dim: int) -> None:
     # Contexts around the kernel's 32-token tile and the 16-token block: 0, 31, 32, 33, 100.
     contexts = [0, 31, 32, 33, 100, 7]
-    fast, slow = _attend([1] * len(contexts), contexts, 16, num_heads, num_kv_heads, head_dim,
-                         torch.float32)
+    fast, slow = _attend(kernel_level, [1] * len(contexts), contexts, 16, num_heads,
+                         num_kv_heads, head_dim, torch.float32)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill_chunks_beside_decodes(block_size: int) -> None:
+def test_prefill_chunks_beside_decodes(kernel_level: CpuLevel, block_size: int) -> None:
     # Fresh prompts, chunks after cached context (mid-block and aligned) and a 70-token chunk
     # whose later rows cross tiles: every row is causal by its own length.
-    fast, slow = _attend([1, 1, 1, 6, 3, 5, 70], [5, 70, 0, 0, 9, 16, 40], block_size, 6, 2,
-                         16, torch.float32)
+    fast, slow = _attend(kernel_level, [1, 1, 1, 6, 3, 5, 70], [5, 70, 0, 0, 9, 16, 40],
+                         block_size, 6, 2, 16, torch.float32)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_close_to_reference() -> None:
+def test_bfloat16_close_to_reference(kernel_level: CpuLevel) -> None:
     contexts = [3, 40, 129, 64, 0]
-    fast, slow = _attend([1] * 4 + [20], contexts, 16, 9, 3, 64, torch.bfloat16)
+    fast, slow = _attend(kernel_level, [1] * 4 + [20], contexts, 16, 9, 3, 64, torch.bfloat16)
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_long_context_and_large_scores_stay_finite() -> None:
+def test_long_context_and_large_scores_stay_finite(kernel_level: CpuLevel) -> None:
     # 3000 keys and scores in the hundreds: the running max must keep exp() in range.
-    kernel = _kernel(16, 2, torch.float32)
+    kernel = _kernel(kernel_level, 16, 2, torch.float32)
     gen = torch.Generator().manual_seed(5)
     n, block = 3000, 16
     blocks = -(-n // block)
@@ -107,7 +112,7 @@ def test_long_context_and_large_scores_stay_finite() -> None:
 
 
 def test_rejects_mismatched_tensors() -> None:
-    kernel = _kernel(16, 2, torch.float32)
+    kernel = _kernel(detect_level(), 16, 2, torch.float32)
     cache = torch.zeros(2, 4, 4, 1, 16)
     table = torch.ones(1, 1, dtype=torch.int64)
     row, one = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
@@ -124,36 +129,37 @@ def test_rejects_mismatched_tensors() -> None:
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_libraries", {})
-    assert kernels.paged_attention_kernel(16, 2, torch.float32) is not None
+    monkeypatch.setattr(build, "_libraries", {})
+    level = detect_level()
+    assert paged_attention_kernel(level, 16, 2, torch.float32) is not None
     built = sorted(p.name for p in tmp_path.iterdir())
     assert len(built) == 1 and built[0].startswith("paged_attention-") and built[0].endswith(".so")
-    monkeypatch.setattr(kernels, "_libraries", {})
-    assert kernels.paged_attention_kernel(16, 2, torch.float32) is not None
+    monkeypatch.setattr(build, "_libraries", {})
+    assert paged_attention_kernel(level, 16, 2, torch.float32) is not None
     assert sorted(p.name for p in tmp_path.iterdir()) == built, "built twice"
-    assert kernels.paged_attention_kernel(16, 2, torch.bfloat16) is not None
+    assert paged_attention_kernel(level, 16, 2, torch.bfloat16) is not None
     assert len(list(tmp_path.iterdir())) == 2
 
 
-def test_no_compiler_or_switched_off_falls_back(tmp_path, monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_no_compiler_or_level_none_falls_back(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("SPLITSERVE_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(kernels, "_libraries", {})
-    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(build, "_libraries", {})
+    monkeypatch.setattr(build, "_warned", set())
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    assert kernels.paged_attention_kernel(16, 2, torch.float32) is None
+    assert paged_attention_kernel(detect_level(), 16, 2, torch.float32) is None
     assert "no C compiler" in caplog.text
     monkeypatch.undo()
-    assert kernels.paged_attention_kernel(10, 2, torch.float32) is None   # not a multiple of 4
-    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
-    assert kernels.paged_attention_kernel(16, 2, torch.float32) is None
+    assert paged_attention_kernel(detect_level(), 10, 2, torch.float32) is None  # 10 % 4 != 0
+    assert paged_attention_kernel(CpuLevel.NONE, 16, 2, torch.float32) is None
 
 
 # ------------------------------------------------------------------------ elementwise kernels
 
-def _elementwise(dtype: torch.dtype) -> kernels.ElementwiseKernels:
-    ew = kernels.elementwise_kernels(dtype)
+def _elementwise(dtype: torch.dtype, level: CpuLevel | None = None
+                 ) -> kernels.ElementwiseKernels:
+    ew = elementwise_kernels(detect_level() if level is None else level, dtype)
     assert ew is not None, "the elementwise kernels did not build (see the log)"
     return ew
 
@@ -166,12 +172,13 @@ def _close(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [576, 13])            # 13: the scalar tail only
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_matches_torch(dtype: torch.dtype, dim: int, with_residual: bool) -> None:
+def test_add_rms_norm_matches_torch(kernel_level: CpuLevel, dtype: torch.dtype, dim: int,
+                                    with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(dim)
     x = (torch.randn(70, dim, generator=gen) * 3).to(dtype)
     residual = torch.randn(70, dim, generator=gen).to(dtype) if with_residual else None
     weight = torch.randn(dim, generator=gen).to(dtype)
-    new_residual, normed = _elementwise(dtype).add_rms_norm(x, residual, weight, 1e-5)
+    new_residual, normed = _elementwise(dtype, kernel_level).add_rms_norm(x, residual, weight, 1e-5)
     expected_residual = x if residual is None else x + residual
     assert torch.equal(new_residual, expected_residual)       # rounded exactly as torch
     expected = F.rms_norm(expected_residual.float(), (dim,), weight.float(), 1e-5)
@@ -179,11 +186,11 @@ def test_add_rms_norm_matches_torch(dtype: torch.dtype, dim: int, with_residual:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+def test_silu_mul_matches_torch(kernel_level: CpuLevel, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
     gate_up = (torch.randn(33, 2 * 1539, generator=gen) * 8).to(dtype)   # tail of 3
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])             # far and at zero
-    out = _elementwise(dtype).silu_mul(gate_up)
+    out = _elementwise(dtype, kernel_level).silu_mul(gate_up)
     gate, up = gate_up.float().chunk(2, dim=-1)
     torch.testing.assert_close(out.float(), F.silu(gate) * up, **_close(dtype))
     assert torch.isfinite(out).all()
@@ -191,7 +198,8 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 8])
-def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> None:
+def test_rotary_in_place_matches_torch(kernel_level: CpuLevel, dtype: torch.dtype,
+                                       head_dim: int) -> None:
     from worker_svc.model.llama import RotaryEmbedding, apply_rotary, rotary_rows
 
     heads, kv_heads, rows = 9, 3, 21
@@ -203,14 +211,15 @@ def test_rotary_in_place_matches_torch(dtype: torch.dtype, head_dim: int) -> Non
     rows_cos_sin = rotary_rows(rope.cos, rope.sin, positions)
     expected = apply_rotary(qk.float(), *(t.float() for t in rows_cos_sin))
     values = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    _elementwise(dtype).rotary_(qkv, heads + kv_heads, head_dim, positions, rope.cos, rope.sin)
+    _elementwise(dtype, kernel_level).rotary_(qkv, heads + kv_heads, head_dim, positions,
+                                              rope.cos, rope.sin)
     torch.testing.assert_close(qk.float(), expected, **_close(dtype))
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values), "values were touched"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [49152, 1003])        # 1003: a scalar tail of 11
-def test_argmax_matches_torch(dtype: torch.dtype, cols: int) -> None:
+def test_argmax_matches_torch(kernel_level: CpuLevel, dtype: torch.dtype, cols: int) -> None:
     gen = torch.Generator().manual_seed(cols)
     x = (torch.randn(67, cols, generator=gen) * 4).to(dtype)
     # Ties keep the first column (bfloat16 logits tie often); the maximum in the tail; a row
@@ -221,7 +230,7 @@ def test_argmax_matches_torch(dtype: torch.dtype, cols: int) -> None:
     x[4, 9] = x[4, 800] = float("nan")
     x[5] = -1.0
     x[5, 40], x[5, 30] = 0.0, -0.0
-    got = _elementwise(dtype).argmax(x)
+    got = _elementwise(dtype, kernel_level).argmax(x)
     expected = x.float().argmax(dim=-1)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected), (got[:6].tolist(), expected[:6].tolist())
@@ -229,12 +238,14 @@ def test_argmax_matches_torch(dtype: torch.dtype, cols: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_ties_across_lanes_and_short_rows(dtype: torch.dtype) -> None:
+def test_argmax_ties_across_lanes_and_short_rows(kernel_level: CpuLevel,
+                                                 dtype: torch.dtype) -> None:
     # Few distinct values: the maximum sits in several lanes and vectors at once.
     gen = torch.Generator().manual_seed(5)
     for cols in (1, 5, 16, 17, 33, 100):
         x = torch.randint(-3, 3, (40, cols), generator=gen).to(dtype)
-        assert torch.equal(_elementwise(dtype).argmax(x), x.float().argmax(dim=-1)), cols
+        got = _elementwise(dtype, kernel_level).argmax(x)
+        assert torch.equal(got, x.float().argmax(dim=-1)), cols
 
 
 def test_argmax_rejects_what_it_cannot_read() -> None:
@@ -253,11 +264,11 @@ def test_package_data_ships_every_kernel_file() -> None:
     root = Path(kernels.__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["worker_svc"]
-    sources = sorted(kernels.SOURCE_DIR.glob("*.c"))
+    sources = sorted(build.SOURCE_DIR.glob("*.c"))
     needed = {p.name for p in sources}
     for source in sources:
         needed |= set(re.findall(r'#include "([^"]+)"', source.read_text()))
     for name in sorted(needed):
-        assert (kernels.SOURCE_DIR / name).exists(), name
+        assert (build.SOURCE_DIR / name).exists(), name
         assert any(fnmatch.fnmatch(f"kernels/{name}", pat) for pat in patterns), \
             f"{name} is not in pyproject's package-data"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from services.model_config import ModelConfig
-from tests.worker_svc.common import PROMPTS
+from tests.worker_svc.common import PROMPTS, level_params
 from worker_svc.attention import AttentionMetadata, build_attention_metadata
+from worker_svc.kernels.cpu import CpuLevel
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import ModelWeights, load_weights
@@ -21,8 +22,9 @@ def fp32_weights(model_path: Path, model_config: ModelConfig) -> ModelWeights:
 
 
 def _model(config: ModelConfig, weights: ModelWeights, first: int = 0,
-           end: int | None = None, last: bool = True, cpu_kernels: bool = True) -> LlamaModel:
-    model = LlamaModel(config, torch.float32, first, end, last, cpu_kernels=cpu_kernels)
+           end: int | None = None, last: bool = True, level: CpuLevel | None = None
+           ) -> LlamaModel:
+    model = LlamaModel(config, torch.float32, first, end, last, cpu_level=level)
     model.load_weights(weights)
     return model
 
@@ -49,12 +51,13 @@ def _prefill_all(config: ModelConfig, num_layers: int, dtype: torch.dtype = torc
     return torch.tensor([t for p in prompts for t in p]), meta, caches
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernel", "torch-path"])
+@pytest.mark.parametrize("level", level_params(with_none=True))
 def test_logits_match_hf(model_config: ModelConfig, fp32_weights: ModelWeights,
-                         hf_model, cpu_kernels: bool) -> None:  # type: ignore[no-untyped-def]
-    model = _model(model_config, fp32_weights, cpu_kernels=cpu_kernels)
-    assert (model.kernels.attention is not None) == cpu_kernels
-    assert (model.kernels.elementwise is not None) == cpu_kernels
+                         hf_model, level: CpuLevel) -> None:  # type: ignore[no-untyped-def]
+    model = _model(model_config, fp32_weights, level=level)
+    with_kernels = level is not CpuLevel.NONE
+    assert (model.kernels.attention is not None) == with_kernels
+    assert (model.kernels.elementwise is not None) == with_kernels
     input_ids, meta, caches = _prefill_all(model_config, model_config.num_layers)
     with torch.inference_mode():
         hidden, residual = model.forward(input_ids, None, None, meta.positions, meta, caches)
@@ -87,11 +90,13 @@ def test_pipeline_stages_compose_to_the_whole_model(
                                    atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("level", level_params(with_none=True))
 def test_bfloat16_agrees_with_float32_where_clear(
-        model_path: Path, model_config: ModelConfig,
-        fp32_weights: ModelWeights) -> None:
+        model_path: Path, model_config: ModelConfig, fp32_weights: ModelWeights,
+        level: CpuLevel) -> None:
+    # bfloat16 runs at every level: natively (avx512_bf16), else computed in float32.
     fp32 = _model(model_config, fp32_weights)
-    bf16 = LlamaModel(model_config, torch.bfloat16)
+    bf16 = LlamaModel(model_config, torch.bfloat16, cpu_level=level)
     bf16.load_weights(ModelWeights({n: t.bfloat16() for n, t in fp32_weights.tensors.items()}))
     input_ids, meta, caches = _prefill_all(model_config, model_config.num_layers)
     _, _, bf16_caches = _prefill_all(model_config, model_config.num_layers, torch.bfloat16)

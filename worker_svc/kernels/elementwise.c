@@ -1,7 +1,7 @@
 /* The small per-token operations of a decoder layer, each one pass over memory instead of
  * several torch kernels (and their per-call overhead, which dominates at decode sizes).
  *
- * Built by worker_svc/kernels/__init__.py with -DELEM_BF16=<1|0> and -march=native. Every
+ * Built by worker_svc/kernels/build.py with -DELEM_BF16=<1|0> and the CPU level's -march. Every
  * result is computed in float32 and rounded once to the tensor dtype. Rows are spread over
  * OpenMP threads only when there are enough of them to pay for waking the threads.
  */

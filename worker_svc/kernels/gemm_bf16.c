@@ -9,8 +9,8 @@
  * most of it (35 ms with distinct weights). For hundreds of rows and more, oneDNN's blocking is
  * faster and the caller uses it (worker_svc.model.llama.Linear).
  *
- * Built by worker_svc/kernels/__init__.py with -march=native, only where the CPU reports
- * avx512_bf16. Intrinsics, not GCC vector extensions: VDPBF16PS has no generic form.
+ * Built by worker_svc/kernels/build.py at CPU level avx512_bf16 only (-march=x86-64-v4
+ * -mavx512bf16). Intrinsics, not GCC vector extensions: VDPBF16PS has no generic form.
  *
  * Packed weight layout (pack_weight): panels of NR = 48 output columns, each [k / 2][48][2]:
  * for every pair of inputs (2i, 2i + 1), 48 columns' two weights side by side, so one 64-byte
@@ -30,7 +30,7 @@
 #include <string.h>
 
 #ifndef __AVX512BF16__
-#error "gemm_bf16.c needs AVX512-BF16 (-march=native on a CPU with avx512_bf16)"
+#error "gemm_bf16.c needs AVX512-BF16 (CPU level avx512_bf16)"
 #endif
 
 #define NR 48  /* output columns per panel: three 16-lane vectors */

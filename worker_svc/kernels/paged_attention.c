@@ -2,10 +2,10 @@
  * block cache: no gathered copy, no padding, float32 arithmetic throughout, online softmax
  * over tiles of keys. Decodes and the tokens of prefill chunks go through the same loop.
  *
- * Built at run time by worker_svc/kernels/__init__.py for one model shape and dtype, with
+ * Built at run time by worker_svc/kernels/build.py for one model shape and dtype, with
  *   -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head> -DLANES=<floats per vector>
  *   -DELEM_BF16=<1: bfloat16 tensors, 0: float32>
- * and -march=native, so that every loop below has constant bounds and GCC keeps q, the
+ * and the CPU level's -march, so that every loop below has constant bounds and GCC keeps q, the
  * accumulators and a K/V row in vector registers. Plain C with GCC vector extensions (no
  * intrinsics): the same source compiles for any CPU GCC targets.
  *

@@ -1,6 +1,6 @@
 /* Vector helpers shared by the CPU kernels: float vectors of LANES lanes (GCC vector
- * extensions, lowered to whatever SIMD -march=native offers), the tensor element type chosen
- * by ELEM_BF16, and a vectorized exp.
+ * extensions, lowered to whatever SIMD the CPU level's -march offers), the tensor element
+ * type chosen by ELEM_BF16, and a vectorized exp.
  *
  * bfloat16 is the top half of a float: widening is a shift; narrowing rounds to nearest even
  * exactly as torch does, and keeps NaN a NaN. */
@@ -11,8 +11,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef LANES
+#ifndef LANES /* one register's worth of floats for the target */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
 #endif
 #ifndef ELEM_BF16
 #error "ELEM_BF16 must be defined (1: bfloat16 tensors, 0: float32)"

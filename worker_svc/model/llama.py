@@ -19,7 +19,7 @@ Its scales and offsets are bfloat16, so those weights equal the file's values up
 rounding of the per-32 scale and offset, as the dense path rounds each weight.
 """
 
-from dataclasses import dataclass
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
 from worker_svc.kernels import (
-    Bf16Gemm,
+    CpuKernels,
+    CpuLevel,
     ElementwiseKernels,
-    PagedAttentionKernel,
-    bf16_gemm_kernel,
-    elementwise_kernels,
-    paged_attention_kernel,
+    PackedWeight,
+    load_cpu_kernels,
 )
+from worker_svc.kernels.cpu import detect_level
 from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
 from worker_svc.sampler import argmax_float
 from worker_svc.tensor_parallel import (
@@ -48,59 +48,59 @@ from worker_svc.tensor_parallel import (
 # Steps up to this many tokens use the int4 kernel where a matrix has one (measured crossover
 # against the dense bf16 matmul on 2 AVX-512 cores: about 16 tokens).
 INT4_MAX_TOKENS = 8
-# Up to this many tokens, bfloat16 matmuls use worker_svc.kernels' own (gemm_bf16.c) where it
-# built: it hides the weight stream that oneDNN leaves exposed at decode sizes (30 layers at 64
-# rows: 35 against 42 ms, measured). From here on oneDNN's blocking is as fast or faster.
-OWN_GEMM_MAX_TOKENS = 128
 
 
 class Linear:
-    """y = x @ weight.T, with the fastest CPU kernel we have for the weight and batch size.
+    """y = x @ weight.T, with the fastest CPU path we have for the weight and batch size.
 
-    bfloat16 weights are pre-packed once into oneDNN's blocked layout (a plain bf16 matmul
-    re-packs the weight on every call: 20-25% slower at 64-128 rows, measured); float32 stays
-    a plain matmul. Weights with 4-bit blocks also use the int4 kernel for small batches, and
-    where `gemm` (our decode-size kernel) takes the shape, batches up to OWN_GEMM_MAX_TOKENS
-    use it with its own packed copy.
+    In order: weights with 4-bit blocks take the int4 kernel for small batches; then our own
+    matmul kernel (`kernels.gemm`, with its own packed copy) for the batch sizes it takes;
+    then, for bfloat16 where oneDNN runs it, oneDNN on a weight pre-packed once into its
+    blocked layout (a plain bf16 matmul re-packs the weight on every call: 20-25% slower at
+    64-128 rows, measured); else torch's matmul on the plain weight.
     """
 
-    __slots__ = ("weight", "packed", "int4_weight", "int4_scales_zeros", "int4_max_tokens",
-                 "gemm", "gemm_packed")
+    __slots__ = ("weight", "onednn", "int4_weight", "int4_scales_zeros", "int4_max_tokens",
+                 "gemm", "gemm_weight", "gemm_max_rows")
 
     def __init__(self, parts: list[torch.Tensor], int4_parts: list[Int4Blocks] | None = None,
-                 gemm: Bf16Gemm | None = None):
+                 kernels: CpuKernels | None = None):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
-        self.weight: torch.Tensor | None = weight          # dense, float32 only
-        self.packed: torch.Tensor | None = None            # oneDNN layout, bfloat16 only
-        self.int4_weight: torch.Tensor | None = None       # [out, in / 2] uint8, kernel layout
-        self.int4_scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2] bfloat16
+        kernels = kernels or CpuKernels(CpuLevel.NONE)
+        gemm = kernels.gemm if kernels.gemm is not None and kernels.gemm.fits(weight) else None
+        self.gemm = gemm
+        self.gemm_weight: PackedWeight | None = gemm.pack(weight) if gemm else None
+        self.gemm_max_rows = -1 if gemm is None else (gemm.max_rows or sys.maxsize)
+        self.weight: torch.Tensor | None = None             # plain, for torch's matmul
+        self.onednn: torch.Tensor | None = None             # oneDNN layout, bfloat16 only
+        if self.gemm_max_rows < sys.maxsize:                # rows the kernel leaves over
+            if weight.dtype == torch.bfloat16 and kernels.onednn_bf16:
+                # The batch-size hint only tunes the layout; any batch size works.
+                self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            else:
+                self.weight = weight
+        self.int4_weight: torch.Tensor | None = None        # [out, in / 2] uint8, kernel layout
+        self.int4_scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2], weight dtype
         self.int4_max_tokens = 0
-        self.gemm: Bf16Gemm | None = None
-        self.gemm_packed: torch.Tensor | None = None       # gemm's layout, [out, in] elements
-        if weight.dtype == torch.bfloat16:
-            if gemm is not None and gemm.fits(weight):
-                self.gemm, self.gemm_packed = gemm, gemm.pack(weight)
-            # The batch-size hint only tunes the layout; any batch size works.
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-            self.weight = None
-            if int4_parts:
-                values = torch.cat([b.values for b in int4_parts]).to(torch.int32)
-                self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-                scales = torch.cat([b.scales for b in int4_parts])  # [out, in / 32]
-                zeros = torch.cat([b.zeros for b in int4_parts])
-                self.int4_scales_zeros = (torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-                                          .contiguous().to(torch.bfloat16))
-                self.int4_max_tokens = INT4_MAX_TOKENS
+        if int4_parts and weight.dtype == torch.bfloat16:
+            values = torch.cat([b.values for b in int4_parts]).to(torch.int32)
+            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+            scales = torch.cat([b.scales for b in int4_parts])  # [out, in / 32]
+            zeros = torch.cat([b.zeros for b in int4_parts])
+            self.int4_scales_zeros = (torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+                                      .contiguous().to(weight.dtype))
+            self.int4_max_tokens = INT4_MAX_TOKENS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] contiguous -> [num_tokens, out]."""
-        if x.shape[0] <= self.int4_max_tokens:
+        num_tokens = x.shape[0]
+        if num_tokens <= self.int4_max_tokens:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.int4_weight, INT4_GROUP_SIZE, self.int4_scales_zeros)
-        if self.gemm is not None and x.shape[0] <= OWN_GEMM_MAX_TOKENS:
-            return self.gemm(x, self.gemm_packed)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if num_tokens <= self.gemm_max_rows:
+            return self.gemm(x, self.gemm_weight)  # type: ignore[misc]
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
         return F.linear(x, self.weight)
 
 
@@ -156,17 +156,9 @@ class TorchElementwise:
     argmax = staticmethod(argmax_float)
 
 
-@dataclass(frozen=True, slots=True)
-class CpuKernels:
-    """The C kernels a model's layers use (worker_svc.kernels); None = that part in torch."""
-
-    attention: PagedAttentionKernel | None
-    elementwise: ElementwiseKernels | None
-    gemm: Bf16Gemm | None = None
-
-    def elementwise_ops(self) -> "ElementwiseKernels | TorchElementwise":
-        """The elementwise kernels, or their torch twin where they did not build."""
-        return self.elementwise or TorchElementwise()
+def elementwise_ops(kernels: CpuKernels) -> "ElementwiseKernels | TorchElementwise":
+    """The elementwise C kernels, or their torch twin where they did not build."""
+    return kernels.elementwise or TorchElementwise()
 
 
 class LlamaLayer:
@@ -187,26 +179,26 @@ class LlamaLayer:
         self.eps = eps
         self.tp = tp
         self.rotary = rotary
-        self.kernels = kernels or CpuKernels(None, None)
-        self.elementwise = self.kernels.elementwise_ops()
+        self.kernels = kernels or CpuKernels(CpuLevel.NONE)
+        self.elementwise = elementwise_ops(self.kernels)
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
         i0, i1 = shard.intermediate
         attn = prefix + "self_attn."
-        gemm = self.kernels.gemm
+        kern = self.kernels
         self.qkv_proj = _linear(weights, [(attn + "q_proj.weight", "rows", q0, q1),
                                           (attn + "k_proj.weight", "rows", kv0, kv1),
-                                          (attn + "v_proj.weight", "rows", kv0, kv1)], gemm)
+                                          (attn + "v_proj.weight", "rows", kv0, kv1)], kern)
         # [(h + 2 * kv_h) * dim, hidden]
-        self.o_proj = _linear(weights, [(attn + "o_proj.weight", "cols", q0, q1)], gemm)
+        self.o_proj = _linear(weights, [(attn + "o_proj.weight", "cols", q0, q1)], kern)
         self.post_attention_norm = weights.tensors[prefix + "post_attention_layernorm.weight"]
         self.gate_up_proj = _linear(weights, [(prefix + "mlp.gate_proj.weight", "rows", i0, i1),
                                               (prefix + "mlp.up_proj.weight", "rows", i0, i1)],
-                                     gemm)
+                                     kern)
         # [2 * inter, hidden]
         self.down_proj = _linear(weights, [(prefix + "mlp.down_proj.weight", "cols", i0, i1)],
-                                 gemm)
+                                 kern)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -237,7 +229,7 @@ class LlamaLayer:
 
 
 def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
-            gemm: Bf16Gemm | None) -> Linear:
+            kernels: CpuKernels) -> Linear:
     """One matmul over the named matrices stacked by rows, each cut to this rank's slice:
     (name, "rows" | "cols", start, end). The int4 kernel is used only if every part has
     4-bit blocks that the cut keeps whole."""
@@ -254,7 +246,7 @@ def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
             dense.append(weight if whole else slice_cols(weight, start, end))
             int4.append(blocks if blocks is None or whole else slice_int4_cols(blocks, start, end))
     kept = [b for b in int4 if b is not None]
-    return Linear(dense, kept if len(kept) == len(parts) else None, gemm)
+    return Linear(dense, kept if len(kept) == len(parts) else None, kernels)
 
 
 class LlamaModel:
@@ -267,9 +259,10 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
-                 tp: TpGroup | None = None, cpu_kernels: bool = True):
-        """`cpu_kernels`: use the C kernels where they build (see worker_svc.kernels); off,
-        or where they do not build, the torch twins (same results, slower)."""
+                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None):
+        """`cpu_level`: the C kernels' level (worker_svc.kernels.cpu; None: the best this CPU
+        has). At level none, or where a kernel does not build, its torch twin runs (same
+        results, slower)."""
         self.config = config
         self.dtype = dtype
         self.first_layer = first_layer
@@ -284,14 +277,10 @@ class LlamaModel:
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype)
-        self.kernels = CpuKernels(None, None)
-        if cpu_kernels:
-            self.kernels = CpuKernels(
-                paged_attention_kernel(config.head_dim,
-                                       self.shard.num_heads // self.shard.num_kv_heads, dtype),
-                elementwise_kernels(dtype),
-                bf16_gemm_kernel() if dtype == torch.bfloat16 else None)
-        self.elementwise = self.kernels.elementwise_ops()
+        self.kernels = load_cpu_kernels(
+            detect_level() if cpu_level is None else cpu_level, config.head_dim,
+            self.shard.num_heads // self.shard.num_kv_heads, dtype)
+        self.elementwise = elementwise_ops(self.kernels)
 
     @property
     def is_first_stage(self) -> bool:
@@ -313,7 +302,7 @@ class LlamaModel:
                 self.norm = tensors["model.norm.weight"]
                 head = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings
                                else "lm_head.weight"]
-                self.lm_head = Linear([slice_rows(head, v0, v1)], gemm=self.kernels.gemm)
+                self.lm_head = Linear([slice_rows(head, v0, v1)], kernels=self.kernels)
         except KeyError as missing:
             raise ValueError(f"weights missing tensor {missing}") from None
 

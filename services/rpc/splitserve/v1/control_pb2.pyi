@@ -5,20 +5,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "device", "memory_bytes", "step_address", "model")
+    __slots__ = ("worker_id", "epoch", "device", "memory_bytes", "step_address", "model", "preferred_dtype", "cpu_level")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CPU_LEVEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     device: str
     memory_bytes: int
     step_address: str
     model: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    preferred_dtype: str
+    cpu_level: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ..., preferred_dtype: _Optional[str] = ..., cpu_level: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method")

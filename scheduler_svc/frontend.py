@@ -1,5 +1,11 @@
 """The client-facing core: turns a prompt into token ids, validates, routes the request to a
 replica and streams its outputs back. No protobuf here; `servicer.py` adapts it to gRPC.
+
+Chat templates are rendered and text is tokenized on a small thread pool, never on the event
+loop: that loop serves every client stream and the workers' registrations and heartbeats, and
+a long prompt once held it for seconds (long enough for a replica to be declared lost). The
+prompt's size is checked on the loop first, so no thread is handed more than
+`Limits.max_prompt_bytes` bytes.
 """
 
 import asyncio
@@ -8,7 +14,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from scheduler_svc.cluster import Cluster
@@ -19,13 +26,19 @@ from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
     RawSampling,
+    validate_chat,
     validate_model,
     validate_prompt,
+    validate_prompt_text,
     validate_request_id,
     validate_sampling,
 )
 
 log = logging.getLogger(__name__)
+
+# Prompts tokenized at once; more wait for a thread. HF tokenizers release the GIL while
+# encoding, so these run beside the loop rather than taking turns with it.
+TOKENIZER_THREADS = 2
 
 
 class NoReplica(RuntimeError):
@@ -45,7 +58,7 @@ class PromptInput:
     """Exactly one of the three is set."""
 
     text: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None    # copied to a list once its length is checked
     chat: list[ChatMessage] | None = None
 
 
@@ -85,7 +98,8 @@ class LoopPoster:
 class Frontend:
     def __init__(self, cluster: Cluster, tokenizer: TextTokenizer, limits: Limits,
                  max_live_requests: int, replica_wait_s: float = 60.0,
-                 metrics: SchedulerMetrics | None = None) -> None:
+                 metrics: SchedulerMetrics | None = None,
+                 tokenizer_threads: int = TOKENIZER_THREADS) -> None:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.limits = limits
@@ -95,6 +109,8 @@ class Frontend:
         self.replica_wait_s = replica_wait_s
         self._live: set[str] = set()
         self._poster: LoopPoster | None = None      # for the loop serving the clients
+        self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
+                                                 thread_name_prefix="tokenize")
         self.metrics = metrics
         self.num_requests_total = 0
         self.draining = False
@@ -103,30 +119,48 @@ class Frontend:
     def num_live(self) -> int:
         return len(self._live)
 
-    def render(self, prompt: PromptInput,
-               add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The prompt text and its token ids (token-id input has no text)."""
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def render(self, prompt: PromptInput,
+                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The prompt text and its token ids (token-id input has no text). Sizes and roles are
+        checked here on the loop; rendering and tokenizing run on the tokenizer threads."""
         if prompt.token_ids is not None:
+            validate_prompt(prompt.token_ids, self.limits)   # before copying a huge list
             return "", list(prompt.token_ids)
         if prompt.chat is not None:
-            if not prompt.chat:
-                raise InvalidRequest("chat has no messages")
+            validate_chat(prompt.chat, self.limits)
+        else:
+            validate_prompt_text(prompt.text or "", self.limits)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._render_blocking, prompt,
+                                          add_generation_prompt)
+
+    def _render_blocking(self, prompt: PromptInput,
+                         add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """On a tokenizer thread."""
+        if prompt.chat is not None:
             try:
                 text = self.tokenizer.render_chat(prompt.chat, add_generation_prompt)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc)) from exc
+            validate_prompt_text(text, self.limits, "rendered chat")
             return text, self.tokenizer.encode(text)
         text = prompt.text or ""
         return text, self.tokenizer.encode(text) if text else []
 
-    def prepare(self, request_id: str, model: str, prompt: PromptInput,
-                raw: RawSampling) -> PreparedRequest:
+    async def prepare(self, request_id: str, model: str, prompt: PromptInput,
+                      raw: RawSampling) -> PreparedRequest:
         validate_model(model, self.limits)
         validate_request_id(request_id)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        _, token_ids = self.render(prompt)
+        _, token_ids = await self.render(prompt)
+        # Again: another request may have taken the id while this one was tokenized.
+        if request_id in self._live:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
         limits = dataclasses.replace(self.limits, max_kv_tokens=self.cluster.max_kv_tokens())
         validate_prompt(token_ids, limits)
         sampling = validate_sampling(raw, len(token_ids), limits)

@@ -20,7 +20,7 @@ from scheduler_svc.frontend import (
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.tokenizer import ChatMessage
-from scheduler_svc.validation import InvalidRequest, RawSampling
+from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
     control_pb2,
@@ -42,7 +42,7 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.Toke
     if given[0] == "text":
         return PromptInput(text=request.text)
     if given[0] == "token_ids":
-        return PromptInput(token_ids=list(request.token_ids.ids))
+        return PromptInput(token_ids=request.token_ids.ids)
     return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
 
 
@@ -80,9 +80,14 @@ def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, model: ModelConfig) -> None:
+    """`model` is what was loaded; clients know it by `served_name` (--served-model-name, or
+    the model's own name)."""
+
+    def __init__(self, frontend: Frontend, model: ModelConfig,
+                 served_name: str | None = None) -> None:
         self.frontend = frontend
         self.model = model
+        self.served_name = served_name or model.name
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
@@ -109,8 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _run(self, request: generation_pb2.GenerateRequest,
                    context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
         try:
-            prepared = self.frontend.prepare(request.request_id, request.model,
-                                             prompt_from_pb(request), sampling_from_pb(request))
+            prepared = await self.frontend.prepare(request.request_id, request.model,
+                                                   prompt_from_pb(request),
+                                                   sampling_from_pb(request))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
@@ -126,10 +132,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
         try:
-            if request.model and request.model != self.model.name:
-                raise InvalidRequest(f"unknown model {request.model!r}")
-            text, ids = self.frontend.render(prompt_from_pb(request),
-                                             add_generation_prompt=not request.no_generation_prompt)
+            validate_model(request.model, self.frontend.limits)
+            text, ids = await self.frontend.render(
+                prompt_from_pb(request), add_generation_prompt=not request.no_generation_prompt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text)
@@ -142,19 +147,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
         m = self.model
         return generation_pb2.ModelInfoResponse(
-            model=m.name, architecture=m.architecture, vocab_size=m.vocab_size,
+            model=self.served_name, architecture=m.architecture, vocab_size=m.vocab_size,
             max_model_len=m.max_model_len, num_layers=m.num_layers, hidden_size=m.hidden_size,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
             dtype=self.frontend.cluster.served_dtype(),
             eos_token_ids=list(m.eos_token_ids),
-            has_chat_template=self.frontend.tokenizer.chat_template is not None)
+            has_chat_template=self.frontend.tokenizer.chat_template is not None,
+            max_prompt_bytes=self.frontend.limits.max_prompt_bytes or 0)
 
     async def ServerInfo(self, request: generation_pb2.ServerInfoRequest,
                          context: grpc.aio.ServicerContext) -> generation_pb2.ServerInfoResponse:
         cluster = self.frontend.cluster
         sc = cluster.sched_config
         info = generation_pb2.ServerInfoResponse(
-            model=self.model.name, max_num_seqs=sc.max_num_seqs,
+            model=self.served_name, max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens, chunked_prefill=sc.chunked_prefill,
             prefix_caching=sc.prefix_caching,
             num_requests_total=self.frontend.num_requests_total)

@@ -4,12 +4,16 @@ plus the model's chat template.
 GGUF byte-level BPE (`tokenizer.ggml.model == "gpt2"`) becomes a `tokenizers` BPE with the
 GPT-2 byte alphabet; the control tokens (token type 3) become special tokens. The pre-tokenizer
 follows `tokenizer.ggml.pre`: "smollm" splits every digit on its own before the GPT-2 split, as
-SmolLM2's own tokenizer.json does. tests/scheduler_svc/test_tokenizer.py checks the result
-against transformers' GGUF tokenizer.
+SmolLM2's own tokenizer.json does. Any other value (or none) is refused: the merges were learned
+on that value's own split, and a different split gives other token ids without any error.
+tests/scheduler_svc/test_tokenizer.py checks the result against transformers' GGUF tokenizer.
+
+`encode` runs through `encode_batch`, which releases the GIL: the frontend tokenizes in a
+thread, and a long prompt must not stall the event loop that serves every other client.
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +25,11 @@ from tokenizers.models import BPE
 CONTROL_TOKEN_TYPE = 3
 USER_DEFINED_TOKEN_TYPE = 4
 
-# Pre-tokenizer splits that run before the byte-level step, by GGUF `tokenizer.ggml.pre`.
+# Pre-tokenizer splits that run before the GPT-2 byte-level split, by GGUF
+# `tokenizer.ggml.pre` (llama.cpp's names). Only values whose split is exactly this are listed.
 _DIGIT_SPLIT = pre_tokenizers.Digits(individual_digits=True)
-_PRE_SPLITS = {"smollm": [_DIGIT_SPLIT], "starcoder": [_DIGIT_SPLIT], "refact": [_DIGIT_SPLIT]}
+_PRE_SPLITS: dict[str, list[pre_tokenizers.PreTokenizer]] = {
+    "gpt-2": [], "smollm": [_DIGIT_SPLIT], "starcoder": [_DIGIT_SPLIT], "refact": [_DIGIT_SPLIT]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,11 @@ class TextTokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # UTF-8 bytes of the longest token's text (a partial character decodes to U+FFFD, 3
+        # bytes, which only overestimates): no prompt of N tokens is longer than N times this.
+        self.max_token_bytes = max(
+            (len(t.encode("utf-8")) for t in tokenizer.decode_batch(
+                [[i] for i in range(self.vocab_size)], skip_special_tokens=False)), default=1)
         self.special_ids = frozenset(
             tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
             if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values()
@@ -57,7 +68,9 @@ class TextTokenizer:
             self._template = env.from_string(chat_template)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt froze
+        # every other thread for a second).
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -110,9 +123,8 @@ def _from_gguf(path: Path) -> TextTokenizer:
     bpe = BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],  # type: ignore[misc]
               fuse_unk=False)
     tokenizer = Tokenizer(bpe)
-    pre = str(value("tokenizer.ggml.pre") or "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*_PRE_SPLITS.get(pre, []), byte_level])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*_pre_splits(path, value), byte_level])
     tokenizer.decoder = decoders.ByteLevel()
 
     byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
@@ -132,6 +144,19 @@ def _from_gguf(path: Path) -> TextTokenizer:
     return TextTokenizer(tokenizer, value("tokenizer.chat_template"),  # type: ignore[arg-type]
                          token_name("tokenizer.ggml.bos_token_id"),
                          token_name("tokenizer.ggml.eos_token_id"))
+
+
+def _pre_splits(path: Path, value: Callable[[str], object | None],
+                ) -> list[pre_tokenizers.PreTokenizer]:
+    pre = value("tokenizer.ggml.pre")
+    supported = ", ".join(sorted(_PRE_SPLITS))
+    if pre is None:
+        raise ValueError(f"{path}: tokenizer.ggml.pre is missing, so the text split its merges "
+                         f"expect is unknown (supported: {supported})")
+    if pre not in _PRE_SPLITS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
+                         f"{supported}); another split would give wrong token ids")
+    return _PRE_SPLITS[str(pre)]
 
 
 def _from_hf_dir(path: Path) -> TextTokenizer:

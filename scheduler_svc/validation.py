@@ -1,16 +1,52 @@
 """Request validation at the API edge: every bad input becomes one clear `InvalidRequest`
-message (mapped to INVALID_ARGUMENT by the servicer) before anything reaches the engine."""
+message (mapped to INVALID_ARGUMENT by the servicer) before anything reaches the engine.
+
+What is checked before the prompt is tokenized (`validate_prompt_text`, `validate_chat`) is
+cheap and bounds the tokenizer's work; the rest (`validate_prompt`, `validate_sampling`) runs
+on the token ids.
+"""
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.request import SamplingParams
+from scheduler_svc.tokenizer import ChatMessage
 from services.wire import MAX_ID_LEN, MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+# Below this a temperature is greedy: logits / 1e-45 overflow to inf and softmax gives NaN.
+# The same floor as vLLM's; the worker's sampler applies it again.
+MIN_TEMPERATURE = 1e-5
+MAX_SEED = (1 << 64) - 1          # SamplingParams.seed is a uint64
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# The default prompt byte limit (see `default_max_prompt_bytes`).
+PROMPT_BYTES_MARGIN = 2                 # normalizers (NFC) may shrink text before it is split
+MAX_DEFAULT_PROMPT_BYTES = 8 << 20      # long-context models: 64 bytes per token at 128k
+# What a request carries besides its prompt (id, stop strings, chat framing), for the gRPC
+# receive bound.
+REQUEST_OVERHEAD_BYTES = 1 << 20
+MAX_TOKEN_ID_BYTES = 5                  # a uint32 varint
+
+
+def default_max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
+    """The default limit on a text prompt's (or a rendered chat's) UTF-8 bytes.
+
+    A token stands for at most `max_token_bytes` bytes of text (the vocabulary's longest
+    token), so a text of more than `max_model_len * max_token_bytes` bytes cannot fit the
+    context and is refused before tokenizing it. The margin covers normalizers that shrink
+    text first; the cap keeps long-context models' limit at what one request may cost."""
+    return min(max_model_len * max_token_bytes * PROMPT_BYTES_MARGIN, MAX_DEFAULT_PROMPT_BYTES)
+
+
+def max_request_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest request message worth reading: the prompt limit (text, chat, or a full
+    context of token ids) plus the other fields. gRPC refuses larger ones unread."""
+    return max(max_prompt_bytes, max_model_len * MAX_TOKEN_ID_BYTES) + REQUEST_OVERHEAD_BYTES
 
 
 class InvalidRequest(ValueError):
@@ -23,6 +59,7 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_kv_tokens: int | None = None   # tokens one request may hold in the KV pool
+    max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt or rendered chat
 
 
 @dataclass(slots=True)
@@ -52,17 +89,50 @@ def validate_request_id(request_id: str) -> None:
         raise InvalidRequest(f"request_id longer than {MAX_ID_LEN} characters")
 
 
-def validate_prompt(token_ids: list[int], limits: Limits) -> None:
+def validate_prompt_text(text: str, limits: Limits, what: str = "prompt text") -> None:
+    """Refuse a text too long to fit the context before spending time tokenizing it."""
+    limit = limits.max_prompt_bytes
+    if limit is None:
+        return
+    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+    if num_bytes > limit:
+        raise InvalidRequest(
+            f"{what} is {num_bytes} bytes of UTF-8; this server takes at most {limit} bytes "
+            f"(the model's context is {limits.max_model_len} tokens)")
+
+
+def validate_chat(messages: Sequence[ChatMessage], limits: Limits) -> None:
+    """Roles and sizes, before the chat template renders the messages.
+
+    Roles are a closed set: the template writes a role verbatim between control tokens, so
+    a role carrying template markup would become real control tokens. Content is not
+    escaped: like HF transformers and vLLM, special-token text inside it (say
+    "<|im_start|>") is tokenized as that special token; callers embedding untrusted text must
+    strip it themselves."""
+    if not messages:
+        raise InvalidRequest("chat has no messages")
+    if len(messages) > limits.max_model_len:
+        raise InvalidRequest(f"chat has {len(messages)} messages; the model's context is "
+                             f"{limits.max_model_len} tokens")
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequest(f"chat message {i} has role {message.role[:64]!r}; roles are "
+                                 f"{', '.join(CHAT_ROLES)}")
+    validate_prompt_text("".join(m.content for m in messages), limits, "chat content")
+
+
+def validate_prompt(token_ids: Sequence[int], limits: Limits) -> None:
     if not token_ids:
         raise InvalidRequest("prompt is empty")
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(
-            f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
+    # Length before the vocabulary scan: a huge list is refused without walking it.
     if len(token_ids) >= limits.max_model_len:
         raise InvalidRequest(
             f"prompt has {len(token_ids)} tokens; the model's context is {limits.max_model_len} "
             "tokens and at least one must be left to generate")
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
 def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
@@ -71,6 +141,8 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
     temperature = 1.0 if raw.temperature is None else raw.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
     top_p = 1.0 if raw.top_p is None else raw.top_p
     if not (0 < top_p <= 1):
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
@@ -105,11 +177,13 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary")
     if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {raw.logprobs}")
+    if raw.seed is not None and not 0 <= raw.seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {raw.seed}")
     # Every random request gets a seed: the TP ranks of a replica each sample from the same
     # logits and must draw the same token, and a preempted request resumes identically.
     seed = raw.seed
     if seed is None and temperature > 0:
-        seed = secrets.randbits(63)
+        seed = secrets.randbits(64)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,

@@ -1,12 +1,20 @@
-"""What every splitserve gRPC server carries: grpc.health.v1, server reflection, and an
-interceptor-free way to map core exceptions to status codes.
+"""What every splitserve gRPC server carries: grpc.health.v1, server reflection, a bound on
+the request size, and INVALID_ARGUMENT for requests that do not parse.
 
-Each service builds its `grpc.aio.Server` with `make_server`, adds its servicers, then calls
-`enable_health_and_reflection` with the full service names it serves.
+Each service builds its `grpc.aio.Server` with `make_server`, adds its servicers, then builds
+`Health(server, names)` with the full service names it serves.
+
+grpc deserializes a request before any servicer code runs, and a parse error there (corrupt
+wire format, invalid UTF-8 in a string field) would reach the client as UNKNOWN "Unexpected
+<class 'DecodeError'>". `ParseErrorInterceptor` swaps every unary-request handler's
+deserializer for one that hands the error on as an `UnparsedRequest`, and answers that with
+INVALID_ARGUMENT before the servicer method is called.
 """
 
+import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,21 +22,113 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 << 20  # requests and responses; a prompt is far smaller
+MAX_MESSAGE_BYTES = 16 << 20  # requests and responses, unless a server sets a smaller bound
 
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 
-def make_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    return [
+        # grpc refuses a larger request (RESOURCE_EXHAUSTED) before buffering it whole.
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    return grpc.aio.server(options=server_options(max_receive_bytes),
+                           interceptors=[ParseErrorInterceptor()])
+
+
+class UnparsedRequest:
+    """Stands in for a request whose bytes did not parse; carries the parser's message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # protobuf's DecodeError, or whatever a custom parser raises
+            return UnparsedRequest(str(exc) or type(exc).__name__)
+    return deserialize
+
+
+async def _refuse(request: UnparsedRequest, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request could not be parsed: {request.error}")
+
+
+def _guard_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, UnparsedRequest):
+            await _refuse(request, context)
+        return await behavior(request, context)
+    return unary
+
+
+def _guard_stream(behavior: Callable[..., AsyncIterator[Any]],
+                  ) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, UnparsedRequest):
+            await _refuse(request, context)
+        async for response in behavior(request, context):
+            yield response
+    return stream
+
+
+class ParseErrorInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT for unary requests that fail to parse (see the module docstring).
+
+    Only async unary-request handlers are wrapped: a sync behavior must stay sync (grpc runs it
+    in a thread), and a streamed request (reflection's) is parsed message by message while the
+    servicer iterates, where no status can be chosen for it; splitserve's own RPCs are all
+    unary-request. Wrapped handlers are cached per
+    method, so a call costs one dict lookup."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails],
+                                     Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _wrap(handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+def _wrap(handler: Any) -> Any:
+    if handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    deserializer = _tolerant(handler.request_deserializer)
+    if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+        return handler._replace(unary_unary=_guard_unary(handler.unary_unary),
+                                request_deserializer=deserializer)
+    if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+        return handler._replace(unary_stream=_guard_stream(handler.unary_stream),
+                                request_deserializer=deserializer)
+    if handler.unary_stream is not None and inspect.iscoroutinefunction(handler.unary_stream):
+        # A streaming handler that writes with context.write (grpc.health.v1 Watch).
+        return handler._replace(unary_stream=_guard_unary(handler.unary_stream),
+                                request_deserializer=deserializer)
+    return handler
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

@@ -1,13 +1,15 @@
 """Per-request sampling over a batch of logits rows; called by the runner on the last stage.
 
-Greedy (temperature 0) is argmax, ties to the lowest token id. Otherwise logits are divided by
-the temperature, cut by top-k and top-p, and one token is drawn by inverse CDF from a single
-float64 uniform. Each seeded request draws that uniform from its own `torch.Generator`, exactly
-one per sampled token, so its tokens depend only on its seed and its logits, never on the rest
-of the batch, and a generator re-created after preemption can be fast-forwarded
-(`new_generator`). Everything is computed in float32 (cumulative sums in float64).
+Greedy (temperature 0, or below MIN_TEMPERATURE) is argmax, ties to the lowest token id.
+Otherwise logits are divided by the temperature, cut by top-k and top-p, and one token is drawn
+by inverse CDF from a single float64 uniform. Each seeded request draws that uniform from its
+own `SeededUniforms`, exactly one per sampled token, so its tokens depend only on its seed and
+its logits, never on the rest of the batch, and a stream re-created after preemption starts at
+the right draw (`new_generator`). Everything is computed in float32 (cumulative sums in
+float64).
 """
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,32 +19,61 @@ from services.wire import SamplingSpec, TokenLogprobs
 # Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
 # a full sort (slow on CPU: a 49k-entry row takes milliseconds).
 _TOP_P_CANDIDATES = 256
+# Below this a temperature samples greedily: logits / 1e-45 overflow to inf and the softmax is
+# NaN. The scheduler already maps such temperatures to 0 (the same floor, as in vLLM); this
+# keeps a worker safe from any sender.
+MIN_TEMPERATURE = 1e-5
+MAX_SEED = (1 << 64) - 1
 
 
-def new_generator(seed: int, num_samples_done: int = 0) -> torch.Generator:
-    """A request's generator, advanced past the `num_samples_done` draws it already made."""
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(num_samples_done):
-        torch.rand(1, dtype=torch.float64, generator=generator)
-    return generator
+class SeededUniforms:
+    """One request's stream of float64 uniforms in [0, 1), keyed by its 64-bit seed.
+
+    Draw k is BLAKE2b keyed with the seed over the counter k. Every seed bit counts (torch's
+    CPU generator keeps only the low 32 bits of its seed, so seeds 5 and 2**63 + 5 drew the
+    same tokens), distinct seeds give independent streams, and resuming after preemption sets
+    the counter instead of replaying draws."""
+
+    __slots__ = ("_key", "num_drawn")
+
+    def __init__(self, seed: int, num_drawn: int = 0) -> None:
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed {seed} is not a uint64")
+        self._key = seed.to_bytes(8, "little")
+        self.num_drawn = num_drawn
+
+    def next(self) -> float:
+        digest = hashlib.blake2b(self.num_drawn.to_bytes(8, "little"), digest_size=8,
+                                 key=self._key).digest()
+        self.num_drawn += 1
+        return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53   # 53 bits: a float64
+
+
+def new_generator(seed: int, num_samples_done: int = 0) -> SeededUniforms:
+    """A request's uniform stream, past the `num_samples_done` draws it already made."""
+    return SeededUniforms(seed, num_samples_done)
+
+
+def is_greedy(spec: SamplingSpec) -> bool:
+    return spec.temperature < MIN_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
-           generators: Sequence[torch.Generator | None],
+           generators: Sequence[SeededUniforms | None],
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [rows, vocab] in any float dtype, one row per request, in `specs` order.
 
-    `generators[i]` is request i's own generator, or None for unseeded requests (drawn from
-    torch's default generator). `argmax` ([rows, vocab] -> [rows], first maximum, as
+    `generators[i]` is request i's own uniform stream, or None for unseeded requests (drawn
+    from torch's default generator). `argmax` ([rows, vocab] -> [rows], first maximum, as
     torch.argmax) serves a batch that is all greedy without logprobs straight from `logits`'
     dtype (the C kernel); by default the rows are widened to float32 first. Returns the sampled
     token ids and, per row, its logprobs or None where the request asked for none.
     """
-    if all(s.temperature == 0 and s.num_logprobs is None for s in specs):
+    if all(is_greedy(s) and s.num_logprobs is None for s in specs):
         return (argmax or argmax_float)(logits).tolist(), [None] * len(specs)
     logits = logits.float()
-    random_rows = [i for i, spec in enumerate(specs) if spec.temperature > 0]
+    random_rows = [i for i, spec in enumerate(specs) if not is_greedy(spec)]
     if len(random_rows) == len(specs):
         token_ids = _sample_random(logits, specs, generators)
     else:
@@ -61,7 +92,7 @@ def argmax_float(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
-                   generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                   generators: Sequence[SeededUniforms | None]) -> torch.Tensor:
     """Temperature, top-k, top-p, then one inverse-CDF draw per row -> [rows] token ids."""
     vocab = logits.shape[-1]
     temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32)
@@ -88,11 +119,17 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
     for i, generator in enumerate(generators):
         if generator is not None:
-            uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
+            uniforms[i] = generator.next()
     cdf = probs.double().cumsum(dim=-1)                # [rows, vocab], not normalized
     targets = uniforms[:, None] * cdf[:, -1:]
     # right=True: the first token whose cdf exceeds the target, never a zero-probability one.
-    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=vocab - 1)
+    token_ids = torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=vocab - 1)
+    # A row with no finite mass (NaN or inf logits) would pick an arbitrary token: take its
+    # argmax instead, which is what any temperature tends to.
+    broken = ~(cdf[:, -1] > 0) | ~torch.isfinite(cdf[:, -1])
+    if bool(broken.any()):
+        token_ids[broken] = logits[broken].argmax(dim=-1)
+    return token_ids
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -84,3 +84,14 @@ def test_output_lengths_are_bounded() -> None:
     codec = Codec(StepOutput)
     out = StepOutput(1, "w", ["a"], [7], [None], StepTimings(1.0, 2.0, 3.0, 4))
     assert codec.decode(codec.encode(out)) == out
+
+
+@pytest.mark.parametrize("seed", [0, 5, 2**63, 2**63 + 5, 2**64 - 1])
+def test_every_uint64_seed_crosses_the_wire(seed: int) -> None:
+    """SamplingParams.seed is a uint64 end to end: the wire must not lose its top bits."""
+    spec = SamplingSpec(temperature=0.7, top_p=1.0, top_k=-1, seed=seed, num_logprobs=None)
+    message = StepInput(step_id=1, new_requests=[NewRequest("a", [1], 1, spec, [5], 0, 1)],
+                        running=[], finished_ids=[])
+    codec: Codec[StepInput] = Codec(ToWorker)
+    decoded = codec.decode(codec.encode(message))
+    assert decoded.new_requests[0].sampling.seed == seed

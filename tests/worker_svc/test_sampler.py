@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from services.wire import SamplingSpec
@@ -140,3 +141,49 @@ def test_bfloat16_logits_are_sampled_in_float32() -> None:
     logits = random_logits(2, seed=6)
     tokens, _ = sample(logits.bfloat16(), [spec(temperature=0.0)] * 2, [None] * 2)
     assert tokens == logits.bfloat16().float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1.2e-38, 1e-30, 9e-6])
+def test_tiny_temperatures_are_greedy_never_nan(temperature: float) -> None:
+    """logits / 1e-45 overflow to inf and softmax gives NaN: such rows must be greedy."""
+    logits = random_logits(6, seed=8)
+    greedy = logits.argmax(dim=-1).tolist()
+    specs = [spec(temperature=temperature, seed=i) for i in range(6)]
+    for _ in range(3):
+        gens = [new_generator(i) for i in range(6)]
+        assert sample(logits, specs, gens)[0] == greedy
+    # Next to a random row, and with logprobs (the float32 path).
+    mixed = [spec(temperature=temperature, num_logprobs=2), spec(seed=1)] * 3
+    tokens, logprobs = sample(logits, mixed, [None, new_generator(1)] * 3)
+    assert tokens[::2] == greedy[::2]
+    assert all(lp is not None and math.isfinite(lp.logprob) for lp in logprobs[::2])
+
+
+def test_rows_without_finite_mass_fall_back_to_argmax() -> None:
+    logits = random_logits(2, seed=9)
+    logits[0, 7] = float("inf")                 # softmax of this row is NaN
+    tokens, _ = sample(logits, [spec(seed=1), spec(seed=2)], [new_generator(1), new_generator(2)])
+    assert tokens[0] == 7
+    assert 0 <= tokens[1] < VOCAB
+
+
+def seeded_draws(seed: int, num: int = 48) -> list[int]:
+    flat = torch.zeros(1, VOCAB)               # every token equally likely: tokens = uniforms
+    gen = new_generator(seed)
+    return [sample(flat, [spec(seed=seed)], [gen])[0][0] for _ in range(num)]
+
+
+def test_every_seed_bit_counts() -> None:
+    """torch's CPU generator keeps only a seed's low 32 bits: 5, 2**32 + 5 and 2**63 + 5 drew
+    the same tokens. All 64 bits must give different, reproducible streams."""
+    seeds = [5, 2**32 + 5, 2**63, 2**63 + 5, 2**64 - 1, 2**64 - 2, 0]
+    streams = [seeded_draws(s) for s in seeds]
+    assert len({tuple(s) for s in streams}) == len(seeds)
+    assert streams == [seeded_draws(s) for s in seeds]
+
+
+def test_seed_must_be_a_uint64() -> None:
+    with pytest.raises(ValueError, match="uint64"):
+        new_generator(2**64)
+    with pytest.raises(ValueError, match="uint64"):
+        new_generator(-1)

@@ -151,7 +151,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "dtype", "eos_token_ids", "has_chat_template")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "dtype", "eos_token_ids", "has_chat_template", "max_prompt_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class ModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -174,7 +175,8 @@ class ModelInfoResponse(_message.Message):
     dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    max_prompt_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_prompt_bytes: _Optional[int] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,13 +1,18 @@
-"""Decode attention: the C kernel (worker_svc/kernels) against the torch path, side by side.
+"""The C kernels (worker_svc/kernels) against the torch path, side by side, at one CPU level.
 
-    .venv/bin/python bench/cpu_kernels.py [--dtype bfloat16] [--layers 30]
+    .venv/bin/python bench/cpu_kernels.py [--dtype bfloat16] [--layers 30] [--level avx2]
+                                          [--only attention|matmul]
 
 (Not named kernels.py: transformers imports a top-level `kernels` module when one exists.)
 
-SmolLM2's attention shape (9 query heads, 3 KV heads, head_dim 64), 16-token blocks scattered
-over a cache per layer (so K/V come from memory, as in a real step, not from cache), for
-several batch sizes and context lengths. Prints milliseconds per step (all layers) and the
-ratio; writes a JSON result to bench/results/.
+Decode attention: SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), 16-token blocks
+scattered over a cache per layer (so K/V come from memory, as in a real step, not from cache),
+for several batch sizes and context lengths; milliseconds per step (all layers).
+
+Matmuls: SmolLM2's five weight shapes at decode and prefill row counts, each with `--layers`
+distinct weights so that they come from memory as in the model: GFLOP/s of the level's kernel
+(worker_svc.kernels.gemm) and of torch's own (oneDNN where the model uses it, else
+F.linear). Writes a JSON result to bench/results/.
 """
 
 import argparse
@@ -29,7 +34,9 @@ from worker_svc.attention import (  # noqa: E402
     build_attention_metadata,
     paged_attention,
 )
-from worker_svc.kernels import PagedAttentionKernel, paged_attention_kernel  # noqa: E402
+from worker_svc.kernels import CpuKernels, PagedAttentionKernel, load_cpu_kernels  # noqa: E402
+from worker_svc.kernels.cpu import CpuLevel, cpu_model, detect_level  # noqa: E402
+from worker_svc.model.llama import Linear  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -50,20 +57,10 @@ def time_per_step(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    dtype = getattr(torch, a.dtype)
-    kernel = paged_attention_kernel(HEAD_DIM, HEADS // KV_HEADS, dtype)
-    if kernel is None:
-        raise SystemExit("the C kernel did not build here (see the warning above)")
+def bench_attention(kernel: PagedAttentionKernel, dtype: torch.dtype, layers: int) -> list[dict]:  # type: ignore[type-arg]
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"decode attention, {a.dtype}, {a.layers} layers, ms per step")
+    print(f"decode attention, {dtype}, {layers} layers, ms per step")
     print(f"{'batch':>5} {'context':>7} {'torch':>8} {'kernel':>8} {'speed-up':>8}")
     for batch, context in [(1, 180), (1, 2000), (16, 180), (64, 180), (64, 1000)]:
         per_request = -(-(context + 1) // BLOCK)
@@ -71,19 +68,78 @@ def main() -> int:
         order = torch.randperm(num_blocks - 1, generator=gen) + 1
         tables = order.view(batch, per_request).tolist()
         caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-                  for _ in range(a.layers)]
+                  for _ in range(layers)]
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
         k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         meta = build_attention_metadata([1] * batch, [context] * batch, tables, BLOCK,
                                         num_blocks)
-        repeats = max(3, 2000 // (batch * a.layers))
+        repeats = max(3, 2000 // (batch * layers))
         t_torch = time_per_step(partial(attend_all, caches, q, k, meta, None), repeats)
         t_kernel = time_per_step(partial(attend_all, caches, q, k, meta, kernel), repeats)
         rows.append({"batch": batch, "context": context, "torch_ms": t_torch,
                      "kernel_ms": t_kernel, "speedup": t_torch / t_kernel})
         print(f"{batch:>5} {context:>7} {t_torch:>8.2f} {t_kernel:>8.2f} "
               f"{t_torch / t_kernel:>7.2f}x")
-    write_result({"dtype": a.dtype, "layers": a.layers, "rows": rows}, a.out, "cpu-kernels")
+    return rows
+
+
+# (name, out_features, in_features) of SmolLM2's matmuls
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+          ("lm_head", 49152, 576)]
+
+
+def apply_all(linears: list[Linear], x: torch.Tensor) -> None:
+    for linear in linears:
+        linear(x)
+
+
+def bench_matmul(kernels: CpuKernels, dtype: torch.dtype, layers: int) -> list[dict]:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(0)
+    torch_only = CpuKernels(kernels.level)      # oneDNN (bf16 where it runs) or F.linear
+    rows = []
+    print(f"matmuls, {dtype}, GFLOP/s (torch / kernel), {layers} distinct weights each")
+    print(f"{'rows':>5} " + " ".join(f"{name:>15}" for name, _, _ in SHAPES))
+    for m in (1, 8, 64, 128, 512, 2048):
+        cells = []
+        for name, n, k in SHAPES:
+            count = 2 if name == "lm_head" else layers
+            weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(count)]
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            mine = [Linear([w], kernels=kernels) for w in weights]
+            theirs = [Linear([w], kernels=torch_only) for w in weights]
+            repeats = max(2, int(2e10 // (2 * m * n * k * count)))
+            flops = 2 * m * n * k * count / 1e6   # per step, in MFLOP: /ms = GFLOP/s
+            t_torch = time_per_step(partial(apply_all, theirs, x), repeats)
+            t_kernel = time_per_step(partial(apply_all, mine, x), repeats)
+            rows.append({"rows": m, "shape": name, "torch_gflops": flops / t_torch,
+                         "kernel_gflops": flops / t_kernel})
+            cells.append(f"{flops / t_torch:6.1f} / {flops / t_kernel:6.1f}")
+        print(f"{m:>5} " + " ".join(f"{c:>15}" for c in cells), flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--level", default=None, help="CPU level (default: the best detected)")
+    p.add_argument("--only", choices=["attention", "matmul"], default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    level = CpuLevel.parse(a.level or "") or detect_level()
+    kernels = load_cpu_kernels(level, HEAD_DIM, HEADS // KV_HEADS, dtype)
+    print(f"{cpu_model()}, level {level.label}, {torch.get_num_threads()} threads")
+    result: dict = {"cpu": cpu_model(), "level": level.label, "dtype": a.dtype,  # type: ignore[type-arg]
+                    "layers": a.layers}
+    if a.only != "matmul":
+        if kernels.attention is None:
+            raise SystemExit("the attention kernel did not build here (see the warning above)")
+        result["attention"] = bench_attention(kernels.attention, dtype, a.layers)
+    if a.only != "attention":
+        result["matmul"] = bench_matmul(kernels, dtype, a.layers)
+    write_result(result, a.out, "cpu-kernels")
     return 0
 
 

@@ -1,14 +1,24 @@
 """Throughput on the shared workload: splitserve (all services, over gRPC) against HF
-transformers, same prompts, same dtype, in one invocation.
+transformers and, with --with-vllm, vLLM's CPU build; same prompts, same weights, one invocation.
 
     .venv/bin/python bench/throughput.py [--dtype bfloat16] [--repeats 3] [--skip-hf]
-                                         [--skip-dense] [--out FILE]
+                                         [--skip-dense] [--with-vllm [--vllm-dtype D ...]]
+                                         [--num-prompts N] [--out FILE]
+    bash bench/vllm_env.sh     # once, before --with-vllm: vLLM's CPU build in .venv-vllm/
 
 Workload (shared/bench/WORKLOAD): 64 chat prompts, greedy, exactly 128 new tokens each (EOS
 ignored), all submitted at once; single stream = prompt 0. Each system gets an untimed warm-up.
 The systems take turns, one round each, `--repeats` rounds (splitserve on a fresh cluster every
-round); prints each figure's median, the ratios of the medians and the batch ratio of every
-round; writes a JSON result (medians and every round) to bench/results/.
+round); prints the CPU (model, vector flags) and each figure's median, the ratios of the medians
+and the batch ratio of every round; writes a JSON result (medians and every round) to
+bench/results/. --num-prompts below 64 is a quick smoke check, not the workload.
+
+vLLM runs in its own environment, driven through bench/vllm_peer.py: one driver per vLLM dtype,
+loaded (and compiled, a few minutes) once before the first round, on the GGUF's weights saved
+dequantized as an HF directory under bench/results/. Its dtype defaults to --dtype, plus
+float32 when --dtype is bfloat16 and the CPU has no native bf16 (no avx512_bf16 or amx_bf16),
+where vLLM's bf16 can be the slower; the ratios to vLLM take, for each figure, vLLM's faster
+dtype.
 
 The batch client is one asyncio event loop (grpc.aio), as a load generator should be: it shares
 the machine's cores with the services, and 64 threads blocking on sync streams cost about twice
@@ -33,6 +43,14 @@ from services.launcher import ClusterSpec, ServiceProcesses  # noqa: E402
 from services.model_config import default_model_path  # noqa: E402
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from vllm_peer import VllmPeer, save_hf_dir  # noqa: E402
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+# JSON keys of the systems whose key is not their name with underscores.
+RESULT_KEYS = {"splitserve dense": "splitserve_dense_bf16"}
+
 
 def load_workload() -> tuple[list[str], str, int]:
     for candidate in (ROOT.parent / "shared" / "bench", ROOT / "shared" / "bench"):
@@ -42,6 +60,21 @@ def load_workload() -> tuple[list[str], str, int]:
 
             return workload.PROMPTS, workload.SINGLE_PROMPT, workload.MAX_NEW_TOKENS
     raise SystemExit("shared/bench/workload.py not found beside the repository")
+
+
+def cpu_info() -> dict[str, object]:
+    """Model name, core count and the vector flags every figure depends on. Family and model
+    number too: a VM may name the CPU only "AMD EPYC" (family 23 is Zen 2, 25 Zen 3/4)."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+        if key.strip() == "flags":
+            break  # the first processor's block is enough
+    flags = set(info.get("flags", "").split())
+    return {"model": info.get("model name", "unknown"),
+            "family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
+            "cpus": os.cpu_count(), **{f: f in flags for f in CPU_FLAGS}}
 
 
 def write_result(results: dict, out: str | None, stem: str) -> None:  # type: ignore[type-arg]
@@ -201,16 +234,68 @@ def medians(runs: list[dict[str, float]]) -> dict[str, object]:
     return {**{key: statistics.median(r[key] for r in runs) for key in runs[0]}, "runs": runs}
 
 
+def start_vllm(dtypes: list[str]) -> dict[str, VllmPeer]:
+    """One loaded vLLM driver per dtype, on the GGUF's weights saved as an HF directory."""
+    if not VLLM_PYTHON.is_file():
+        raise SystemExit(f"{VLLM_PYTHON} missing: run `bash bench/vllm_env.sh` first")
+    gguf = default_model_path()
+    model_dir = save_hf_dir(gguf, ROOT / "bench" / "results" / f"hf-{gguf.stem}")
+    log_dir = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
+    peers: dict[str, VllmPeer] = {}
+    try:
+        for dtype in dtypes:
+            print(f"starting vLLM {dtype} (first start compiles; log in {log_dir})", flush=True)
+            peers[dtype] = VllmPeer(VLLM_PYTHON, model_dir, dtype, log_dir)
+            print(f"vLLM {peers[dtype].version} {dtype} ready in "
+                  f"{peers[dtype].start_s:.0f} s", flush=True)
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        raise
+    return peers
+
+
+def add_ratios(results: dict[str, object], table: dict[str, dict[str, object]],
+               runs: dict[str, list[dict[str, float]]], peers: list[str], prefix: str) -> None:
+    """Each splitserve variant against the strongest of `peers`, figure by figure: the ratio of
+    the medians, and the batch ratio of every round."""
+    def median(name: str, key: str) -> float:
+        return table[name][key]  # type: ignore[return-value]
+
+    batch_ref = max(peers, key=lambda n: median(n, "batch_tok_s"))
+    decode_ref = max(peers, key=lambda n: median(n, "single_decode_tok_s"))
+    results[f"ratio{prefix}_against"] = {"batch": batch_ref, "single_decode": decode_ref}
+    for name, suffix in (("splitserve", ""), ("splitserve dense", "_dense")):
+        if name not in table:
+            continue
+        batch = median(name, "batch_tok_s") / median(batch_ref, "batch_tok_s")
+        decode = median(name, "single_decode_tok_s") / median(decode_ref, "single_decode_tok_s")
+        rounds = [o["batch_tok_s"] / r["batch_tok_s"]
+                  for o, r in zip(runs[name], runs[batch_ref])]
+        results[f"ratio{prefix}_batch{suffix}"] = batch
+        results[f"ratio{prefix}_single_decode{suffix}"] = decode
+        results[f"ratio{prefix}_batch{suffix}_per_round"] = rounds
+        print(f"ratio {name} / {batch_ref}: batch {batch:.2f}x "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in rounds)}); "
+              f"single decode / {decode_ref}: {decode:.2f}x")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="fewer than 64: a quick smoke check, not the shared workload")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds of every system in turn; the table shows medians")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
                    help="bf16: skip the run without the int4 small-step kernel")
+    p.add_argument("--with-vllm", action="store_true",
+                   help="also run vLLM's CPU build (bash bench/vllm_env.sh first)")
+    p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
+                   help="vLLM dtype (repeatable, implies --with-vllm); default --dtype, plus "
+                   "float32 for bfloat16 on a CPU without native bf16")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra scheduler flag (repeatable), e.g. "
                    "--scheduler-arg=--no-prefix-caching")
@@ -218,6 +303,9 @@ def main() -> int:
     a = p.parse_args()
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
+    cpu = cpu_info()
+    print(f"cpu: {cpu['model']} (family/model {cpu['family_model']}), {cpu['cpus']} cpus, "
+          + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in CPU_FLAGS), flush=True)
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
@@ -236,43 +324,46 @@ def main() -> int:
     if not a.skip_hf:
         hf = HfBaseline(a.dtype)
         systems["hf transformers"] = lambda: hf.run(prompts, single, max_tokens)
+    vllm: dict[str, VllmPeer] = {}
+    if a.with_vllm or a.vllm_dtype:
+        native_bf16 = cpu["avx512_bf16"] or cpu["amx_bf16"]
+        dtypes = a.vllm_dtype or [a.dtype] + (
+            ["float32"] if a.dtype == "bfloat16" and not native_bf16 else [])
+        vllm = start_vllm(list(dict.fromkeys(dtypes)))
+        for dtype, peer in vllm.items():
+            systems[f"vllm {dtype}"] = lambda peer=peer: peer.run(prompts, single, max_tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-    for round_no in range(1, a.repeats + 1):
-        for name, run in systems.items():
-            runs[name].append(run())
-            print(f"round {round_no}/{a.repeats} {name}: "
-                  f"{runs[name][-1]['batch_tok_s']:.1f} tok/s all at once", flush=True)
+    try:
+        for round_no in range(1, a.repeats + 1):
+            for name, run in systems.items():
+                runs[name].append(run())
+                print(f"round {round_no}/{a.repeats} {name}: "
+                      f"{runs[name][-1]['batch_tok_s']:.1f} tok/s all at once", flush=True)
+    finally:
+        for peer in vllm.values():
+            peer.close()
 
     results: dict[str, object] = {"dtype": a.dtype, "num_prompts": len(prompts),
                                   "max_tokens": max_tokens, "cpus": os.cpu_count(),
-                                  "repeats": a.repeats}
+                                  "cpu": cpu, "repeats": a.repeats}
     table = {name: medians(r) for name, r in runs.items()}
-    for name, key in (("splitserve", "splitserve"), ("splitserve dense", "splitserve_dense_bf16"),
-                      ("hf transformers", "hf_transformers")):
-        if name in table:
-            results[key] = table[name]
+    for name in table:
+        results[RESULT_KEYS.get(name, name.replace(" ", "_"))] = table[name]
+    if vllm:
+        results["vllm"] = {"version": next(iter(vllm.values())).version,
+                           "start_s": {d: peer.start_s for d, peer in vllm.items()}}
 
     print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens, "
-          f"median of {a.repeats} round(s)")
+          f"median of {a.repeats} round(s); cpu: {cpu['model']}")
     print(f"{'system':<18}{'all at once tok/s':>18}{'single decode tok/s':>21}"
           f"{'single TTFT ms':>16}")
     for name, r in table.items():
         print(f"{name:<18}{r['batch_tok_s']:>18.1f}{r['single_decode_tok_s']:>21.1f}"
               f"{r['single_ttft_ms']:>16.0f}")
-    if "hf transformers" in runs:
-        hf_runs = runs["hf transformers"]
-        for name, suffix in (("splitserve", ""), ("splitserve dense", "_dense")):
-            if name not in runs:
-                continue
-            ours, hf_r = table[name], table["hf transformers"]
-            batch = [o["batch_tok_s"] / h["batch_tok_s"] for o, h in zip(runs[name], hf_runs)]
-            results[f"ratio_batch{suffix}"] = ours["batch_tok_s"] / hf_r["batch_tok_s"]
-            results[f"ratio_single_decode{suffix}"] = (ours["single_decode_tok_s"]
-                                                       / hf_r["single_decode_tok_s"])
-            results[f"ratio_batch{suffix}_per_round"] = batch
-            print(f"ratio {name} / HF: batch {results[f'ratio_batch{suffix}']:.2f}x "
-                  f"(rounds: {', '.join(f'{x:.2f}' for x in batch)}), single decode "
-                  f"{results[f'ratio_single_decode{suffix}']:.2f}x")
+    if "hf transformers" in table:
+        add_ratios(results, table, runs, ["hf transformers"], "")
+    if vllm:
+        add_ratios(results, table, runs, [f"vllm {d}" for d in vllm], "_vllm")
     write_result(results, a.out, f"throughput-{a.dtype}")
     return 0
 

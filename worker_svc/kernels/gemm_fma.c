@@ -151,8 +151,13 @@ void gemm(const elem_t *a, const w_t *packed, elem_t *c, int64_t m, int64_t n, i
     if (af) {
 #pragma omp for
       for (int64_t r = 0; r < m; r++) {
-        for (int64_t i = 0; i < k; i++) af[r * kpad + i] = load_one(a + r * k + i);
-        for (int64_t i = k; i < kpad; i++) af[r * kpad + i] = 0.f;
+        int64_t i = 0;
+        for (; i + LANES <= k; i += LANES) {
+          const vf v = load_vec(a + r * k + i);
+          memcpy(af + r * kpad + i, &v, sizeof v);
+        }
+        for (; i < k; i++) af[r * kpad + i] = load_one(a + r * k + i);
+        for (; i < kpad; i++) af[r * kpad + i] = 0.f;
       }
     }
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();

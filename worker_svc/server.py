@@ -1,8 +1,15 @@
 """The worker process around a `ModelRunner`: registration, heartbeats and the step loop.
 
 Only the last pipeline stage's tp_rank 0 answers steps; every rank answers InitCache so the
-scheduler knows the whole replica allocated its KV tensors. A step that raises is answered
-with `WorkerFailure` (the scheduler decides what to do); the worker keeps serving.
+scheduler knows the whole replica allocated its KV tensors. A step that raises on a one-rank
+replica is answered with a StepOutput carrying the error: the runner dropped the step's
+requests and nothing else changed, so the scheduler fails just those. On a replica of more
+ranks the peers may be stuck in a collective (or hold state this rank no longer has), so the
+answer is `WorkerFailure` and the scheduler takes the replica down. Either way the worker
+keeps serving.
+
+`SPLITSERVE_TEST_FAIL_REQUEST_PREFIX` (read once at start, for end-to-end tests only): every
+step holding a request whose id starts with it raises before its forward.
 
 Heartbeats start right after registration (a load can take a while) and run on their own
 thread. While the scheduler is unreachable the worker keeps running and keeps trying. When a
@@ -12,6 +19,7 @@ a new member, placed afresh; its loaded shard is kept when the placement is the 
 """
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -38,6 +46,7 @@ from services.wire import (
 
 log = logging.getLogger(__name__)
 
+FAULT_ENV = "SPLITSERVE_TEST_FAIL_REQUEST_PREFIX"
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_RPC_TIMEOUT_S = 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,6 +77,7 @@ class WorkerServer:
         self._stop = threading.Event()
         self._lost = threading.Event()   # the scheduler no longer knows this incarnation
         self._registered = False         # heartbeats are sent only while registered
+        self._fail_request_prefix = os.environ.get(FAULT_ENV) or None
 
     def run(self) -> int:
         cfg = self.config
@@ -217,6 +227,10 @@ class WorkerServer:
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
                              int4_kernels=cfg.int4_kernels, tp=tp)
+        if self._fail_request_prefix is not None:
+            log.warning("test fault injection on: steps with a request id starting with %r "
+                        "fail", self._fail_request_prefix)
+            runner.fail_request_prefix = self._fail_request_prefix
         log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
                  "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
                  time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),
@@ -248,8 +262,12 @@ class WorkerServer:
                     result = self._run_step(runner, message, link)
                 except Exception as exc:
                     log.exception("step %d failed", message.step_id)
-                    outputs.send(WorkerFailure(worker_id=cfg.worker_id, step_id=message.step_id,
-                                               message=f"{type(exc).__name__}: {exc}"[:4000]))
+                    if link is None:
+                        outputs.send(runner.failed_output(message, exc))
+                    else:
+                        outputs.send(WorkerFailure(
+                            worker_id=cfg.worker_id, step_id=message.step_id,
+                            message=f"{type(exc).__name__}: {exc}"[:4000]))
                     continue
                 if reports and result is not None:
                     outputs.send(result)

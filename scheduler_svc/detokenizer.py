@@ -4,9 +4,16 @@ Text is emitted only once the tokens decode to complete UTF-8 (a byte-level BPE 
 half a character: the decode then ends in U+FFFD and we wait for the next token). Decoding
 re-reads a short window (`prefix_offset`..end) so each step costs O(window), not O(output).
 
-Stop strings are matched on the whole output text; the matched string and anything after it
-are never returned, and while a stop string could still be completing, up to
-`len(longest stop) - 1` trailing characters are held back.
+Stop strings are checked only when the caller asks (the scheduler does once the request has
+`min_tokens` outputs, as it does for EOS and stop token ids). A check finds stop strings that
+end in the text added since the previous update; one may begin in older text, so a stop string
+completed by the `min_tokens`-th token or later counts even if it began before (the deciding
+token is the one that completes it, as for EOS), while one completed earlier is never matched
+and stays in the text. A match ends the output: the matched string and anything after it are
+never returned, and the caller finishes the request, so the text is cut only at the end and
+always equals the decode of the output tokens up to the stop string. While a stop string could
+still be completing, up to `len(longest stop) - 1` trailing characters are held back (that is
+also the most a match can reach into text from before the check).
 """
 
 from collections.abc import Sequence
@@ -34,9 +41,10 @@ class IncrementalDetokenizer:
         self.text = ""           # output text so far (stop string excluded once matched)
         self._num_emitted = 0    # characters of `text` already handed to the client
 
-    def update(self, token_ids: Sequence[int]) -> str | None:
-        """Decode newly appended tokens (the request's full list). Returns the matched stop
-        string when one ends the output, else None."""
+    def update(self, token_ids: Sequence[int], check_stop: bool = True) -> str | None:
+        """Decode newly appended tokens (the request's full list). With `check_stop`, returns
+        the matched stop string when one ends the output (the text is cut there and the caller
+        must finish the request), else None."""
         window = token_ids[self._prefix_offset:]
         before = self._tokenizer.decode(token_ids[self._prefix_offset:self._read_offset],
                                         self._skip_special)
@@ -46,10 +54,14 @@ class IncrementalDetokenizer:
         new_text = after[len(before):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(token_ids)
-        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        num_old = len(self.text)
         self.text += new_text
+        if not check_stop:
+            return None
+        # Only matches that end in the new text: one lying wholly in older text was completed
+        # before stop strings were checked (before min_tokens) and must not end the output now.
         hits = [(at, stop) for stop in self._stop
-                if (at := self.text.find(stop, search_from)) != -1]
+                if (at := self.text.find(stop, max(0, num_old - len(stop) + 1))) != -1]
         if not hits:
             return None
         at, stop = min(hits)  # the earliest match ends the output

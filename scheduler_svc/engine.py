@@ -17,10 +17,16 @@ Failures, and who handles them:
   the engine finishes the steps in flight, preempts everything (recompute), and re-creates
   its pool once kvcache_svc answers again; meanwhile it admits nothing and reports
   `kv_ok = False` (readiness NOT_SERVING). No request fails.
-- A worker is lost (the cluster's heartbeat monitor calls `fail_over`, or a step times out or
-  fails): the engine stops, drops its pool in kvcache_svc, and hands every live request back
-  to the cluster (`on_down`) with its state reset for recompute, so it continues on another
-  replica from prompt + tokens so far, its stream uninterrupted.
+- A step raises on the worker of a one-rank replica: the worker drops that step's requests
+  and answers a StepOutput with an error; the engine fails exactly those requests (an
+  explicit error to each client, blocks freed) and serves on. If the failed step may have
+  left blocks without KV in the prefix index, the engine first empties the index as above
+  (every running request recomputes; none fails).
+- A worker is lost (the cluster's heartbeat monitor calls `fail_over`, or a step times out,
+  or a rank of a multi-rank replica fails a step, which may leave its peers stuck in a
+  collective): the engine stops, drops its pool in kvcache_svc, and hands every live request
+  back to the cluster (`on_down`) with its state reset for recompute, so it continues on
+  another replica from prompt + tokens so far, its stream uninterrupted.
 """
 
 import logging
@@ -48,6 +54,7 @@ from services.wire import (
     InitCache,
     KvAck,
     PlanReply,
+    StepError,
     StepOutput,
     ToWorker,
     WorkerFailure,
@@ -158,6 +165,7 @@ class ReplicaEngine:
         self._submit_lock = threading.Lock()  # submit vs. the final hand-over of requests
         self._dead = False
         self.kv_ok = True                     # kvcache_svc reachable and holding our pool
+        self._reset_pool = False              # a failed step may have poisoned the prefix index
         self.kv_epoch: int | None = None      # the kvcache_svc instance that holds it
         self.num_kv_recoveries = 0
         self.ready = threading.Event()
@@ -207,7 +215,7 @@ class ReplicaEngine:
             self.ready.set()
             while not self._stopping:
                 self._check_down()
-                if not self.kv_ok:
+                if not self.kv_ok or self._reset_pool:
                     self._recover_kv(kv)
                     continue
                 self._take_commands(block=not self.scheduler.has_work() and not self._in_flight)
@@ -324,7 +332,8 @@ class ReplicaEngine:
             self._receive_oldest()
         elif not sent:
             # Nothing fit (the free-block estimate was off; the next plan starts from
-            # kvcache_svc's exact count) or nothing to do: wait briefly for news.
+            # kvcache_svc's exact count), or the plan only freed blocks (the scheduler has
+            # nothing left to send then, and the run loop blocks): wait briefly for news.
             self._take_commands_timeout(0.002)
 
     def _send_step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> bool:
@@ -354,6 +363,9 @@ class ReplicaEngine:
         output = self._wait_output(step_id)
         received = time.perf_counter()
         self.num_steps += 1
+        if output.error is not None:
+            self._fail_step(output.step_id, output.error)
+            return
         if output.timings.gap_ms > 0:
             self.forward_gap_ms_total += output.timings.gap_ms
             self.num_forward_gaps += 1
@@ -367,6 +379,15 @@ class ReplicaEngine:
         if self._window.num_steps == STEP_LOG_INTERVAL:
             log.info("replica %d, last %s", cfg.replica_id, self._window.summary())
             self._window = StepWindow()
+
+    def _fail_step(self, step_id: int, error: StepError) -> None:
+        failed, poisoned = self.scheduler.fail_step(step_id, error)
+        log.error("replica %d: the worker failed step %d (%s); failing its %d requests%s",
+                  self.config.replica_id, step_id, error.message, len(failed),
+                  "; emptying the prefix index" if poisoned else "")
+        self._publish(failed)
+        if poisoned:
+            self._reset_pool = True
 
     def _take_commands_timeout(self, seconds: float) -> None:
         try:
@@ -410,10 +431,11 @@ class ReplicaEngine:
             self._on_kv_change()
 
     def _recover_kv(self, kv: RequestClient[FromKvCache]) -> None:
-        """kvcache_svc lost our pool: let the steps in flight finish (their KV is on the
-        workers and their tokens are good), preempt every request (recompute; the workers
-        drop their state with the next step), and re-create the pool once kvcache_svc
-        answers. Requests keep arriving meanwhile; none is admitted until then."""
+        """kvcache_svc lost our pool, or its prefix index may name blocks without KV (a
+        failed step): let the steps in flight finish (their KV is on the workers and their
+        tokens are good), preempt every request (recompute; the workers drop their state with
+        the next step), and re-create the pool once kvcache_svc answers. Requests keep
+        arriving meanwhile; none is admitted until then."""
         while self._in_flight:
             self._receive_oldest()
         self.scheduler.preempt_all()
@@ -425,6 +447,7 @@ class ReplicaEngine:
             if isinstance(ack, KvAck) and ack.error is None:
                 self.kv_epoch = ack.epoch
                 self.num_kv_recoveries += 1
+                self._reset_pool = False
                 log.info("replica %d: pool re-created in kvcache_svc (epoch %d); %d requests "
                          "resume by recompute", cfg.replica_id, ack.epoch,
                          len(self.scheduler.waiting))

@@ -8,7 +8,11 @@ A step has three phases, and the scheduler owns the state between them (no netwo
 2. `apply_plan(reply)` takes what kvcache_svc granted and returns the `StepInput` diff for the
    workers (or None when nothing runs). `num_computed_tokens` advances here.
 3. `update(output)` appends sampled tokens, checks stop conditions, detokenizes, and returns
-   one `RequestOutput` per request that produced something.
+   one `RequestOutput` per request that produced something; `fail_step(step_id, error)`
+   instead when the worker could not run the step (its requests end with an error).
+
+Finished ids reach the workers with the next step that runs anything; they alone never make
+a step (an idle replica sends nothing once its last frees are planned).
 
 The free-block count is an estimate between plans (blocks shared through the prefix cache free
 nothing when one holder lets go); kvcache_svc is the authority: a grow it refuses simply does
@@ -28,6 +32,7 @@ from services.wire import (
     PlanReply,
     PlanRequest,
     RunningRequest,
+    StepError,
     StepInput,
     StepOutput,
     TokenLogprobs,
@@ -36,6 +41,15 @@ from services.wire import (
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class _InStep:
+    """One request's share of a step in flight."""
+
+    request: Request
+    samples: bool        # the step samples a token for it (not a non-final prefill chunk)
+    commits: bool        # its plan put block hashes in the prefix index (their KV is this step's)
 
 
 @dataclass(slots=True)
@@ -66,8 +80,7 @@ class Scheduler:
         # Async scheduling (one pipeline stage): a decoding request may be scheduled again
         # while its last token is still being sampled; the worker feeds its own sample in.
         self.async_scheduling = False
-        # step id -> (request, whether that step samples a token for it)
-        self._step_requests: dict[int, list[tuple[Request, bool]]] = {}
+        self._step_requests: dict[int, list[_InStep]] = {}   # step id -> its requests
         self._draft: _Draft | None = None
         self._plan_id = 0
         self._step_id = 0
@@ -95,12 +108,15 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT, None)
         return self._final_output(request, [], [])
 
+    # Pending finished ids count for neither: they ride on the next step that runs a request
+    # (the workers' state for a finished request is only dropped later), while counting them
+    # kept an idle replica drafting empty plans forever (none of its steps ever ran).
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._free_ids or self._finished_ids)
+        return bool(self.waiting or self.running or self._free_ids)
 
     def has_schedulable(self) -> bool:
         """Something a new step could carry: waiting or idle running requests, or frees."""
-        return bool(self.waiting or self._free_ids or self._finished_ids
+        return bool(self.waiting or self._free_ids
                     or any(self._schedulable(r) for r in self.running))
 
     def _schedulable(self, request: Request) -> bool:
@@ -247,12 +263,16 @@ class Scheduler:
         self.num_free_blocks = reply.num_free_blocks
 
         running: list[RunningRequest] = []
+        committing: set[str] = set()
         for (request, num_new), new_blocks in zip(draft.grow_reqs, reply.grown, strict=True):
             if new_blocks is None or request.status is not RequestStatus.RUNNING:
                 continue  # did not fit this step; it keeps its place and retries
             request.block_ids.extend(new_blocks)
-            request.num_committed_blocks += len(
-                self._hashes_to_commit(request, request.num_computed_tokens + num_new))
+            num_commits = len(self._hashes_to_commit(request,
+                                                     request.num_computed_tokens + num_new))
+            request.num_committed_blocks += num_commits
+            if num_commits:
+                committing.add(request.request_id)
             running.append(RunningRequest(
                 request_id=request.request_id,
                 num_computed_tokens=request.num_computed_tokens,
@@ -273,6 +293,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.block_ids = list(result.block_ids)
             request.num_committed_blocks = result.num_committed_blocks
+            if result.num_committed_blocks * self.config.block_size > result.num_cached_tokens:
+                committing.add(request.request_id)
             request.num_computed_tokens = result.num_cached_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = result.num_cached_tokens
@@ -301,7 +323,7 @@ class Scheduler:
                        == request.num_tokens + request.num_pending_tokens)
             request.num_in_flight += 1
             request.num_pending_tokens += samples
-            entries.append((request, samples))
+            entries.append(_InStep(request, samples, request.request_id in committing))
         self._step_requests[self._step_id] = entries
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
                          finished_ids=self._finished_ids)
@@ -311,12 +333,8 @@ class Scheduler:
     # ------------------------------------------------------------------ phase 3: outputs
 
     def update(self, output: StepOutput) -> list[RequestOutput]:
-        sampling_ids: set[str] = set()
-        for request, samples in self._step_requests.pop(output.step_id, ()):
-            request.num_in_flight -= 1
-            request.num_pending_tokens -= samples
-            if samples:
-                sampling_ids.add(request.request_id)
+        sampling_ids = {e.request.request_id
+                         for e in self._leave_step(output.step_id) if e.samples}
         outputs: list[RequestOutput] = []
         for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
                                                   output.logprobs, strict=True):
@@ -331,6 +349,44 @@ class Scheduler:
             outputs.append(self._after_token(request, token_id, logprobs))
         return outputs
 
+    def _leave_step(self, step_id: int) -> list[_InStep]:
+        entries = self._step_requests.pop(step_id, [])
+        for e in entries:
+            e.request.num_in_flight -= 1
+            e.request.num_pending_tokens -= e.samples
+        return entries
+
+    def fail_step(self, step_id: int, error: StepError) -> tuple[list[RequestOutput], bool]:
+        """The worker could not run step `step_id` and dropped that step's requests (it skips
+        them in later steps already sent): each live one ends with `error` and gives its
+        blocks back. Returns their final outputs, and whether the prefix index may now hold
+        blocks whose KV was never written (the caller must then empty the index)."""
+        entries = self._leave_step(step_id)
+        failed = {e.request for e in entries}
+        # Blocks are committed to the index when planned, before their KV is computed. Bad:
+        # this step's commits if it failed before its forward finished, and any commit for a
+        # failed request by a later step in flight, which the worker skips (none today: such
+        # a step only decodes it, with a token unknown when planned). Finished or aborted
+        # requests count too: their freed blocks keep their hashes.
+        poisoned = self.config.prefix_caching and (
+            (not error.kv_written and any(e.commits for e in entries))
+            or any(e.commits and e.request in failed
+                   for later in self._step_requests.values() for e in later))
+        outputs = []
+        for e in entries:
+            request = e.request
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished or aborted while the step ran
+            if request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            else:
+                self.running.remove(request)
+            self._finish(request, FinishReason.ABORT, None)
+            final = self._final_output(request, [], [])
+            final.error = f"the worker failed a step of this request: {error.message}"
+            outputs.append(final)
+        return outputs, poisoned
+
     def _after_token(self, request: Request, token_id: int,
                      logprobs: TokenLogprobs | None) -> RequestOutput:
         sampling = request.sampling
@@ -343,8 +399,10 @@ class Scheduler:
             reason, stop_reason = FinishReason.STOP, token_id
         detok = request.detokenizer
         if isinstance(detok, IncrementalDetokenizer) and reason is None:
-            matched = detok.update(request.token_ids)
-            if matched is not None and past_min:
+            # Stop strings are not even looked for before min_tokens: a match cuts the text,
+            # which is only right when the request ends with it.
+            matched = detok.update(request.token_ids, check_stop=past_min)
+            if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched
         if reason is None and request.num_tokens >= request.max_num_tokens:
             reason = FinishReason.LENGTH

@@ -117,6 +117,16 @@ class StepTimings(_Wire):
     gap_ms: float = 0.0
 
 
+class StepError(_Wire):
+    """Why a worker of a one-rank replica could not run a step. It dropped the step's requests
+    (and skips them in later steps until they come back as finished ids) and serves on."""
+
+    message: Annotated[str, Meta(max_length=4096)]   # the exception, for logs and the client
+    # The forward had written every scheduled token's KV when it failed (e.g. in sampling), so
+    # blocks the step's plan put in the prefix index hold valid KV.
+    kv_written: bool
+
+
 class StepOutput(_Wire):
     """The last stage's answer to one StepInput (tp_rank 0 only)."""
 
@@ -128,6 +138,9 @@ class StepOutput(_Wire):
     sampled_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     logprobs: Annotated[list[TokenLogprobs | None], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     timings: StepTimings
+    # The step failed on the worker (request_ids is then empty): the scheduler fails exactly
+    # the step's requests. Set by the worker, never for a replica of more than one rank.
+    error: StepError | None = None
 
 
 class CacheReady(_Wire):
@@ -138,7 +151,8 @@ class CacheReady(_Wire):
 
 
 class WorkerFailure(_Wire):
-    """A step the worker could not run; the scheduler fails or retries what it held."""
+    """A step a rank of a multi-rank replica could not run: its peers may be stuck in a
+    collective, so the scheduler takes the replica down and moves its requests elsewhere."""
 
     worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
     step_id: Count

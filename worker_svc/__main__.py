@@ -90,7 +90,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
         int4_kernels=not a.no_int4_kernels, cpu_level=cpu_level,
-        register_timeout_s=a.register_timeout, health_file=a.health_file)
+        register_timeout_s=a.register_timeout, health_file=a.health_file,
+        # End-to-end tests only (tests/e2e/test_step_path.py): no flag, so no user meets it.
+        fail_request_prefix=os.environ.get("SPLITSERVE_TEST_FAIL_REQUEST_PREFIX") or None)
 
 
 def main(argv: list[str] | None = None) -> int:

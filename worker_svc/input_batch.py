@@ -9,6 +9,10 @@ is how non-last pipeline ranks learn them; the last stage already holds them).
 
 The whole diff is validated before anything changes, so a bad diff raises `ValueError` and
 leaves the state as it was.
+
+When a step fails part way (a one-rank replica), the runner calls `discard(step)`: the step's
+requests are forgotten, and later steps, sent before the scheduler learnt of the failure, may
+still name them as running: such entries are skipped until the ids come back as finished.
 """
 
 from dataclasses import dataclass
@@ -66,19 +70,24 @@ class InputBatch:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
+        self.discarded_ids: set[str] = set()   # dropped by a failed step, not yet finished
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def apply(self, step: StepInput) -> list[ScheduledRequest]:
         """Apply the diff; return the step's requests in step order (new, then running)."""
-        held = self.requests.keys() - set(step.finished_ids)
+        finished = set(step.finished_ids)
+        held = self.requests.keys() - finished
         seen: set[str] = set()
         new_states = [self._check_new(r, held, seen) for r in step.new_requests]
-        updates = [self._check_running(r, held, seen) for r in step.running]
+        skipped = self.discarded_ids - finished
+        updates = [self._check_running(r, held, seen) for r in step.running
+                   if r.request_id not in skipped]
 
         for request_id in step.finished_ids:
             self.requests.pop(request_id, None)
+        self.discarded_ids -= finished
         scheduled = []
         for request, state in zip(step.new_requests, new_states, strict=True):
             self.requests[request.request_id] = state
@@ -91,6 +100,16 @@ class InputBatch:
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
             scheduled.append(self._schedule(state, start, request.num_new_tokens))
         return scheduled
+
+    def discard(self, step: StepInput) -> None:
+        """`step` failed after (or while) applying it: drop its finished ids and every request
+        it names (their state may be half-updated; the scheduler fails them)."""
+        for request_id in step.finished_ids:
+            self.requests.pop(request_id, None)
+        self.discarded_ids -= set(step.finished_ids)
+        for request in [*step.new_requests, *step.running]:
+            self.requests.pop(request.request_id, None)
+            self.discarded_ids.add(request.request_id)
 
     @staticmethod
     def _schedule(state: RequestState, num_computed: int, num_new: int) -> ScheduledRequest:

@@ -9,6 +9,10 @@ A step: apply the diff to the input batch, lay the requests out one-token querie
 build every per-step tensor once, run the stage's layers, and on the last stage compute logits
 only for requests whose step reaches their last known token, sample, and append each sampled
 token to its request (the scheduler does not send the last stage its own tokens back).
+
+A step that raises leaves the runner consistent: the input batch forgets the step's requests
+(see `InputBatch.discard`), nothing else persists between steps but the KV tensors, whose
+slots for those requests are freed by the scheduler. `failed_output` is the answer to send.
 """
 
 import time
@@ -18,7 +22,14 @@ from pathlib import Path
 import torch
 
 from services.model_config import ModelConfig
-from services.wire import IDLE_GAP_S, StepInput, StepOutput, StepTimings, TokenLogprobs
+from services.wire import (
+    IDLE_GAP_S,
+    StepError,
+    StepInput,
+    StepOutput,
+    StepTimings,
+    TokenLogprobs,
+)
 from worker_svc.attention import build_attention_metadata
 from worker_svc.input_batch import InputBatch, ScheduledRequest
 from worker_svc.kernels import CpuLevel
@@ -71,6 +82,11 @@ class ModelRunner:
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
         self._last_forward_end: float | None = None   # perf_counter() after the last forward
+        # The current (or last) step's forward finished: its KV is all in the cache.
+        self._kv_written = False
+        # Test-only fault injection (worker_svc.server, from the environment): a step holding
+        # a request whose id starts with this raises before its forward.
+        self.fail_request_prefix: str | None = None
 
     # -------------------------------------------------------------------------------- KV cache
 
@@ -99,24 +115,46 @@ class ModelRunner:
                 ) -> StepOutput | StageActivations:
         """Run one step. `stage_input` is the previous stage's output (non-first stages only).
 
-        Returns the `StepOutput` on the last stage, else this stage's `StageActivations`.
+        Returns the `StepOutput` on the last stage, else this stage's `StageActivations`. If
+        the step raises, its requests are dropped from the input batch before it propagates.
         """
         if self.input_batch is None:
             raise RuntimeError("execute() before init_cache()")
         if self.model.is_first_stage != (stage_input is None):
             raise ValueError("stage_input is required on, and only on, non-first stages")
+        self._kv_written = False
+        try:
+            return self._execute(step, stage_input, self.input_batch)
+        except Exception:
+            self.input_batch.discard(step)
+            raise
+
+    def failed_output(self, step: StepInput, exc: Exception) -> StepOutput:
+        """The answer to `step` after `execute` raised `exc` (one-rank replicas only)."""
+        return StepOutput(step_id=step.step_id, worker_id=self.worker_id, request_ids=[],
+                          sampled_token_ids=[], logprobs=[],
+                          timings=StepTimings(prepare_ms=0.0, forward_ms=0.0, sample_ms=0.0,
+                                              num_tokens=0),
+                          error=StepError(f"{type(exc).__name__}: {exc}"[:4096],
+                                          kv_written=self._kv_written))
+
+    def _execute(self, step: StepInput, stage_input: StageActivations | None,
+                 input_batch: InputBatch) -> StepOutput | StageActivations:
         start = time.perf_counter()
-        scheduled = self.input_batch.apply(step)
+        scheduled = input_batch.apply(step)
         if not scheduled:
             return self._empty_result(step)
+        prefix = self.fail_request_prefix
+        if prefix is not None and any(s.state.request_id.startswith(prefix) for s in scheduled):
+            raise RuntimeError(f"injected fault: a request id starts with {prefix!r}")
         # One-token queries first, then longer chunks by length (similar sizes share one
         # padded attention call); output order is step order regardless.
         layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
         with torch.inference_mode():
             meta = build_attention_metadata(
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
-                [s.state.block_ids for s in layout], self.input_batch.block_size,
-                self.input_batch.num_blocks,
+                [s.state.block_ids for s in layout], input_batch.block_size,
+                input_batch.num_blocks,
                 torch_path=self.model.kernels.attention is None)
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
@@ -135,6 +173,7 @@ class ModelRunner:
             hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
                                                   meta.positions, meta, self.kv_caches)
             forwarded = time.perf_counter()
+            self._kv_written = True
             if not self.is_last_stage:
                 self._last_forward_end = forwarded
                 return StageActivations(hidden, residual)

@@ -1,8 +1,15 @@
 """The worker process around a `ModelRunner`: registration, heartbeats and the step loop.
 
 Only the last pipeline stage's tp_rank 0 answers steps; every rank answers InitCache so the
-scheduler knows the whole replica allocated its KV tensors. A step that raises is answered
-with `WorkerFailure` (the scheduler decides what to do); the worker keeps serving.
+scheduler knows the whole replica allocated its KV tensors. A step that raises on a one-rank
+replica is answered with a StepOutput carrying the error: the runner dropped the step's
+requests and nothing else changed, so the scheduler fails just those. On a replica of more
+ranks the peers may be stuck in a collective (or hold state this rank no longer has), so the
+answer is `WorkerFailure` and the scheduler takes the replica down. Either way the worker
+keeps serving.
+
+`WorkerConfig.fail_request_prefix` (`SPLITSERVE_TEST_FAIL_REQUEST_PREFIX`, for end-to-end tests
+only): every step holding a request whose id starts with it raises before its forward.
 
 Heartbeats start right after registration (a load can take a while) and run on their own
 thread. While the scheduler is unreachable the worker keeps running and keeps trying. When a
@@ -62,6 +69,7 @@ class WorkerConfig:
     cpu_level: CpuLevel             # the C kernels' instruction set (kernels/cpu.py)
     register_timeout_s: float
     health_file: str | None = None  # touched on every acknowledged heartbeat
+    fail_request_prefix: str | None = None  # tests only: steps with such a request raise
 
 
 class WorkerServer:
@@ -76,7 +84,7 @@ class WorkerServer:
     def preferred_dtype(self) -> str:
         """What this worker computes best in (RegisterRequest.preferred_dtype): bfloat16 on
         a GPU or a CPU with a native bfloat16 dot product; elsewhere bfloat16 would compute
-        in float32 anyway, and float32 is as fast and exact."""
+        in float32 anyway, and float32 keeps full precision."""
         if self.config.device.startswith("cuda") or self.config.cpu_level.native_bf16:
             return "bfloat16"
         return "float32"
@@ -230,6 +238,10 @@ class WorkerServer:
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
                              int4_kernels=cfg.int4_kernels, tp=tp, cpu_level=cfg.cpu_level)
+        if cfg.fail_request_prefix is not None:
+            log.warning("test fault injection on: steps with a request id starting with %r "
+                        "fail", cfg.fail_request_prefix)
+            runner.fail_request_prefix = cfg.fail_request_prefix
         log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
                  "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
                  time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),
@@ -261,8 +273,12 @@ class WorkerServer:
                     result = self._run_step(runner, message, link)
                 except Exception as exc:
                     log.exception("step %d failed", message.step_id)
-                    outputs.send(WorkerFailure(worker_id=cfg.worker_id, step_id=message.step_id,
-                                               message=f"{type(exc).__name__}: {exc}"[:4000]))
+                    if link is None:
+                        outputs.send(runner.failed_output(message, exc))
+                    else:
+                        outputs.send(WorkerFailure(
+                            worker_id=cfg.worker_id, step_id=message.step_id,
+                            message=f"{type(exc).__name__}: {exc}"[:4000]))
                     continue
                 if reports and result is not None:
                     outputs.send(result)

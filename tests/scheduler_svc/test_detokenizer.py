@@ -4,14 +4,15 @@ cut and held back."""
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 
 
-def stream(tokenizer, prompt: list[int], outputs: list[int], stop=()):  # type: ignore[no-untyped-def]
+def stream(tokenizer, prompt: list[int], outputs: list[int], stop=(),  # type: ignore[no-untyped-def]
+           min_tokens: int = 0):
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, stop=stop)
     ids = list(prompt)
     deltas: list[str] = []
     matched = None
-    for t in outputs:
+    for i, t in enumerate(outputs, start=1):
         ids.append(t)
-        matched = detok.update(ids)
+        matched = detok.update(ids, check_stop=i >= min_tokens)
         deltas.append(detok.take_delta(finished=matched is not None))
         if matched is not None:
             break
@@ -49,3 +50,25 @@ def test_special_tokens_skipped(tokenizer) -> None:  # type: ignore[no-untyped-d
     outputs = tokenizer.encode("hi") + [2]
     deltas, _ = stream(tokenizer, [], outputs)
     assert "".join(deltas) == "hi"
+
+
+def test_unchecked_stop_string_is_kept(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # Before min_tokens the scheduler does not check: the text is never cut behind its back.
+    outputs = tokenizer.encode("The answer is 42. END of story")
+    deltas, matched = stream(tokenizer, [], outputs, stop=("END",), min_tokens=len(outputs) + 1)
+    assert matched is None
+    assert "".join(deltas) == tokenizer.decode(outputs)
+
+
+def test_check_finds_only_stop_strings_ending_in_new_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    outputs = tokenizer.encode(" x STOP y STOP z")   # " ST" + "OP" are two tokens
+    # The first STOP is complete at token 3, unchecked; token 4 is the first check: the
+    # longer stop string's hold-back window still covers that STOP, which must not match.
+    deltas, matched = stream(tokenizer, [], outputs, stop=("STOP", "a much longer stop"),
+                             min_tokens=4)
+    assert matched == "STOP"
+    assert "".join(deltas) == " x STOP y "
+    # A check at the token completing a stop string begun before it: matched and cut.
+    deltas, matched = stream(tokenizer, [], outputs, stop=("STOP",), min_tokens=3)
+    assert matched == "STOP"
+    assert "".join(deltas) == " x "

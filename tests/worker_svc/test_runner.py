@@ -230,3 +230,57 @@ def test_bad_steps_raise(model_path: Path, runner: ModelRunner) -> None:
                        StageActivations(torch.zeros(0, 1), torch.zeros(0, 1)))
     empty = runner.execute(StepInput(1, [], [], ["never-seen"]))
     assert isinstance(empty, StepOutput) and empty.request_ids == []
+
+
+def test_failed_step_drops_its_requests_and_the_next_step_runs(
+        runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    monkeypatch.setattr(runner, "fail_request_prefix", "bad")
+    a, b, c = (PROMPTS[name] for name in list(PROMPTS)[:3])
+    first = runner.execute(StepInput(0, [NewRequest("a", a, len(a), GREEDY, [1, 2], 0, len(a))],
+                                     [], []))
+    assert isinstance(first, StepOutput) and first.request_ids == ["a"]
+    failing = StepInput(1, [NewRequest("bad-1", b, len(b), GREEDY, [3, 4], 0, len(b))],
+                        [RunningRequest("a", len(a), 1, [], [])], [])
+    with pytest.raises(RuntimeError, match="injected fault") as caught:
+        runner.execute(failing)
+    answer = runner.failed_output(failing, caught.value)
+    assert answer.step_id == 1 and answer.request_ids == [] and answer.error is not None
+    assert "injected fault" in answer.error.message and not answer.error.kv_written
+    assert runner.input_batch is not None and not runner.input_batch.requests
+    # A step sent before the scheduler heard of the failure still names a: skipped, and c
+    # (which may reuse nothing of theirs) runs as on a fresh worker.
+    step = runner.execute(StepInput(2, [NewRequest("c", c, len(c), GREEDY, [5, 6, 7], 0,
+                                                   len(c))],
+                                    [RunningRequest("a", len(a) + 1, 1, [], [])], []))
+    assert isinstance(step, StepOutput) and step.request_ids == ["c"] and step.error is None
+    step = runner.execute(StepInput(3, [], [RunningRequest("c", len(c), 1, [], [])],
+                                    ["a", "bad-1"]))
+    assert isinstance(step, StepOutput) and step.request_ids == ["c"]
+    assert not runner.input_batch.discarded_ids
+    outputs = runner.input_batch.requests["c"].token_ids[len(c):]
+    alone = MiniScheduler(token_budget=64, send_tokens=False)
+    alone.add("c", c, 2)
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    while alone.has_work:
+        alone.update(runner.execute(alone.schedule()))
+    assert outputs == alone.outputs("c")
+
+
+def test_failure_after_the_forward_reports_kv_written(
+        runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker_svc.runner
+
+    def broken_sample(*args: object, **kwargs: object) -> None:
+        raise FloatingPointError("probabilities contain nan")
+
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    monkeypatch.setattr(worker_svc.runner, "sample", broken_sample)
+    a = PROMPTS["def fibonacci(n):"]
+    failing = StepInput(0, [NewRequest("a", a, len(a), GREEDY, [1, 2], 0, len(a))], [], [])
+    with pytest.raises(FloatingPointError) as caught:
+        runner.execute(failing)
+    error = runner.failed_output(failing, caught.value).error
+    assert error is not None and error.kv_written
+    assert error.message == "FloatingPointError: probabilities contain nan"
+    assert runner.input_batch is not None and not runner.input_batch.requests

@@ -1,0 +1,229 @@
+"""ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
+one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
+sends nothing, and a step the worker fails ends just its requests."""
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import zmq
+
+from kvcache_svc.server import KvCachePools, PlanLoop
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
+from services.channels import Receiver, Sender
+from services.codec import Codec
+from services.wire import (
+    CacheReady,
+    FromWorker,
+    InitCache,
+    StepError,
+    StepInput,
+    StepOutput,
+    StepTimings,
+    ToWorker,
+)
+from worker_svc.input_batch import InputBatch
+
+EOS = 2
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 256
+
+
+def token_at(position: int) -> int:
+    """The fake model's next token after `position` tokens: recompute gives the same."""
+    return 3 + position % 50
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    return [token_at(len(prompt) + i) for i in range(max_tokens)]
+
+
+class FakeWorker:
+    """A one-rank worker: InputBatch for its state, `token_at` for a model, and the runner's
+    failure contract: a step holding a request id starting with "bad" fails, the batch
+    discards the step, and the answer is a StepOutput with the error."""
+
+    def __init__(self, ctx: zmq.Context, address: str, outputs_address: str) -> None:
+        self.kv_written = True           # what a failed step reports
+        self.gate = threading.Event()    # cleared: steps wait (the test arranges a batch)
+        self.gate.set()
+        self.batch: InputBatch | None = None
+        self.num_steps = 0
+        self._steps: Receiver[ToWorker] = Receiver(ctx, Codec(ToWorker), address)
+        self._outputs = Sender(ctx, Codec(FromWorker), outputs_address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.gate.set()
+        self._thread.join()
+        self._steps.close()
+        self._outputs.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            message = self._steps.recv(timeout_ms=20)
+            if isinstance(message, InitCache):
+                self.batch = InputBatch(message.num_blocks, message.block_size, 1000,
+                                        MAX_MODEL_LEN)
+                self._outputs.send(CacheReady(worker_id="fake", num_blocks=message.num_blocks))
+            elif isinstance(message, StepInput):
+                self.gate.wait()
+                self.num_steps += 1
+                self._outputs.send(self._step(message))
+
+    def _step(self, step: StepInput) -> StepOutput:
+        assert self.batch is not None
+        timings = StepTimings(0.0, 0.0, 0.0, 0)
+        try:
+            scheduled = self.batch.apply(step)
+            if any(s.state.request_id.startswith("bad") for s in scheduled):
+                raise RuntimeError("injected fault")
+        except Exception as exc:
+            self.batch.discard(step)
+            return StepOutput(step.step_id, "fake", [], [], [], timings,
+                              StepError(f"{type(exc).__name__}: {exc}", self.kv_written))
+        ids, tokens = [], []
+        for s in scheduled:
+            if s.samples:
+                tokens.append(token_at(len(s.state.token_ids)))
+                s.state.token_ids.append(tokens[-1])
+                ids.append(s.state.request_id)
+        return StepOutput(step.step_id, "fake", ids, tokens, [None] * len(ids), timings)
+
+
+@dataclass
+class Replica:
+    engine: ReplicaEngine
+    pools: KvCachePools
+    worker: FakeWorker
+    downs: list[str]
+
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int,
+               ) -> "queue.SimpleQueue[RequestOutput]":
+        request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), (EOS,),
+                          MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True)
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        assert self.engine.submit(request, outputs.put)
+        return outputs
+
+    def num_used_blocks(self) -> int:
+        pools, _ = self.pools.stats()
+        return pools[0].num_used_blocks
+
+
+def first_output(outputs: "queue.SimpleQueue[RequestOutput]") -> RequestOutput:
+    return outputs.get(timeout=10)
+
+
+def final(outputs: "queue.SimpleQueue[RequestOutput]") -> tuple[list[int], RequestOutput]:
+    """Every token streamed, and the last output."""
+    tokens: list[int] = []
+    while True:
+        out = outputs.get(timeout=10)
+        tokens += out.new_token_ids
+        if out.finish_reason is not None:
+            return tokens, out
+
+
+@contextmanager
+def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[Replica]:
+    ctx = zmq.Context()
+    pools = KvCachePools(epoch=1)
+    plan_loop = PlanLoop(ctx, pools, "inproc://kv", on_fatal=lambda: None)
+    plan_loop.start()
+    outputs: Receiver[FromWorker] = Receiver(ctx, Codec(FromWorker), "inproc://outputs")
+    worker = FakeWorker(ctx, "inproc://steps", "inproc://outputs")
+    downs: list[str] = []
+    config = EngineConfig(
+        replica_id=0, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                max_num_batched_tokens=64,
+                                                block_size=BLOCK_SIZE,
+                                                max_model_len=MAX_MODEL_LEN),
+        num_kv_blocks=64, kvcache_address="inproc://kv", kv_timeout_s=2.0, step_timeout_s=10.0,
+        ship_sampled_tokens=False, max_batches_in_flight=max_batches_in_flight)
+    engine = ReplicaEngine(config, None, (EOS,), ctx, ["inproc://steps"],  # type: ignore[arg-type]
+                           outputs, on_down=lambda _id, reason, _orphans: downs.append(reason))
+    engine.start()
+    try:
+        assert engine.ready.wait(10), "the engine did not come up"
+        yield Replica(engine, pools, worker, downs)
+    finally:
+        engine.stop()
+        worker.stop()
+        plan_loop.stop()
+        outputs.close()
+        ctx.term()
+
+
+def test_idle_replica_sends_nothing() -> None:
+    with replica() as r:
+        tokens, last = final(r.submit("a", list(range(10, 20)), max_tokens=3))
+        assert tokens == expected_tokens(list(range(10, 20)), 3)
+        time.sleep(0.2)                  # the plan that frees a's blocks
+        assert r.num_used_blocks() == 0
+        _, num_plans = r.pools.stats()
+        num_steps = r.worker.num_steps
+        time.sleep(0.5)
+        # Before: an empty plan every ~2 ms (a's finished id waiting for a step to carry it).
+        assert r.pools.stats()[1] == num_plans
+        assert r.worker.num_steps == num_steps
+        # The worker drops a's state with the next step.
+        assert r.worker.batch is not None and "a" in r.worker.batch.requests
+        final(r.submit("b", [1, 2, 3], max_tokens=1))
+        assert set(r.worker.batch.requests) == {"b"}
+
+
+def test_failed_step_fails_its_requests_and_the_replica_serves_on() -> None:
+    with replica(max_num_seqs=2) as r:
+        running = r.submit("ok-1", list(range(10, 19)), max_tokens=60)
+        first_output(running)
+        r.worker.gate.clear()            # ok-1 has many tokens to go: it is still running
+        # bad joins ok-1's next step; ok-2 waits for a slot (max_num_seqs).
+        bad = r.submit("bad", list(range(30, 39)), max_tokens=5)
+        later = r.submit("ok-2", list(range(50, 59)), max_tokens=5)
+        r.worker.gate.set()
+        for outputs in (running, bad):
+            _, last = final(outputs)
+            assert last.finish_reason is FinishReason.ABORT
+            assert last.error is not None and "injected fault" in last.error
+        tokens, last = final(later)
+        assert last.error is None and last.finish_reason is FinishReason.LENGTH
+        assert tokens == expected_tokens(list(range(50, 59)), 5)
+        assert r.downs == [] and r.engine.num_kv_recoveries == 0
+        time.sleep(0.2)
+        assert r.num_used_blocks() == 0
+        # The worker forgot the failed ones once their finished ids came.
+        assert r.worker.batch is not None and not r.worker.batch.discarded_ids
+        # A failure after the forward wrote its KV leaves the prefix index as it is: the
+        # same prompt hits the blocks bad committed.
+        _, last = final(r.submit("ok-3", list(range(30, 39)), max_tokens=1))
+        assert last.num_cached_tokens == 8
+
+
+def test_failed_step_without_its_kv_empties_the_prefix_index() -> None:
+    # Two batches in flight keep ok-1 and bad in different steps.
+    with replica(max_batches_in_flight=2) as r:
+        r.worker.kv_written = False
+        running = r.submit("ok-1", list(range(10, 19)), max_tokens=40)
+        streamed = first_output(running).new_token_ids
+        r.worker.gate.clear()
+        bad = r.submit("bad", list(range(30, 39)), max_tokens=5)
+        r.worker.gate.set()
+        _, last = final(bad)
+        assert last.error is not None and "injected fault" in last.error
+        # ok-1 was not in bad's step: it recomputes (the pool is re-created) and finishes.
+        tokens, last = final(running)
+        assert last.error is None
+        assert streamed + tokens == expected_tokens(list(range(10, 19)), 40)
+        assert r.downs == [] and r.engine.num_kv_recoveries == 1
+        # bad's blocks were indexed when planned but never written: nothing may hit them.
+        _, last = final(r.submit("ok-2", list(range(30, 39)), max_tokens=1))
+        assert last.num_cached_tokens == 0

@@ -17,10 +17,8 @@ still name them as running: such entries are skipped until the ids come back as 
 
 from dataclasses import dataclass
 
-import torch
-
 from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput
-from worker_svc.sampler import new_generator
+from worker_svc.sampler import SeededUniforms, is_greedy, new_generator
 
 
 class RequestState:
@@ -31,7 +29,7 @@ class RequestState:
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, sampling: SamplingSpec,
-                 generator: torch.Generator | None):
+                 generator: SeededUniforms | None):
         self.request_id = request_id
         self.token_ids = token_ids                    # prompt + outputs known to this worker
         self.num_prompt_tokens = num_prompt_tokens
@@ -39,7 +37,7 @@ class RequestState:
         # Tokens whose KV is in the cache once the current step has run.
         self.num_computed_tokens = num_computed_tokens
         self.sampling = sampling
-        self.generator = generator                    # seeded requests with temperature > 0
+        self.generator = generator                    # seeded requests that sample (not greedy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +132,7 @@ class InputBatch:
                          len(request.block_ids))
         sampling = request.sampling
         generator = None
-        if sampling.seed is not None and sampling.temperature > 0:
+        if sampling.seed is not None and not is_greedy(sampling):
             generator = new_generator(sampling.seed, num_tokens - request.num_prompt_tokens)
         return RequestState(rid, list(request.token_ids), request.num_prompt_tokens,
                             list(request.block_ids), request.num_computed_tokens, sampling,

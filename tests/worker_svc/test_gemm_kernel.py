@@ -11,16 +11,21 @@ from tests.worker_svc.common import PROMPTS
 from worker_svc.attention import build_attention_metadata
 from worker_svc.kernels import Bf16Gemm, FmaGemm, Gemm, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
-from worker_svc.kernels.gemm import gemm_kernel
+from worker_svc.kernels.gemm import bf16_gemm, fma_gemm
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model import llama
 from worker_svc.model.weights import load_weights
 
 
-def _gemm(level: CpuLevel, dtype: torch.dtype) -> Gemm:
-    kernel = gemm_kernel(level, dtype)
-    assert kernel is not None, f"gemm did not build at {level.label} (see the log)"
+def _gemm(level: CpuLevel, dtype: torch.dtype, kind: str = "fma") -> Gemm:
+    kernel = bf16_gemm(level) if kind == "bf16" else fma_gemm(level, dtype)
+    assert kernel is not None, f"gemm_{kind} did not build at {level.label} (see the log)"
     return kernel
+
+
+def _kinds(level: CpuLevel, dtype: torch.dtype) -> list[str]:
+    """The kernels this level has for dtype: the FMA kernel always, VDPBF16PS where native."""
+    return ["fma"] + ["bf16"] * (level.native_bf16 and dtype == torch.bfloat16)
 
 
 def _close_to_float32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -36,18 +41,18 @@ def _close_to_float32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
 @pytest.mark.parametrize("n,k", [(48, 2), (17, 3), (96, 64), (480, 576), (144, 1536)])
 def test_matches_float32_matmul(kernel_level: CpuLevel, dtype: torch.dtype, m: int, n: int,
                                 k: int) -> None:
-    gemm = _gemm(kernel_level, dtype)
-    if isinstance(gemm, Bf16Gemm) and not gemm.fits(torch.empty(n, k, dtype=dtype)):
-        pytest.skip("gemm_bf16 takes n % 48 == 0 and even k only (oneDNN does the rest)")
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
-    _close_to_float32(gemm(x, gemm.pack(w)), x, w)
+    for kind in _kinds(kernel_level, dtype):
+        gemm = _gemm(kernel_level, dtype, kind)
+        if gemm.fits(w):     # gemm_bf16 takes n % 48 == 0 and even k (oneDNN the rest)
+            _close_to_float32(gemm(x, gemm.pack(w)), x, w)
 
 
 def test_fma_kernel_takes_any_shape_and_reads_no_padding(kernel_level: CpuLevel) -> None:
     # Odd k pads each bfloat16 pair with a zero weight; a NaN in the row past k must not leak.
-    gemm = _gemm(min(kernel_level, CpuLevel.AVX512), torch.bfloat16)  # bf16 level: VDPBF16PS
+    gemm = _gemm(kernel_level, torch.bfloat16)
     assert isinstance(gemm, FmaGemm)
     wide = torch.full((7, 6), float("nan")).bfloat16()
     wide[:, :5] = torch.randn(7, 5).bfloat16()
@@ -65,23 +70,25 @@ def test_fma_kernel_takes_any_shape_and_reads_no_padding(kernel_level: CpuLevel)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_same_result_on_any_thread_count(kernel_level: CpuLevel, dtype: torch.dtype) -> None:
-    gemm = _gemm(kernel_level, dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 576, generator=gen).to(dtype)
-    packed = gemm.pack(torch.randn(960, 576, generator=gen).to(dtype))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gemm(x, packed)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, gemm(x, packed))
+    w = torch.randn(960, 576, generator=gen).to(dtype)
+    for kind in _kinds(kernel_level, dtype):
+        gemm = _gemm(kernel_level, dtype, kind)
+        packed = gemm.pack(w)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = gemm(x, packed)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, gemm(x, packed))
 
 
 @pytest.mark.skipif(detect_level() < CpuLevel.AVX512_BF16,
                     reason="gemm_bf16.c runs on AVX512-BF16 CPUs only")
 def test_bf16_kernel_rejects_shapes_it_does_not_take() -> None:
-    gemm = _gemm(CpuLevel.AVX512_BF16, torch.bfloat16)
+    gemm = _gemm(CpuLevel.AVX512_BF16, torch.bfloat16, "bf16")
     assert isinstance(gemm, Bf16Gemm)
     assert not gemm.fits(torch.zeros(50, 64, dtype=torch.bfloat16))     # n not a multiple of 48
     assert not gemm.fits(torch.zeros(48, 63, dtype=torch.bfloat16))     # odd k
@@ -163,3 +170,16 @@ def test_model_logits_at_each_level_agree_with_float32(
     clear = top2[:, 0] - top2[:, 1] > 1.0
     assert clear.sum() > 10
     assert torch.equal(ours_logits.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+def test_which_kernel_each_level_uses() -> None:
+    # float32: the FMA kernel at avx2 (measured faster than MKL there); MKL at AVX-512 levels
+    # until the kernel is measured there. Nothing is run here, so any CPU can check the rule.
+    from worker_svc.kernels.gemm import gemm_kernel
+
+    assert gemm_kernel(CpuLevel.NONE, torch.bfloat16) is None
+    assert gemm_kernel(CpuLevel.AVX512, torch.float32) is None
+    assert gemm_kernel(CpuLevel.AVX512_BF16, torch.float32) is None
+    if detect_level() >= CpuLevel.AVX2:
+        assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.float32), FmaGemm)
+        assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.bfloat16), FmaGemm)

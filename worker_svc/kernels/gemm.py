@@ -4,7 +4,8 @@
   to `Bf16Gemm.max_rows`); oneDNN does larger ones. It prefetches the next weight panel while
   it multiplies the current one, which oneDNN leaves exposed at those sizes.
 - `gemm_fma.c` (levels avx2 and avx512): float32 FMA for bfloat16 or float32 weights, any
-  batch size; how bfloat16 runs on a CPU without a bfloat16 dot product.
+  batch size; how bfloat16 runs on a CPU without a bfloat16 dot product, and float32's
+  matmul at level avx2 (faster than MKL's sgemm there at every size, measured).
 
 Both take a `PackedWeight` from their own `pack` (each has its own layout).
 """
@@ -117,13 +118,27 @@ Gemm = Bf16Gemm | FmaGemm
 
 
 def gemm_kernel(level: CpuLevel, dtype: torch.dtype) -> Gemm | None:
-    """The matmul kernel for `dtype` activations and weights at this level, or None (torch's
-    matmul does them all)."""
-    if dtype not in (torch.bfloat16, torch.float32) or level is CpuLevel.NONE:
+    """The matmul kernel the model uses for `dtype` activations and weights at this level, or
+    None (torch's matmul does them all)."""
+    if dtype == torch.bfloat16 and level.native_bf16:
+        return bf16_gemm(level)
+    if dtype == torch.float32 and level >= CpuLevel.AVX512:
+        # Measured only on AVX2 (Zen 2: 1.3-2x MKL's sgemm at every size); on AVX-512 MKL
+        # stays until this kernel is measured there (bench/cpu_kernels.py --dtype float32).
         return None
-    if level.native_bf16 and dtype == torch.bfloat16:
-        library = build("gemm_bf16.c", level, {})
-        return None if library is None else Bf16Gemm(library)
+    return fma_gemm(level, dtype)
+
+
+def bf16_gemm(level: CpuLevel) -> Bf16Gemm | None:
+    """`gemm_bf16.c`, at level avx512_bf16 only."""
+    library = build("gemm_bf16.c", level, {}) if level.native_bf16 else None
+    return None if library is None else Bf16Gemm(library)
+
+
+def fma_gemm(level: CpuLevel, dtype: torch.dtype) -> FmaGemm | None:
+    """`gemm_fma.c` for `dtype` activations and weights, at any level with AVX2."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
     bf16 = int(dtype == torch.bfloat16)
     library = build("gemm_fma.c", level, {"ELEM_BF16": bf16, "W_BF16": bf16})
     return None if library is None else FmaGemm(library, dtype, dtype)

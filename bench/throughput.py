@@ -290,7 +290,7 @@ def main() -> int:
                    help="rounds of every system in turn; the table shows medians")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
-                   help="bf16: skip the run without the int4 small-step kernel")
+                   help="skip the run without the small-step kernel on quantized blocks")
     p.add_argument("--with-vllm", action="store_true",
                    help="also run vLLM's CPU build (bash bench/vllm_env.sh first)")
     p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
@@ -320,7 +320,7 @@ def main() -> int:
         # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
         # steps): the strict same-dtype comparison.
         systems["splitserve dense"] = lambda: bench_splitserve(
-            prompts, single, max_tokens, a.dtype, a.scheduler_arg, ["--no-int4-kernels"])
+            prompts, single, max_tokens, a.dtype, a.scheduler_arg, ["--no-quant-kernels"])
     if not a.skip_hf:
         hf = HfBaseline(a.dtype)
         systems["hf transformers"] = lambda: hf.run(prompts, single, max_tokens)

@@ -31,8 +31,8 @@ def _up(a: argparse.Namespace) -> int:
         sched_args.append("--async-scheduling" if a.async_scheduling
                           else "--no-async-scheduling")
     worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
-    if a.no_int4_kernels:
-        worker_args.append("--no-int4-kernels")
+    if a.no_quant_kernels:
+        worker_args.append("--no-quant-kernels")
     if a.cpu_level:
         worker_args += ["--cpu-level", a.cpu_level]
     metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     default=None, help="plan the next step while one runs (default: on "
                                        "with --pp 1)")
-    up.add_argument("--no-int4-kernels", action="store_true",
-                    help="bfloat16: run every matmul on dense bf16 weights (no 4-bit kernel)")
+    up.add_argument("--no-quant-kernels", "--no-int4-kernels", action="store_true",
+                    help="run every matmul on dense weights (no small-step kernel on the "
+                         "GGUF's quantized blocks)")
     up.add_argument("--threads", type=int, default=0,
                     help="threads per worker (0: this machine's CPUs divided among the workers)")
     up.add_argument("--startup-timeout", type=float, default=300.0)

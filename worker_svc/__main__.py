@@ -54,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0") or 0),
                    help="torch and kernel threads (0: the CPUs this process may use: its "
                         "affinity, capped by a container's CPU quota)")
-    p.add_argument("--no-int4-kernels", action="store_true",
-                   default=env("NO_INT4_KERNELS") == "1",
-                   help="bfloat16: never use the int4 kernel on Q4 GGUF blocks for small steps")
+    p.add_argument("--no-quant-kernels", "--no-int4-kernels", action="store_true",
+                   default="1" in (env("NO_QUANT_KERNELS"), env("NO_INT4_KERNELS")),
+                   help="never multiply small steps on the GGUF's quantized blocks (Q4_0, "
+                        "Q4_1, Q8_0): dense weights only")
     p.add_argument("--cpu-level", default=env("CPU_LEVEL", "auto"),
                    help="instruction set of the C kernels and matmul paths: auto (the best "
                         "this CPU has), avx512_bf16, avx512, avx2 or none (torch only); a "
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         worker_id=worker_id, epoch=time.time_ns(), device=a.device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
-        int4_kernels=not a.no_int4_kernels, cpu_level=cpu_level,
+        quant_kernels=not a.no_quant_kernels, cpu_level=cpu_level,
         register_timeout_s=a.register_timeout, health_file=a.health_file,
         # End-to-end tests only (tests/e2e/test_step_path.py): no flag, so no user meets it.
         fail_request_prefix=os.environ.get("SPLITSERVE_TEST_FAIL_REQUEST_PREFIX") or None)

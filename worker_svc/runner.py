@@ -58,10 +58,10 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  worker_id: str, first_layer: int = 0, end_layer: int | None = None,
-                 is_last_stage: bool = True, int4_kernels: bool = True,
+                 is_last_stage: bool = True, quant_kernels: bool = True,
                  tp: TpGroup | None = None, cpu_level: CpuLevel | None = None):
-        """`int4_kernels`: in bfloat16, run small steps on the GGUF's own 4-bit blocks (see
-        worker_svc.model.llama); off = every matmul on dense bf16 weights. `tp`: this rank's
+        """`quant_kernels`: run small steps on the GGUF's own quantized blocks (see
+        worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
         kernels' level (None: the best this CPU has)."""
         if dtype not in (torch.float32, torch.bfloat16):
@@ -74,8 +74,8 @@ class ModelRunner:
                                 cpu_level)
         weights = load_weights(model_path, model_config, dtype, first_layer,
                                self.model.end_layer, is_last_stage)
-        if not int4_kernels:
-            weights.int4.clear()
+        if not quant_kernels:
+            weights.quant.clear()
         self.model.load_weights(weights)
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None

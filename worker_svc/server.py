@@ -65,7 +65,7 @@ class WorkerConfig:
     kv_cache_bytes: int             # CPU KV budget
     gpu_memory_utilization: float
     num_threads: int                # 0 = the CPUs this process may use (services.cpus)
-    int4_kernels: bool              # bf16: small steps on the GGUF's 4-bit blocks
+    quant_kernels: bool             # small steps on the GGUF's quantized blocks
     cpu_level: CpuLevel             # the C kernels' instruction set (kernels/cpu.py)
     register_timeout_s: float
     health_file: str | None = None  # touched on every acknowledged heartbeat
@@ -237,7 +237,8 @@ class WorkerServer:
         runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
-                             int4_kernels=cfg.int4_kernels, tp=tp, cpu_level=cfg.cpu_level)
+                             quant_kernels=cfg.quant_kernels, tp=tp,
+                             cpu_level=cfg.cpu_level)
         if cfg.fail_request_prefix is not None:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks
+from worker_svc.model.weights import QUANT_BLOCK, QuantBlocks
 
 
 def split_sizes(total: int, parts: int, unit: int = 1) -> list[int]:
@@ -84,7 +84,7 @@ class TpShard:
             q = (head * group + lo, head * group + hi)
         vocab_sizes = split_sizes(vocab_size, tp_size)
         return cls(tp_rank, tp_size, q, kv,
-                   _range(split_sizes(intermediate_size, tp_size, INT4_GROUP_SIZE), tp_rank),
+                   _range(split_sizes(intermediate_size, tp_size, QUANT_BLOCK), tp_rank),
                    _range(vocab_sizes, tp_rank), tuple(vocab_sizes))
 
     @classmethod
@@ -113,18 +113,18 @@ def slice_cols(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return weight[:, start:end].contiguous()
 
 
-def slice_int4_rows(blocks: Int4Blocks, start: int, end: int) -> Int4Blocks:
-    return Int4Blocks(*(slice_rows(t, start, end)
-                        for t in (blocks.values, blocks.scales, blocks.zeros)))
+def slice_quant_rows(blocks: QuantBlocks, start: int, end: int) -> QuantBlocks:
+    return QuantBlocks(*(slice_rows(t, start, end)
+                         for t in (blocks.values, blocks.scales, blocks.offsets)), blocks.bits)
 
 
-def slice_int4_cols(blocks: Int4Blocks, start: int, end: int) -> Int4Blocks | None:
-    """Input columns [start, end); None when the cut falls inside a 32-wide group."""
-    if start % INT4_GROUP_SIZE or end % INT4_GROUP_SIZE:
+def slice_quant_cols(blocks: QuantBlocks, start: int, end: int) -> QuantBlocks | None:
+    """Input columns [start, end); None when the cut falls inside a 32-wide block."""
+    if start % QUANT_BLOCK or end % QUANT_BLOCK:
         return None
-    g0, g1 = start // INT4_GROUP_SIZE, end // INT4_GROUP_SIZE
-    return Int4Blocks(slice_cols(blocks.values, start, end), slice_cols(blocks.scales, g0, g1),
-                      slice_cols(blocks.zeros, g0, g1))
+    g0, g1 = start // QUANT_BLOCK, end // QUANT_BLOCK
+    return QuantBlocks(slice_cols(blocks.values, start, end), slice_cols(blocks.scales, g0, g1),
+                       slice_cols(blocks.offsets, g0, g1), blocks.bits)
 
 
 # -------------------------------------------------------------------------------- collectives

@@ -52,7 +52,9 @@ def test_every_kernel_compiles_for_every_level(level: CpuLevel, tmp_path: Path) 
               ("paged_attention.c", {"HEAD_DIM": 64, "GROUP": 3, "LANES": level.lanes,
                                      "ELEM_BF16": 1}),
               ("gemm_fma.c", {"ELEM_BF16": 1, "W_BF16": 1}),
-              ("gemm_fma.c", {"ELEM_BF16": 0, "W_BF16": 0})]
+              ("gemm_fma.c", {"ELEM_BF16": 0, "W_BF16": 0}),
+              ("gemm_quant.c", {"ELEM_BF16": 1, "BITS": 4}),
+              ("gemm_quant.c", {"ELEM_BF16": 0, "BITS": 8})]
     if level.native_bf16:
         builds.append(("gemm_bf16.c", {}))
     for i, (source, defines) in enumerate(builds):

@@ -9,12 +9,12 @@ import torch
 from services.model_config import ModelConfig
 from tests.worker_svc.common import PROMPTS
 from worker_svc.attention import build_attention_metadata
-from worker_svc.kernels import Bf16Gemm, FmaGemm, Gemm, load_cpu_kernels
+from worker_svc.kernels import Bf16Gemm, FmaGemm, Gemm, TorchInt4, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
-from worker_svc.kernels.gemm import bf16_gemm, fma_gemm
+from worker_svc.kernels.gemm import bf16_gemm, fma_gemm, quant_gemm, quant_kernels
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model import llama
-from worker_svc.model.weights import load_weights
+from worker_svc.model.weights import QuantBlocks, load_weights
 
 
 def _gemm(level: CpuLevel, dtype: torch.dtype, kind: str = "fma") -> Gemm:
@@ -141,7 +141,7 @@ def test_model_logits_at_each_level_agree_with_float32(
 
     prompts = list(PROMPTS.values())[:4]
     lens = [len(p) for p in prompts]
-    assert 2 * llama.INT4_MAX_TOKENS < sum(lens) <= 128
+    assert 16 < sum(lens) <= 128      # past the small-step kernels' rows
     block = 8
     tables, next_block = [], 1
     for n in lens:
@@ -183,3 +183,62 @@ def test_which_kernel_each_level_uses() -> None:
     if detect_level() >= CpuLevel.AVX2:
         assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.float32), FmaGemm)
         assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.bfloat16), FmaGemm)
+
+
+def _blocks(bits: int, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:
+    """Random blocks and the float32 weight they stand for (gguf's dequantization)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    if bits == 4:
+        values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        offsets = -torch.rand(n, groups, generator=g) * 0.1
+    else:
+        values = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+        offsets = torch.zeros(n, groups)
+    scales = torch.rand(n, groups, generator=g) * 0.02
+    weight = (scales.repeat_interleave(32, 1) * values.float()
+              + offsets.repeat_interleave(32, 1))
+    return QuantBlocks(values, scales, offsets, bits), weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])      # passes of 4 rows, and remainders
+@pytest.mark.parametrize("n,k", [(3, 32), (96, 576), (50, 1536)])
+def test_quant_kernel_matches_float32_matmul(kernel_level: CpuLevel, dtype: torch.dtype,
+                                             bits: int, m: int, n: int, k: int) -> None:
+    kernel = quant_gemm(kernel_level, dtype, bits)
+    assert kernel is not None, "gemm_quant.c did not build (see the log)"
+    blocks, weight = _blocks(bits, n, k, m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = kernel(x, kernel.pack(blocks))
+    assert out.dtype == dtype and out.shape == (m, n)
+    _close_to_float32(out, x, weight)
+
+
+def test_quant_kernel_same_result_on_any_thread_count(kernel_level: CpuLevel) -> None:
+    kernel = quant_gemm(kernel_level, torch.float32, 4)
+    assert kernel is not None
+    blocks, _ = _blocks(4, 960, 576, 3)
+    packed = kernel.pack(blocks)
+    x = torch.randn(5, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, kernel(x, packed))
+    with pytest.raises(ValueError, match="cannot pack"):
+        kernel.pack(_blocks(8, 4, 32, 0)[0])                     # 8-bit blocks, 4-bit kernel
+
+
+@pytest.mark.skipif(detect_level() < CpuLevel.AVX512_BF16,
+                    reason="torch's int4 kernel serves level avx512_bf16 only")
+def test_torch_int4_at_the_bf16_level() -> None:
+    kernel = quant_kernels(CpuLevel.AVX512_BF16, torch.bfloat16)[4]
+    assert isinstance(kernel, TorchInt4)
+    blocks, weight = _blocks(4, 96, 576, 1)
+    x = torch.randn(3, 576).bfloat16()
+    torch.testing.assert_close(kernel(x, kernel.pack(blocks)).float(), x.float() @ weight.T,
+                               rtol=2e-2, atol=5e-2)

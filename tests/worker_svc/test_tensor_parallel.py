@@ -13,10 +13,12 @@ from services.model_config import ModelConfig, load_model_config
 from services.wire import StepOutput
 from tests.worker_svc.common import PROMPTS
 from tests.worker_svc.test_runner import BLOCK_SIZE, NUM_BLOCKS, MiniScheduler
+from worker_svc.kernels import load_cpu_kernels
+from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.model.llama import Linear
-from worker_svc.model.weights import Int4Blocks
+from worker_svc.model.weights import QuantBlocks
 from worker_svc.runner import ModelRunner
-from worker_svc.tensor_parallel import TpShard, slice_int4_cols, slice_int4_rows, split_sizes
+from worker_svc.tensor_parallel import TpShard, slice_quant_cols, slice_quant_rows, split_sizes
 
 
 def test_split_sizes() -> None:
@@ -60,35 +62,40 @@ def test_too_many_ranks_is_refused() -> None:
         TpShard.build(0, 10, 9, 3, 1536, 49152)
 
 
-def _random_int4(out_features: int, in_features: int) -> Int4Blocks:
+def _random_q4(out_features: int, in_features: int) -> QuantBlocks:
     g = torch.Generator().manual_seed(0)
     groups = in_features // 32
-    return Int4Blocks(torch.randint(0, 16, (out_features, in_features), generator=g,
-                                    dtype=torch.uint8),
-                      torch.rand(out_features, groups, generator=g) * 0.01,
-                      torch.randn(out_features, groups, generator=g) * 0.01)
+    return QuantBlocks(torch.randint(0, 16, (out_features, in_features), generator=g,
+                                     dtype=torch.uint8),
+                       torch.rand(out_features, groups, generator=g) * 0.01,
+                       torch.randn(out_features, groups, generator=g) * 0.01, 4)
 
 
-def _dense(blocks: Int4Blocks) -> torch.Tensor:
+def _dense(blocks: QuantBlocks, dtype: torch.dtype) -> torch.Tensor:
     scales = blocks.scales.repeat_interleave(32, dim=1)
-    zeros = blocks.zeros.repeat_interleave(32, dim=1)
-    return ((blocks.values.float() - 8) * scales + zeros).to(torch.bfloat16)
+    offsets = blocks.offsets.repeat_interleave(32, dim=1)
+    return (scales * blocks.values.float() + offsets).to(dtype)
 
 
-def test_int4_slices_give_the_slices_of_the_product() -> None:
-    blocks = _random_int4(96, 128)
-    x = torch.randn(3, 128, dtype=torch.bfloat16)
-    full = Linear([_dense(blocks)], [blocks])(x).float()          # int4 kernel (3 tokens)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_slices_give_the_slices_of_the_product(dtype: torch.dtype) -> None:
+    kernels = load_cpu_kernels(detect_level(), 64, 1, dtype)
+    blocks = _random_q4(96, 128)
+    x = torch.randn(3, 128).to(dtype)
+    linear = Linear([_dense(blocks, dtype)], [blocks], kernels)
+    if detect_level() >= CpuLevel.AVX2:
+        assert linear.quant is not None and linear.quant_max_rows >= 3   # the blocks' path
+    full = linear(x).float()
     # Column-parallel: rows 32..96 of the weight give columns 32..96 of the output.
-    rows = slice_int4_rows(blocks, 32, 96)
-    part = Linear([_dense(rows)], [rows])(x).float()
+    rows = slice_quant_rows(blocks, 32, 96)
+    part = Linear([_dense(rows, dtype)], [rows], kernels)(x).float()
     torch.testing.assert_close(part, full[:, 32:96], rtol=0, atol=0)
     # Row-parallel: two input halves add up to the product (up to rounding of the sum).
-    halves = [slice_int4_cols(blocks, 0, 64), slice_int4_cols(blocks, 64, 128)]
-    total = sum(Linear([_dense(h)], [h])(x[:, i * 64:(i + 1) * 64].contiguous()).float()
-                for i, h in enumerate(halves))
+    halves = [slice_quant_cols(blocks, 0, 64), slice_quant_cols(blocks, 64, 128)]
+    total = sum(Linear([_dense(h, dtype)], [h], kernels)(x[:, i * 64:(i + 1) * 64].contiguous())
+                .float() for i, h in enumerate(halves))
     torch.testing.assert_close(total, full, rtol=2e-2, atol=2e-2)
-    assert slice_int4_cols(blocks, 0, 48) is None    # a cut inside a 32-group: no int4
+    assert slice_quant_cols(blocks, 0, 48) is None    # a cut inside a 32-block: dense only
 
 
 # ------------------------------------------------------------------- two ranks, real processes

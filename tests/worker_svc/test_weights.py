@@ -10,7 +10,7 @@ from worker_svc.attention import build_attention_metadata
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import (
-    INT4_GROUP_SIZE,
+    QUANT_BLOCK,
     ModelWeights,
     load_weights,
     unpermute_llama_cpp_rows,
@@ -47,24 +47,28 @@ def test_gguf_weights_equal_hf_loader(gguf_weights: ModelWeights,
         assert torch.equal(tensor, theirs[name]), name
 
 
-def test_gguf_int4_blocks_rebuild_the_dense_weights(gguf_weights: ModelWeights) -> None:
+def test_gguf_quant_blocks_rebuild_the_dense_weights(gguf_weights: ModelWeights) -> None:
     # Every Q4_1 matrix of the file (all of the layers' matrices), q/k un-permuted like the
-    # dense ones.
-    assert len(gguf_weights.int4) == 7 * 30
-    for name, blocks in gguf_weights.int4.items():
-        assert blocks.values.dtype == torch.uint8 and int(blocks.values.max()) <= 15
-        scales = blocks.scales.repeat_interleave(INT4_GROUP_SIZE, dim=1)
-        zeros = blocks.zeros.repeat_interleave(INT4_GROUP_SIZE, dim=1)
-        rebuilt = (blocks.values.float() - 8) * scales + zeros
-        torch.testing.assert_close(rebuilt, gguf_weights.tensors[name], atol=1e-6, rtol=0,
-                                   msg=name)
+    # dense ones, and the Q8_0 embedding (the tied head): exactly gguf's dequantization.
+    assert len(gguf_weights.quant) == 7 * 30 + 1
+    for name, blocks in gguf_weights.quant.items():
+        if name == "model.embed_tokens.weight":
+            assert blocks.bits == 8 and blocks.values.dtype == torch.int8
+            assert not blocks.offsets.any()
+        else:
+            assert blocks.bits == 4 and blocks.values.dtype == torch.uint8
+            assert int(blocks.values.max()) <= 15
+        scales = blocks.scales.repeat_interleave(QUANT_BLOCK, dim=1)
+        offsets = blocks.offsets.repeat_interleave(QUANT_BLOCK, dim=1)
+        rebuilt = scales * blocks.values.float() + offsets
+        assert torch.equal(rebuilt, gguf_weights.tensors[name]), name
 
 
 def test_gguf_stage_loads_only_its_layers(model_path: Path, model_config: ModelConfig) -> None:
     middle = load_weights(model_path, model_config, torch.bfloat16, first_layer=10,
                           end_layer=12, is_last_stage=False)
     assert {int(n.split(".")[2]) for n in middle.tensors} == {10, 11}
-    assert set(middle.int4) < set(middle.tensors)
+    assert set(middle.quant) < set(middle.tensors)
     assert all(t.dtype == torch.bfloat16 for t in middle.tensors.values())
     last = load_weights(model_path, model_config, torch.float32, first_layer=29).tensors
     assert {n for n in last if not n.startswith("model.layers.29.")} == {
@@ -91,7 +95,7 @@ def _our_logits(path: Path, config: ModelConfig, token_ids: list[int], first: in
                 end: int | None = None) -> torch.Tensor:
     model = LlamaModel(config, torch.float32)
     weights = load_weights(path, config, torch.float32)
-    assert not weights.int4
+    assert not weights.quant
     model.load_weights(weights)
     spec = KvLayerSpec(4, config.num_kv_heads, config.head_dim, torch.float32)
     caches = allocate_kv_caches([spec] * config.num_layers, 16)

@@ -4,7 +4,8 @@
 - `build.py`: compiles a kernel for a level's `-march`, caches and loads it.
 - `paged_attention.py` / `.c`: attention read straight from the paged KV blocks.
 - `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax.
-- `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights.
+- `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
+  small steps on a GGUF's quantized blocks.
 
 Why compiled here: a level's `-march` and the model's head size as constants give GCC
 fixed-size loops over vector registers, and a build takes well under a second with only a C
@@ -12,17 +13,29 @@ compiler (no torch headers, no Python extension module). At level `none`, or whe
 does not build, the model uses the torch twin of that part (same results, slower).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from worker_svc.kernels.cpu import CpuLevel
 from worker_svc.kernels.elementwise import ElementwiseKernels, elementwise_kernels
-from worker_svc.kernels.gemm import Bf16Gemm, FmaGemm, Gemm, PackedWeight, gemm_kernel
+from worker_svc.kernels.gemm import (
+    Bf16Gemm,
+    FmaGemm,
+    Gemm,
+    PackedQuant,
+    PackedWeight,
+    QuantGemm,
+    QuantKernel,
+    TorchInt4,
+    gemm_kernel,
+    quant_kernels,
+)
 from worker_svc.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
 
 __all__ = ["Bf16Gemm", "CpuKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm", "Gemm",
-           "PackedWeight", "PagedAttentionKernel", "load_cpu_kernels"]
+           "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantGemm", "QuantKernel",
+           "TorchInt4", "load_cpu_kernels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +46,7 @@ class CpuKernels:
     attention: PagedAttentionKernel | None = None
     elementwise: ElementwiseKernels | None = None
     gemm: Gemm | None = None
+    quant: dict[int, QuantKernel] = field(default_factory=dict)  # small steps, by block bits
 
     @property
     def onednn_bf16(self) -> bool:
@@ -46,4 +60,5 @@ def load_cpu_kernels(level: CpuLevel, head_dim: int, group: int, dtype: torch.dt
     """The kernels that build for this level and model shape (`group`: query heads per KV
     head)."""
     return CpuKernels(level, paged_attention_kernel(level, head_dim, group, dtype),
-                      elementwise_kernels(level, dtype), gemm_kernel(level, dtype))
+                      elementwise_kernels(level, dtype), gemm_kernel(level, dtype),
+                      quant_kernels(level, dtype))

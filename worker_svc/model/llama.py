@@ -13,10 +13,8 @@ the row-parallel outputs (o_proj, down_proj, the embedding) over its `TpGroup`.
 RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2.
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
-In bfloat16, matrices that the GGUF stores as Q4_0/Q4_1 also keep their 4-bit form, and steps of
-at most `INT4_MAX_TOKENS` tokens multiply with torch's int4 kernel (a quarter of the bytes).
-Its scales and offsets are bfloat16, so those weights equal the file's values up to bfloat16
-rounding of the per-32 scale and offset, as the dense path rounds each weight.
+Matrices that the GGUF stores as Q4_0/Q4_1/Q8_0 also keep their blocks, and steps of a few
+tokens multiply on those (a fifth of float32's bytes; see worker_svc.kernels.gemm).
 """
 
 import sys
@@ -30,40 +28,39 @@ from worker_svc.kernels import (
     CpuKernels,
     CpuLevel,
     ElementwiseKernels,
+    PackedQuant,
     PackedWeight,
+    QuantKernel,
     load_cpu_kernels,
 )
 from worker_svc.kernels.cpu import detect_level
-from worker_svc.model.weights import INT4_GROUP_SIZE, Int4Blocks, ModelWeights
+from worker_svc.model.weights import ModelWeights, QuantBlocks
 from worker_svc.sampler import argmax_float
 from worker_svc.tensor_parallel import (
     TpGroup,
     TpShard,
     slice_cols,
-    slice_int4_cols,
-    slice_int4_rows,
+    slice_quant_cols,
+    slice_quant_rows,
     slice_rows,
 )
-
-# Steps up to this many tokens use the int4 kernel where a matrix has one (measured crossover
-# against the dense bf16 matmul on 2 AVX-512 cores: about 16 tokens).
-INT4_MAX_TOKENS = 8
 
 
 class Linear:
     """y = x @ weight.T, with the fastest CPU path we have for the weight and batch size.
 
-    In order: weights with 4-bit blocks take the int4 kernel for small batches; then our own
-    matmul kernel (`kernels.gemm`, with its own packed copy) for the batch sizes it takes;
-    then, for bfloat16 where oneDNN runs it, oneDNN on a weight pre-packed once into its
-    blocked layout (a plain bf16 matmul re-packs the weight on every call: 20-25% slower at
-    64-128 rows, measured); else torch's matmul on the plain weight.
+    In order: a weight with quantized blocks takes its small-step kernel (`kernels.quant`) for
+    steps of up to that kernel's `max_rows` rows; then our own matmul kernel (`kernels.gemm`,
+    with its own packed copy) for the batch sizes it takes; then, for bfloat16 where oneDNN
+    runs it, oneDNN on a weight pre-packed once into its blocked layout (a plain bf16 matmul
+    re-packs the weight on every call: 20-25% slower at 64-128 rows, measured); else torch's
+    matmul on the plain weight.
     """
 
-    __slots__ = ("weight", "onednn", "int4_weight", "int4_scales_zeros", "int4_max_tokens",
-                 "gemm", "gemm_weight", "gemm_max_rows")
+    __slots__ = ("weight", "onednn", "quant", "quant_weight", "quant_max_rows", "gemm",
+                 "gemm_weight", "gemm_max_rows")
 
-    def __init__(self, parts: list[torch.Tensor], int4_parts: list[Int4Blocks] | None = None,
+    def __init__(self, parts: list[torch.Tensor], quant_parts: list[QuantBlocks] | None = None,
                  kernels: CpuKernels | None = None):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
         kernels = kernels or CpuKernels(CpuLevel.NONE)
@@ -79,29 +76,35 @@ class Linear:
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             else:
                 self.weight = weight
-        self.int4_weight: torch.Tensor | None = None        # [out, in / 2] uint8, kernel layout
-        self.int4_scales_zeros: torch.Tensor | None = None  # [in / 32, out, 2], weight dtype
-        self.int4_max_tokens = 0
-        if int4_parts and weight.dtype == torch.bfloat16:
-            values = torch.cat([b.values for b in int4_parts]).to(torch.int32)
-            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
-            scales = torch.cat([b.scales for b in int4_parts])  # [out, in / 32]
-            zeros = torch.cat([b.zeros for b in int4_parts])
-            self.int4_scales_zeros = (torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-                                      .contiguous().to(weight.dtype))
-            self.int4_max_tokens = INT4_MAX_TOKENS
+        self.quant: QuantKernel | None = None
+        self.quant_weight: PackedQuant | None = None
+        self.quant_max_rows = 0
+        blocks = _concat_blocks(quant_parts) if quant_parts else None
+        if blocks is not None and (quant := kernels.quant.get(blocks.bits)) is not None \
+                and quant.fits(blocks):
+            self.quant, self.quant_weight = quant, quant.pack(blocks)
+            self.quant_max_rows = quant.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] contiguous -> [num_tokens, out]."""
         num_tokens = x.shape[0]
-        if num_tokens <= self.int4_max_tokens:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.int4_weight, INT4_GROUP_SIZE, self.int4_scales_zeros)
+        if num_tokens <= self.quant_max_rows:
+            return self.quant(x, self.quant_weight)  # type: ignore[misc, arg-type]
         if num_tokens <= self.gemm_max_rows:
             return self.gemm(x, self.gemm_weight)  # type: ignore[misc]
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+def _concat_blocks(parts: list[QuantBlocks]) -> QuantBlocks | None:
+    """Blocks of matrices stacked by rows (q/k/v, gate/up); None if their kinds differ."""
+    if len({b.bits for b in parts}) != 1:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return QuantBlocks(torch.cat([b.values for b in parts]), torch.cat([b.scales for b in parts]),
+                       torch.cat([b.offsets for b in parts]), parts[0].bits)
 
 
 class RotaryEmbedding:
@@ -231,21 +234,22 @@ class LlamaLayer:
 def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
             kernels: CpuKernels) -> Linear:
     """One matmul over the named matrices stacked by rows, each cut to this rank's slice:
-    (name, "rows" | "cols", start, end). The int4 kernel is used only if every part has
-    4-bit blocks that the cut keeps whole."""
-    dense, int4 = [], []
+    (name, "rows" | "cols", start, end). The blocks are used only if every part has blocks
+    that the cut keeps whole."""
+    dense, quant = [], []
     for name, axis, start, end in parts:
         weight = weights.tensors[name]
-        blocks = weights.int4.get(name)
+        blocks = weights.quant.get(name)
         if axis == "rows":
             whole = (start, end) == (0, weight.shape[0])
             dense.append(weight if whole else slice_rows(weight, start, end))
-            int4.append(blocks if blocks is None or whole else slice_int4_rows(blocks, start, end))
+            cut = blocks if blocks is None or whole else slice_quant_rows(blocks, start, end)
         else:
             whole = (start, end) == (0, weight.shape[1])
             dense.append(weight if whole else slice_cols(weight, start, end))
-            int4.append(blocks if blocks is None or whole else slice_int4_cols(blocks, start, end))
-    kept = [b for b in int4 if b is not None]
+            cut = blocks if blocks is None or whole else slice_quant_cols(blocks, start, end)
+        quant.append(cut)
+    kept = [b for b in quant if b is not None]
     return Linear(dense, kept if len(kept) == len(parts) else None, kernels)
 
 
@@ -300,9 +304,9 @@ class LlamaModel:
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]
-                head = tensors["model.embed_tokens.weight" if cfg.tie_word_embeddings
-                               else "lm_head.weight"]
-                self.lm_head = Linear([slice_rows(head, v0, v1)], kernels=self.kernels)
+                head = ("model.embed_tokens.weight" if cfg.tie_word_embeddings
+                        else "lm_head.weight")
+                self.lm_head = _linear(weights, [(head, "rows", v0, v1)], self.kernels)
         except KeyError as missing:
             raise ValueError(f"weights missing tensor {missing}") from None
 

@@ -2,9 +2,9 @@
 
 `load_weights` returns `ModelWeights`: dense tensors keyed by Hugging Face Llama parameter names
 (`model.layers.3.self_attn.q_proj.weight`, ...), restricted to what a pipeline stage with layers
-[first_layer, end_layer) needs, in the requested dtype; and, for GGUF tensors stored as Q4_0 or
-Q4_1, their 4-bit values with per-32 scales and offsets (`Int4Blocks`), which the model can
-run through an int4 matmul kernel. `LlamaModel.load_weights` consumes both.
+[first_layer, end_layer) needs, in the requested dtype; and, for GGUF tensors stored as Q4_0,
+Q4_1 or Q8_0, their quantized values with per-32 scales and offsets (`QuantBlocks`), which the
+model multiplies directly for small steps. `LlamaModel.load_weights` consumes both.
 
 GGUF files written by llama.cpp's converter store attn_q / attn_k with the rows of every head
 permuted for llama.cpp's interleaved RoPE; we undo that here so both sources give HF's layout.
@@ -39,17 +39,19 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-INT4_GROUP_SIZE = 32  # weights per scale/offset pair along the input dimension (ggml's block)
+QUANT_BLOCK = 32  # weights per scale/offset pair along the input dimension (ggml's block)
 
 
 @dataclass(frozen=True, slots=True)
-class Int4Blocks:
-    """A matrix as 4-bit values in groups along the input dimension:
-    weight[o, i] = (values[o, i] - 8) * scales[o, i // 32] + zeros[o, i // 32]."""
+class QuantBlocks:
+    """A matrix as quantized values in blocks of 32 along the input dimension, as the GGUF
+    stores it: weight[o, i] = scales[o, i // 32] * values[o, i] + offsets[o, i // 32]
+    (computed in float32, this is gguf's own dequantization)."""
 
-    values: torch.Tensor     # [out_features, in_features] uint8 in 0..15
+    values: torch.Tensor     # [out_features, in_features]: bits 4 uint8 in 0..15, 8 int8
     scales: torch.Tensor     # [out_features, in_features // 32] float32
-    zeros: torch.Tensor      # [out_features, in_features // 32] float32
+    offsets: torch.Tensor    # [out_features, in_features // 32] float32 (zero for Q8_0)
+    bits: int                # 4 (Q4_0, Q4_1) or 8 (Q8_0)
 
 
 @dataclass(slots=True)
@@ -57,7 +59,7 @@ class ModelWeights:
     """One stage's weights, HF-named."""
 
     tensors: dict[str, torch.Tensor]                              # dense, in the load dtype
-    int4: dict[str, Int4Blocks] = field(default_factory=dict)    # Q4_0 / Q4_1 GGUF matrices
+    quant: dict[str, QuantBlocks] = field(default_factory=dict)  # Q4_0/Q4_1/Q8_0 GGUF matrices
 
 
 def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
@@ -141,39 +143,45 @@ def _load_gguf(path: Path, config: ModelConfig, wanted: Callable[[str], bool]) -
         # Quantized blocks (Q4_1, Q8_0, ...) and plain F16/BF16/F32 all come back as float32,
         # shaped like the HF tensor ([out_features, in_features] for matrices).
         weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
-        blocks = _int4_blocks(tensor.data, tensor.tensor_type.name)
+        blocks = _quant_blocks(tensor.data, tensor.tensor_type.name)
         num_heads = {"attn_q.weight": config.num_heads,
                      "attn_k.weight": config.num_kv_heads}.get(tensor.name.split(".", 2)[-1])
         if num_heads is not None:
             weight = unpermute_llama_cpp_rows(weight, num_heads)
             if blocks is not None:
-                blocks = Int4Blocks(*(unpermute_llama_cpp_rows(t, num_heads) for t in
-                                      (blocks.values, blocks.scales, blocks.zeros)))
+                blocks = QuantBlocks(*(unpermute_llama_cpp_rows(t, num_heads) for t in
+                                       (blocks.values, blocks.scales, blocks.offsets)),
+                                     blocks.bits)
         weights.tensors[hf_name] = weight
         if blocks is not None:
-            weights.int4[hf_name] = blocks
+            weights.quant[hf_name] = blocks
     return weights
 
 
-def _int4_blocks(data: np.ndarray, type_name: str) -> Int4Blocks | None:
-    """The 4-bit values, scales and offsets of a Q4_0 / Q4_1 matrix; None for other types.
+def _quant_blocks(data: np.ndarray, type_name: str) -> QuantBlocks | None:
+    """The values, scales and offsets of a Q4_0 / Q4_1 / Q8_0 matrix; None for other types.
 
-    A ggml block covers 32 weights of a row: float16 scale d (Q4_1: then float16 min m), then
-    16 bytes whose low nibbles are weights 0..15 and high nibbles weights 16..31.
-    Q4_0: w = d * (q - 8).  Q4_1: w = d * q + m = d * (q - 8) + (m + 8 d).
+    A ggml block covers 32 weights of a row: a float16 scale d (Q4_1: then a float16 min m),
+    then the values. Q4: 16 bytes whose low nibbles are weights 0..15 and high nibbles weights
+    16..31; Q4_0: w = d * q - 8 d, Q4_1: w = d * q + m. Q8_0: 32 int8, w = d * q.
     """
-    header = {"Q4_0": 2, "Q4_1": 4}.get(type_name)
-    if header is None or data.ndim != 2:
+    header, bits = {"Q4_0": (2, 4), "Q4_1": (4, 4), "Q8_0": (2, 8)}.get(type_name, (0, 0))
+    if not header or data.ndim != 2:
         return None
     num_rows = data.shape[0]
-    raw = torch.from_numpy(data.copy()).view(num_rows, -1, header + 16)  # [rows, groups, bytes]
+    raw = torch.from_numpy(data.copy())
+    raw = raw.view(num_rows, -1, header + QUANT_BLOCK * bits // 8)  # [rows, groups, bytes]
     scales = raw[..., 0:2].contiguous().view(torch.float16)[..., 0].float()   # [rows, groups]
-    zeros = torch.zeros_like(scales)
     if header == 4:
-        zeros = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].float() + 8 * scales
-    packed = raw[..., header:]                                               # [rows, groups, 16]
-    values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(num_rows, -1)
-    return Int4Blocks(values, scales, zeros)
+        offsets = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    else:
+        offsets = -8 * scales if bits == 4 else torch.zeros_like(scales)
+    packed = raw[..., header:]
+    if bits == 8:
+        values = packed.contiguous().view(torch.int8).reshape(num_rows, -1)
+    else:
+        values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(num_rows, -1)
+    return QuantBlocks(values, scales, offsets, bits)
 
 
 # ------------------------------------------------------------------------------ HF directories

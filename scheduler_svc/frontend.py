@@ -50,7 +50,12 @@ class QueueFull(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """The request ended without finishing; the message says why (UNAVAILABLE)."""
+    """The request ended without finishing; the message says why. UNAVAILABLE (its replica
+    was lost and none came back in time), or INTERNAL where `server_fault` (a step failed)."""
+
+    def __init__(self, message: str, server_fault: bool = False) -> None:
+        super().__init__(message)
+        self.server_fault = server_fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +206,7 @@ class Frontend:
                 if out.error is not None:
                     finished = True
                     timer.failed()
-                    raise RequestFailed(out.error)
+                    raise RequestFailed(out.error, out.server_fault)
                 timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:
                     finished = True

@@ -59,6 +59,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None           # the request ended without finishing (replica lost, ...)
+    server_fault: bool = False         # the error is a fault of the server (a failed step),
+                                       # not an unavailable one (INTERNAL, not UNAVAILABLE)
 
 
 class Request:

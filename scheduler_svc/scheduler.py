@@ -384,6 +384,7 @@ class Scheduler:
             self._finish(request, FinishReason.ABORT, None)
             final = self._final_output(request, [], [])
             final.error = f"the worker failed a step of this request: {error.message}"
+            final.server_fault = True
             outputs.append(final)
         return outputs, poisoned
 

@@ -127,7 +127,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except NoReplica as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestFailed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request failed: {exc}")
+            code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"request failed: {exc}")
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:

@@ -82,9 +82,8 @@ def test_failed_step_fails_its_request_and_the_others_complete(  # type: ignore[
                    for i, p in enumerate(good)]
         with pytest.raises(grpc.RpcError) as caught:
             bad.result()
-        # RequestFailed maps to UNAVAILABLE in servicer.py (INTERNAL would suit a worker-side
-        # failure better; see the defect report).
-        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        # A fault of the server, not a lost replica: INTERNAL.
+        assert caught.value.code() is grpc.StatusCode.INTERNAL
         assert "injected fault" in caught.value.details()
         for i, future in enumerate(futures):
             ids, _, last = future.result()

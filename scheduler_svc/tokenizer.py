@@ -18,9 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
+
+from services.gguf_file import GgufFile
 
 CONTROL_TOKEN_TYPE = 3
 USER_DEFINED_TOKEN_TYPE = 4
@@ -104,13 +107,11 @@ def load_tokenizer(model_path: str | Path) -> TextTokenizer:
 
 
 def _from_gguf(path: Path) -> TextTokenizer:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
+    fields = GgufFile(path).fields
 
     def value(name: str) -> object | None:
-        field = fields.get(name)
-        return field.contents() if field is not None else None
+        found = fields.get(name)
+        return found.tolist() if isinstance(found, np.ndarray) else found
 
     model = value("tokenizer.ggml.model")
     if model != "gpt2":

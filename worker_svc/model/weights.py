@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.gguf_file import GgufError, GgufFile
 from services.model_config import ModelConfig, ModelFormatError
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
@@ -127,10 +128,12 @@ def unpermute_llama_cpp_rows(weight: torch.Tensor, num_heads: int) -> torch.Tens
 
 
 def _load_gguf(path: Path, config: ModelConfig, wanted: Callable[[str], bool]) -> ModelWeights:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    try:
+        reader = GgufFile(path)
+    except GgufError as exc:
+        raise ModelFormatError(str(exc)) from exc
     weights = ModelWeights({})
     for tensor in reader.tensors:
         hf_name = _gguf_to_hf_name(tensor.name)
@@ -142,8 +145,12 @@ def _load_gguf(path: Path, config: ModelConfig, wanted: Callable[[str], bool]) -
             continue
         # Quantized blocks (Q4_1, Q8_0, ...) and plain F16/BF16/F32 all come back as float32,
         # shaped like the HF tensor ([out_features, in_features] for matrices).
-        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
-        blocks = _quant_blocks(tensor.data, tensor.tensor_type.name)
+        blocks = _quant_blocks(tensor.data, tensor.type_name)
+        if blocks is not None:   # gguf's own formula, on whole tensors at once
+            weight = (blocks.scales.repeat_interleave(QUANT_BLOCK, dim=1) * blocks.values
+                      + blocks.offsets.repeat_interleave(QUANT_BLOCK, dim=1))
+        else:
+            weight = torch.from_numpy(dequantize(tensor.data, tensor.type_id).copy())
         num_heads = {"attn_q.weight": config.num_heads,
                      "attn_k.weight": config.num_kv_heads}.get(tensor.name.split(".", 2)[-1])
         if num_heads is not None:

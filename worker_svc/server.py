@@ -193,9 +193,10 @@ class WorkerServer:
             try:
                 placement = control.Register(request, timeout=5.0)
                 log.info("registered %s as replica %d pp_rank %d/%d tp_rank %d/%d layers "
-                         "[%d, %d)", cfg.worker_id, placement.replica_id, placement.pp_rank,
-                         placement.pp_size, placement.tp_rank, placement.tp_size,
-                         placement.first_layer, placement.end_layer)
+                         "[%d, %d) dtype %s (this worker prefers %s)", cfg.worker_id,
+                         placement.replica_id, placement.pp_rank, placement.pp_size,
+                         placement.tp_rank, placement.tp_size, placement.first_layer,
+                         placement.end_layer, placement.dtype, self.preferred_dtype)
                 self._lost.clear()
                 self._registered = True
                 return placement

@@ -11,7 +11,7 @@ import pytest
 from services.rpc.splitserve.v1 import generation_pb2
 from tests.e2e.harness import assert_matches_reference, greedy_request, run_cluster, stream_tokens
 from tests.worker_svc.common import level_params
-from worker_svc.kernels.cpu import CpuLevel
+from worker_svc.kernels.cpu import CpuLevel, detect_level
 
 pytestmark = pytest.mark.e2e
 
@@ -19,17 +19,20 @@ NUM_PROMPTS = 4
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("level", level_params(with_none=True))
-def test_dtype_auto_follows_the_level(tmp_path: Path, level: CpuLevel,
-                                      prompts: list[list[int]], oracle) -> None:  # type: ignore[no-untyped-def]
+def test_dtype_auto_at_this_cpus_level(tmp_path: Path, prompts: list[list[int]],
+                                       oracle) -> None:  # type: ignore[no-untyped-def]
+    # At this CPU's own level (the mapping for every level: test_cpu_level.py; a forced level
+    # end to end: test_bfloat16_at_every_level below).
+    level = detect_level()
     expected = "bfloat16" if level.native_bf16 else "float32"
-    with run_cluster(tmp_path, dtype="auto", worker_args=["--cpu-level", level.label]) as c:
+    with run_cluster(tmp_path, dtype="auto") as c:
         info = c.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
         assert info.dtype == expected
         server = c.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
         (replica,) = server.replicas
         assert replica.dtype == expected and replica.workers[0].cpu_level == level.label
-        assert f"kernel level {level.label}" in (tmp_path / "worker0.log").read_text()
+        log = (tmp_path / "worker0.log").read_text()
+        assert f"kernel level {level.label}" in log and f"dtype {expected}" in log
         if expected == "float32":      # token for token against HF in float32
             for i, prompt in enumerate(prompts[:NUM_PROMPTS]):
                 ids, _, _ = stream_tokens(c.stub, greedy_request(prompt, MAX_TOKENS))
@@ -44,6 +47,8 @@ def test_bfloat16_at_every_level(tmp_path: Path, level: CpuLevel,
                      worker_args=["--cpu-level", level.label]) as c:
         server = c.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
         assert server.replicas[0].dtype == "bfloat16"
+        assert server.replicas[0].workers[0].cpu_level == level.label
+        assert f"kernel level {level.label}" in (tmp_path / "worker0.log").read_text()
         agreed = 0
         for prompt in prompts[:NUM_PROMPTS]:
             ids, _, final = stream_tokens(c.stub, greedy_request(prompt, MAX_TOKENS))

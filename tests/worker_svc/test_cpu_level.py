@@ -10,6 +10,7 @@ import torch
 from worker_svc.kernels import build, cpu
 from worker_svc.kernels.cpu import CpuLevel, detect_level, select_level
 from worker_svc.model.llama import Linear
+from worker_svc.server import WorkerConfig, WorkerServer
 
 AVX2_FLAGS = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 abm movbe".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
@@ -40,6 +41,22 @@ def test_a_level_is_forced_down_never_up(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_native_bf16_only_at_the_bf16_level() -> None:
     assert [level.native_bf16 for level in CpuLevel] == [False, False, False, True]
     assert CpuLevel.AVX2.lanes == 8 and CpuLevel.AVX512.lanes == 16
+
+
+@pytest.mark.parametrize("device, level, preferred", [
+    ("cpu", CpuLevel.NONE, "float32"), ("cpu", CpuLevel.AVX2, "float32"),
+    ("cpu", CpuLevel.AVX512, "float32"), ("cpu", CpuLevel.AVX512_BF16, "bfloat16"),
+    ("cuda", CpuLevel.AVX2, "bfloat16"), ("cuda:1", CpuLevel.NONE, "bfloat16"),
+])
+def test_the_dtype_a_worker_prefers(device: str, level: CpuLevel, preferred: str) -> None:
+    # What --dtype auto becomes: the replica takes its first rank's preference (test_cluster.py;
+    # end to end in tests/e2e/test_cpu_levels.py at this CPU's level).
+    config = WorkerConfig(
+        scheduler_address="localhost:1", model_path="m.gguf", host="127.0.0.1",
+        advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1, device=device,
+        kv_cache_bytes=1 << 20, gpu_memory_utilization=0.9, num_threads=1, quant_kernels=True,
+        cpu_level=level, register_timeout_s=1.0)
+    assert WorkerServer(config).preferred_dtype == preferred
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

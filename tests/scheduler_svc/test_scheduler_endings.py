@@ -1,0 +1,158 @@
+"""Scheduler unit tests for how requests end: stop conditions, stop strings against
+min_tokens (the streamed text and token ids agree), and failed steps (exactly their requests
+fail; the prefix index keeps only what was written)."""
+
+import pytest
+
+from kvcache_svc.block_manager import ReplicaBlockManager
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.request import FinishReason, Request, RequestOutput
+from scheduler_svc.scheduler import Scheduler
+from services.wire import StepError
+from tests.scheduler_svc.common import EOS, add, make_scheduler, sample, scheduled, step
+
+
+def test_stop_conditions() -> None:
+    sched, kv = make_scheduler()
+    add(sched, "eos", [5, 6], max_tokens=10)
+    add(sched, "min", [5, 6], max_tokens=10, min_tokens=2)
+    add(sched, "ign", [5, 6], max_tokens=2, ignore_eos=True)
+    add(sched, "sid", [5, 6], max_tokens=10, stop_token_ids=(77,))
+    s = step(sched, kv)
+    outs = {o.request_id: o for o in sched.update(
+        sample(s, {"eos": EOS, "min": EOS, "ign": EOS, "sid": 77}))}
+    assert outs["eos"].finish_reason is FinishReason.STOP
+    assert outs["min"].finish_reason is None            # min_tokens not reached yet
+    assert outs["ign"].finish_reason is None
+    assert outs["sid"].finish_reason is FinishReason.STOP and outs["sid"].stop_reason == 77
+    s = step(sched, kv)
+    outs = {o.request_id: o for o in sched.update(sample(s, {"min": EOS, "ign": EOS}))}
+    assert outs["min"].finish_reason is FinishReason.STOP
+    assert outs["ign"].finish_reason is FinishReason.LENGTH
+
+
+def generate(sched: Scheduler, kv: ReplicaBlockManager, request: Request,
+             tokens: list[int]) -> tuple[list[int], str, RequestOutput]:
+    """Feeds `tokens` one step at a time until the request finishes; returns the token ids
+    and text streamed, and the final output."""
+    ids: list[int] = []
+    text = ""
+    for token in tokens:
+        s = step(sched, kv)
+        assert s is not None
+        (out,) = sched.update(sample(s, {request.request_id: token}))
+        ids += out.new_token_ids
+        text += out.text
+        if out.finish_reason is not None:
+            return ids, text, out
+    pytest.fail(f"{request.request_id} did not finish within {len(tokens)} tokens")
+
+
+def add_with_text(sched: Scheduler, tokenizer, rid: str, **kw: object,  # type: ignore[no-untyped-def]
+                  ) -> Request:
+    req = add(sched, rid, [5, 6], max_tokens=20, **kw)
+    req.detokenizer = IncrementalDetokenizer(tokenizer, req.token_ids, True,
+                                             req.sampling.stop)
+    return req
+
+
+def test_stop_string_before_min_tokens_stays_in_the_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    sched, kv = make_scheduler()
+    tokens = tokenizer.encode(" A END B C END D")
+    assert len(tokens) == 6, "one token per word"
+    # The first END is completed by output token 2, before min_tokens: it is neither a stop
+    # nor cut out of the text; the second (token 5) ends the output.
+    req = add_with_text(sched, tokenizer, "a", stop=("END",), min_tokens=3)
+    ids, text, last = generate(sched, kv, req, tokens)
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, "END")
+    assert ids == tokens[:5]
+    assert text == " A END B C "
+    # The text is what the streamed token ids decode to, up to the stop string.
+    assert tokenizer.decode(ids, True) == text + "END"
+
+
+def test_stop_string_straddling_min_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    tokens = tokenizer.encode("one\n\ntwo\n\nthree")
+    assert len(tokens) == 7 and tokenizer.decode(tokens[1:3], True) == "\n\n"
+    # Completed by the min_tokens-th token, begun by the one before: it counts (the token
+    # that completes a stop string decides, as for EOS), and the output has min_tokens tokens.
+    sched, kv = make_scheduler()
+    req = add_with_text(sched, tokenizer, "a", stop=("\n\n",), min_tokens=3)
+    ids, text, last = generate(sched, kv, req, tokens)
+    assert (ids, text, last.stop_reason) == (tokens[:3], "one", "\n\n")
+    # Completed one token before min_tokens: never matched later, even when a longer stop
+    # string widens the window held back; the next one ends the output.
+    sched, kv = make_scheduler()
+    req = add_with_text(sched, tokenizer, "b", stop=("\n\n", "a much longer stop"),
+                        min_tokens=4)
+    ids, text, last = generate(sched, kv, req, tokens)
+    assert (ids, text, last.stop_reason) == (tokens[:6], "one\n\ntwo", "\n\n")
+
+
+def fail(kv_written: bool) -> StepError:
+    return StepError("RuntimeError: boom", kv_written)
+
+
+def test_failed_step_fails_exactly_its_requests() -> None:
+    sched, kv = make_scheduler(max_num_seqs=2)
+    add(sched, "a", list(range(10, 20)), max_tokens=5)
+    add(sched, "b", list(range(30, 36)), max_tokens=5)
+    add(sched, "c", list(range(50, 53)), max_tokens=2)        # waits: max_num_seqs
+    s = step(sched, kv)
+    sched.update(sample(s, {"a": 1, "b": 1}))
+    s = step(sched, kv)
+    assert scheduled(s) == {"a": 1, "b": 1}
+    outs, poisoned = sched.fail_step(s.step_id, fail(kv_written=False))
+    assert not poisoned                     # a decode inside a block commits no hash
+    assert {o.request_id for o in outs} == {"a", "b"}
+    for o in outs:
+        assert o.finish_reason is FinishReason.ABORT and o.new_token_ids == []
+        assert o.error is not None and "boom" in o.error
+    assert set(sched.requests) == {"c"}
+    # The next step frees their blocks, tells the workers, and runs c.
+    s = step(sched, kv)
+    assert sorted(s.finished_ids) == ["a", "b"] and scheduled(s) == {"c": 3}
+    assert kv.stats().num_used_blocks == 1
+    sched.update(sample(s, {"c": 4}))
+    s = step(sched, kv)
+    (out,) = sched.update(sample(s, {"c": 5}))
+    assert out.finish_reason is FinishReason.LENGTH and out.error is None
+
+
+def test_failed_step_poisons_the_prefix_index_only_with_unwritten_commits() -> None:
+    # A prefill of 3 full blocks commits their hashes when planned.
+    for prefix_caching, kv_written, expected in [(True, False, True), (True, True, False),
+                                                 (False, False, False)]:
+        sched, kv = make_scheduler(prefix_caching=prefix_caching)
+        add(sched, "a", list(range(10, 22)))
+        s = step(sched, kv)
+        outs, poisoned = sched.fail_step(s.step_id, fail(kv_written))
+        assert poisoned is expected, (prefix_caching, kv_written)
+        assert [o.request_id for o in outs] == ["a"]
+    # A request aborted while its step ran still left its commits in the index.
+    sched, kv = make_scheduler()
+    add(sched, "a", list(range(10, 22)))
+    s = step(sched, kv)
+    sched.abort("a")
+    outs, poisoned = sched.fail_step(s.step_id, fail(kv_written=False))
+    assert outs == [] and poisoned
+
+
+def test_failed_step_with_a_later_step_in_flight() -> None:
+    sched, kv = make_scheduler()
+    sched.async_scheduling = True
+    add(sched, "a", list(range(10, 17)), max_tokens=8)
+    add(sched, "b", list(range(30, 37)), max_tokens=3)
+    s1 = step(sched, kv)
+    s2 = step(sched, kv)                   # their decodes, planned before s1's output is back
+    assert scheduled(s2) == {"a": 1, "b": 1}
+    outs, poisoned = sched.fail_step(s1.step_id, fail(kv_written=True))
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    # s2 commits no block for them (its tokens were not known when planned): nothing the
+    # worker skips in s2 was indexed, and s1 wrote its KV.
+    assert not poisoned
+    # s2's output (the worker skipped both) changes nothing; then their blocks go back.
+    assert sched.update(sample(s2, {})) == []
+    assert not sched.running and sched.has_work()
+    assert step(sched, kv) is None and kv.stats().num_used_blocks == 0
+    assert not sched.has_work()

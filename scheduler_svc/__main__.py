@@ -48,11 +48,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                    help="address workers use to reach this host (default: --host)")
     p.add_argument("--kvcache", default=env("KVCACHE", "tcp://127.0.0.1:50053"),
                    help="kvcache_svc plan socket")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    default=env("DTYPE", "auto"),
                    help="compute dtype; auto: each replica takes what its workers compute best "
                         "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
-                        "float32)")
+                        "float32); float16 runs on GPU workers only")
     p.add_argument("--tp", type=int, default=int(env("TP", "1") or 1))
     p.add_argument("--pp", type=int, default=int(env("PP", "1") or 1))
     p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "256") or 256))

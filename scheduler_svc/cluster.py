@@ -16,6 +16,13 @@ replica down; the engine hands its live requests back and they are dispatched ag
 (migration). A worker registering again with a newer epoch is a new member (its old replica
 goes down); an older or equal epoch is refused. The monitor also probes kvcache_svc, which
 with a ready replica decides readiness.
+
+One GPU, one worker: a registration whose GPU (its non-empty `device_uuid`) is already held by
+another live worker is refused, in any replica, not only its own. Two ranks of one replica
+cannot share a GPU (NCCL refuses two ranks on one device), and two workers of different
+replicas on one GPU would each size their KV cache from its whole memory. CPU workers report
+no uuid and may share a host. The holder stops counting once it is down (heartbeat timeout,
+lost replica); the same worker id registering again with a newer epoch replaces itself.
 """
 
 import logging
@@ -33,6 +40,7 @@ from scheduler_svc.placement import (
     RegistrationError,
     Replica,
     WorkerRecord,
+    gpu_taken_message,
     rendezvous_address,
     split_layers,
 )
@@ -85,10 +93,11 @@ class Cluster:
 
     def register(self, worker_id: str, epoch: int, device: str, memory_bytes: int,
                  step_address: str, model: str, preferred_dtype: str = "",
-                 cpu_level: str = "") -> Placement:
+                 cpu_level: str = "", device_uuid: str = "") -> Placement:
         """Places a worker as the next free rank of the replica being formed. `preferred_dtype`:
         what the worker computes best in; with `--dtype auto` the first rank's choice becomes
-        the replica's (later ranks follow it: every rank of a replica must agree)."""
+        the replica's (later ranks follow it: every rank of a replica must agree).
+        `device_uuid`: its GPU ("" on the CPU); a GPU another live worker holds is refused."""
         # `model` is the name of the model the worker loaded (file stem or directory name),
         # checked against the one this scheduler loaded; --served-model-name is only the
         # public alias and never reaches this comparison.
@@ -100,6 +109,12 @@ class Cluster:
             if old is not None and epoch <= old.epoch:
                 raise RegistrationError(
                     f"worker {worker_id} epoch {epoch} is not newer than {old.epoch}")
+            # Checked before anything changes: a refused worker must not take down the old
+            # incarnation's replica.
+            if holder := self._gpu_holder_locked(device_uuid, worker_id):
+                message = gpu_taken_message(device_uuid, holder, worker_id)
+                log.warning("registration refused: %s", message)
+                raise RegistrationError(message)
             if old is not None:
                 self._replica_lost_locked(old.replica_id, f"worker {worker_id} registered "
                                           f"again (epoch {old.epoch} -> {epoch})")
@@ -107,7 +122,8 @@ class Cluster:
             rank = replica.ranks.index(None)
             pp_rank, tp_rank = divmod(rank, self.config.tp_size)
             record = WorkerRecord(worker_id, epoch, device, memory_bytes, step_address,
-                                  replica.replica_id, pp_rank, tp_rank, cpu_level=cpu_level)
+                                  replica.replica_id, pp_rank, tp_rank, cpu_level=cpu_level,
+                                  device_uuid=device_uuid)
             if not replica.dtype:
                 replica.dtype = self._replica_dtype(preferred_dtype)
             replica.ranks[rank] = record
@@ -121,6 +137,16 @@ class Cluster:
             return Placement(replica.replica_id, pp_rank, tp_rank, self.config.pp_size,
                              self.config.tp_size, first, end, replica.outputs.address,
                              replica.dist_init_method, replica.dtype)
+
+    def _gpu_holder_locked(self, device_uuid: str, worker_id: str) -> WorkerRecord | None:
+        """The live worker other than `worker_id` that computes on GPU `device_uuid`."""
+        if not device_uuid:
+            return None
+        for record in self.workers.values():
+            if (record.device_uuid == device_uuid and record.worker_id != worker_id
+                    and record.state != "down"):
+                return record
+        return None
 
     def _replica_dtype(self, preferred: str) -> str:
         if self.config.dtype != "auto":

@@ -29,6 +29,7 @@ class WorkerRecord:
     num_kv_blocks: int | None = None
     state: str = "loading"              # loading -> ready -> down
     cpu_level: str = ""                 # the kernel level it reported ("" for a GPU)
+    device_uuid: str = ""               # its GPU's CUDA uuid ("" on the CPU)
     last_heartbeat: float = field(default_factory=time.monotonic)
 
 
@@ -44,6 +45,16 @@ class Placement:
     output_address: str
     dist_init_method: str       # torch.distributed rendezvous of the replica ("" if one rank)
     dtype: str                  # the replica's compute dtype
+
+
+def gpu_taken_message(device_uuid: str, holder: WorkerRecord, worker_id: str) -> str:
+    """Why `worker_id` may not join: `holder`, a live worker, already computes on its GPU."""
+    return (f"GPU uuid {device_uuid} is already used by worker {holder.worker_id} (replica "
+            f"{holder.replica_id}, pp_rank {holder.pp_rank}, tp_rank {holder.tp_rank}); "
+            f"refusing worker {worker_id}: each rank of a replica needs its own GPU (one GPU "
+            f"cannot host two NCCL ranks, and two workers would both size their KV cache from "
+            f"its whole memory). Give every worker its own device, e.g. --device cuda:N or "
+            f"CUDA_VISIBLE_DEVICES per worker.")
 
 
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

@@ -205,14 +205,20 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
         try:
             p = self.cluster.register(request.worker_id, request.epoch, request.device,
                                       request.memory_bytes, request.step_address, request.model,
-                                      request.preferred_dtype, request.cpu_level)
+                                      request.preferred_dtype, request.cpu_level,
+                                      request.device_uuid)
         except RegistrationError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        sc = self.cluster.sched_config
         return control_pb2.RegisterResponse(
             replica_id=p.replica_id, pp_rank=p.pp_rank, tp_rank=p.tp_rank, pp_size=p.pp_size,
             tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
-            block_size=self.cluster.sched_config.block_size, output_address=p.output_address,
-            dtype=p.dtype, dist_init_method=p.dist_init_method)
+            block_size=sc.block_size, output_address=p.output_address,
+            dtype=p.dtype, dist_init_method=p.dist_init_method,
+            # The largest step the worker will see: its memory profile and CUDA graphs size
+            # from these (token_budget, not the flag: without chunked prefill a whole prompt
+            # up to the context length is one step).
+            max_num_batched_tokens=sc.token_budget, max_num_seqs=sc.max_num_seqs)
 
     async def ReportCapacity(self, request: control_pb2.CapacityReport,
                              context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:

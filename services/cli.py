@@ -1,6 +1,7 @@
 """`splitserve`: start a local cluster (`up`) or talk to one (`generate`).
 
     splitserve up [--model PATH] [--port 50051] [--dtype auto|float32|bfloat16] ...
+    splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
 """
 
@@ -13,11 +14,21 @@ from pathlib import Path
 
 import grpc
 
-from services.launcher import ClusterSpec, ServiceProcesses
+from services.launcher import ClusterSpec, DevicePlanError, ServiceProcesses, plan_devices
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 
-def _up(a: argparse.Namespace) -> int:
+def visible_gpus() -> int:
+    """CUDA GPUs torch sees here. torch is imported only when a GPU may be wanted: it takes
+    seconds, and `generate` (or `up --device cpu`) never needs it."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
+    """`up`'s flags as what to start; raises DevicePlanError when the workers cannot each get
+    a GPU of their own among the `num_gpus` this machine has."""
     sched_args: list[str] = ["--max-num-seqs", str(a.max_num_seqs),
                              "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                              "--block-size", str(a.block_size)]
@@ -35,13 +46,26 @@ def _up(a: argparse.Namespace) -> int:
         worker_args.append("--no-quant-kernels")
     if a.cpu_level:
         worker_args += ["--cpu-level", a.cpu_level]
+    if a.gpu_memory_utilization is not None:
+        worker_args += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    if a.enforce_eager:
+        worker_args.append("--enforce-eager")
+    devices = plan_devices(a.device, a.tp, a.pp, a.replicas, num_gpus)
     metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
-    spec = ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
+    return ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
                        kv_admin_port=a.port + 3, kv_events_port=a.port + 4,
                        metrics_port=metrics_port, dtype=a.dtype, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(sched_args),
                        worker_args=tuple(worker_args), threads_per_worker=a.threads,
-                       log_level=a.log_level)
+                       worker_devices=devices, log_level=a.log_level)
+
+
+def _up(a: argparse.Namespace) -> int:
+    try:
+        spec = cluster_spec(a, 0 if a.device == "cpu" else visible_gpus())
+    except DevicePlanError as exc:
+        print(f"splitserve: {exc}", file=sys.stderr)
+        return 2
     procs = ServiceProcesses(spec, Path(a.log_dir) if a.log_dir else None)
     stopping = False
 
@@ -53,7 +77,9 @@ def _up(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     procs.start()
     print(f"splitserve: starting kvcache_svc, scheduler_svc and {a.tp * a.pp * a.replicas} "
-          f"worker(s) on {procs.address} ...", file=sys.stderr)
+          f"worker(s) on {', '.join(dict.fromkeys(spec.worker_devices))}, serving on "
+          f"{procs.address} ...",
+          file=sys.stderr)
     try:
         deadline = time.monotonic() + a.startup_timeout
         ready = False
@@ -117,6 +143,14 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def fraction(text: str) -> float:
+    """A share of a device's memory: above 0, at most 1."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,9 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "takes PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
-    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                    default="auto",
                     help="auto: bfloat16 on a GPU or a CPU with native bfloat16 dot products "
-                         "(AVX512-BF16), float32 elsewhere")
+                         "(AVX512-BF16), float32 elsewhere; float16 on GPU workers only")
+    up.add_argument("--device", default="auto",
+                    help="workers' device: auto (cuda when torch sees a GPU, else cpu), cpu, "
+                         "cuda (worker i on cuda:i; one GPU per worker, so tp x pp x replicas "
+                         "must not exceed the GPUs) or cuda:N (one worker, on GPU N)")
+    up.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                    help="GPU workers: fraction of the GPU's memory a worker may use for "
+                         "weights, activations and KV cache (worker default 0.9)")
+    up.add_argument("--enforce-eager", action="store_true",
+                    help="GPU workers: no CUDA graphs, every step launched op by op")
     up.add_argument("--cpu-level", default=None,
                     help="workers' kernel instruction set: auto, avx512_bf16, avx512, avx2, none")
     up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")

@@ -4,6 +4,11 @@
 child `python -m <service>`. Used by `splitserve up` and by the end-to-end tests. If any child
 dies, the rest are stopped and the launcher reports it; SIGTERM goes to every child, then
 SIGKILL after a grace period.
+
+GPUs: every worker gets a GPU of its own (`plan_devices`): worker i computes on `cuda:i`. One
+GPU cannot host two NCCL ranks of a replica, and two workers sharing one would each size their
+KV cache from its whole memory, so more workers than GPUs is refused before anything starts
+(the scheduler refuses such a registration too; this catches it without a crash).
 """
 
 import os
@@ -41,8 +46,50 @@ class ClusterSpec:
     scheduler_args: tuple[str, ...] = ()    # extra scheduler flags
     worker_args: tuple[str, ...] = ()       # extra worker flags
     threads_per_worker: int = 0             # 0: this machine's CPUs / workers
+    worker_devices: tuple[str, ...] = ()    # worker i's --device ("cpu", "cuda:N"); ():
+                                            # each worker's own default (plan_devices)
     log_level: str = "info"
     env: dict[str, str] = field(default_factory=dict)
+
+
+class DevicePlanError(ValueError):
+    """The workers asked for cannot each get a device of their own on this machine."""
+
+
+def plan_devices(device: str, tp: int, pp: int, num_replicas: int,
+                 num_gpus: int) -> tuple[str, ...]:
+    """Each worker's --device for `splitserve up --device DEVICE` (tp x pp x num_replicas
+    workers) on a machine where torch sees `num_gpus` CUDA GPUs. "cpu": all on the CPU;
+    "auto": "cuda" with a GPU, else "cpu"; "cuda": worker i on cuda:i; "cuda:N": the one
+    worker on GPU N. Refuses more workers than GPUs: a worker needs a GPU of its own."""
+    num_workers = tp * pp * num_replicas
+    if device == "auto":
+        device = "cuda" if num_gpus > 0 else "cpu"
+    if device == "cpu":
+        return ("cpu",) * num_workers
+    if device != "cuda" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise DevicePlanError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if num_gpus == 0:
+        raise DevicePlanError(f"--device {device}: torch sees no CUDA GPU (a CPU build of "
+                              f"torch, no driver, or CUDA_VISIBLE_DEVICES empty); use "
+                              f"--device cpu")
+    if device == "cuda":
+        if num_workers > num_gpus:
+            raise DevicePlanError(
+                f"--device cuda: tp {tp} x pp {pp} x {num_replicas} replica(s) = "
+                f"{num_workers} workers, but torch sees {num_gpus} GPU(s); each worker needs "
+                f"its own GPU (one GPU cannot host two NCCL ranks): lower --replicas, --tp or "
+                f"--pp, or use --device cpu")
+        return tuple(f"cuda:{i}" for i in range(num_workers))
+    if num_workers != 1:
+        raise DevicePlanError(
+            f"--device {device} names one GPU, but tp {tp} x pp {pp} x {num_replicas} "
+            f"replica(s) = {num_workers} workers need one each; use --device cuda (worker i "
+            f"on cuda:i) and CUDA_VISIBLE_DEVICES to choose which GPUs")
+    if int(device[5:]) >= num_gpus:
+        raise DevicePlanError(f"--device {device}: torch sees {num_gpus} GPU(s), "
+                              f"cuda:0..cuda:{num_gpus - 1}")
+    return (device,)
 
 
 class ServiceProcesses:
@@ -71,15 +118,19 @@ class ServiceProcesses:
 
     def start(self) -> None:
         s = self.spec
-        common = ["--log-level", s.log_level]
         self.start_kvcache()
         self.start_scheduler()
-        model = ["--model", s.model] if s.model else []
         for i in range(s.tp * s.pp * s.num_replicas):
-            self._spawn(f"worker{i}", "worker_svc", [
-                *model, "--scheduler", self.address, "--host", s.host,
+            self._spawn(f"worker{i}", "worker_svc", self.worker_args(i))
+
+    def worker_args(self, i: int) -> list[str]:
+        """Worker i's command line: its id, its device (if planned) and the common flags."""
+        s = self.spec
+        model = ["--model", s.model] if s.model else []
+        device = ["--device", s.worker_devices[i]] if s.worker_devices else []
+        return [*model, "--scheduler", self.address, "--host", s.host,
                 "--threads", str(self.threads_per_worker), "--worker-id", f"worker{i}",
-                *common, *s.worker_args])
+                *device, "--log-level", s.log_level, *s.worker_args]
 
     @property
     def threads_per_worker(self) -> int:

@@ -162,20 +162,52 @@ def test_operator_model_directory(tmp_path: Path) -> None:
         assert svc["environment"]["SPLITSERVE_MODEL"] == "/models/mine.gguf"
 
 
+GPU_WORKER_KEYS = ("build", "image", "deploy", "command", "environment", "volumes")
+
+
 def test_gpu_only_with_the_override(config: dict[str, Any], gpu_config: dict[str, Any]) -> None:
     assert all("deploy" not in svc for svc in config["services"].values())
     worker = gpu_config["services"]["worker"]
+    base = config["services"]["worker"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert device["count"] == 1
+    # Every GPU is visible (`all` normalizes to -1) and services.gpu_claim picks one per
+    # worker: `count: 1` would show every scaled worker the same GPU 0.
+    assert device["count"] == -1
+    # PyPI's torch is the CUDA build (triton comes with it); the CPU image's index is not.
     assert worker["build"]["args"]["TORCH_INDEX_URL"] == "https://pypi.org/simple"
-    assert worker["image"] != config["services"]["worker"]["image"]
+    assert worker["image"] != base["image"]
     for name in ("model-init", "kvcache", "scheduler"):
         assert gpu_config["services"][name] == config["services"][name], name
-    base_worker = {k: v for k, v in config["services"]["worker"].items()
-                   if k not in ("build", "image")}
-    assert {k: v for k, v in worker.items() if k not in ("build", "image", "deploy")} \
-        == base_worker
+    # The rest of the worker is the CPU one's, and its environment only gains the GPU keys.
+    assert {k: v for k, v in worker.items() if k not in GPU_WORKER_KEYS} \
+        == {k: v for k, v in base.items() if k not in GPU_WORKER_KEYS}
+    assert base["environment"].items() <= worker["environment"].items()
+    assert worker["volumes"][:len(base["volumes"])] == base["volumes"]
+
+
+def test_gpu_workers_claim_a_gpu_each_and_compute_on_it(gpu_config: dict[str, Any],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.gpu_claim import parse_args as parse_claim
+    from worker_svc.__main__ import parse_args as parse_worker
+
+    worker = gpu_config["services"]["worker"]
+    env = worker["environment"]
+    assert env["SPLITSERVE_DEVICE"] == "cuda"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"     # GPU i is the same in every container
+    command = worker["command"]
+    assert command[:3] == ["python", "-m", "services.gpu_claim"]
+    for key in [k for k in os.environ if k.startswith("SPLITSERVE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    claim, worker_command = parse_claim(command[3:])
+    assert worker_command == ["python", "-m", "worker_svc"]
+    assert parse_worker(worker_command[3:]).device == "cuda"
+    # The locks live on one named volume that every scaled worker container mounts.
+    (claims,) = [m for m in worker["volumes"] if m["target"] == claim.dir]
+    assert claims["type"] == "volume" and not claims.get("read_only")
+    assert claims["source"] in gpu_config["volumes"]
 
 
 # (b) every command parses with its own service's flags -----------------------------------

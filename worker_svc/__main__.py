@@ -23,6 +23,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 from services.model_config import ModelFormatError, default_model_path
+from worker_svc.device import DeviceError, resolve_device
 from worker_svc.kernels.cpu import describe, select_level
 from worker_svc.memory import keep_freed_memory
 from worker_svc.server import WorkerConfig, WorkerServer
@@ -46,11 +47,19 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--port", type=int, default=int(env("WORKER_PORT", "0") or 0),
                    help="step socket port (0: any free port)")
     p.add_argument("--worker-id", default=env("WORKER_ID"))
-    p.add_argument("--device", default=env("DEVICE", "cpu"))
+    p.add_argument("--device", default=env("DEVICE", "auto"),
+                   help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--kv-cache-memory-gib", type=float,
                    default=float(env("KV_CACHE_MEMORY_GIB", "2") or 2),
-                   help="CPU: bytes of memory given to the KV cache")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+                   help="CPU: the most memory the KV cache may take (less if the host has "
+                        "less available)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=float(env("GPU_MEMORY_UTILIZATION", "0.9") or 0.9),
+                   help="GPU: share of the GPU's memory for weights, activations and the KV "
+                        "cache")
+    p.add_argument("--enforce-eager", action="store_true",
+                   default=env("ENFORCE_EAGER", "0") in ("1", "true", "yes", "on"),
+                   help="GPU: no CUDA graphs (every step launched op by op)")
     p.add_argument("--threads", type=int, default=int(env("THREADS", "0") or 0),
                    help="torch and kernel threads (0: the CPUs this process may use: its "
                         "affinity, capped by a container's CPU quota)")
@@ -79,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     except ValueError as exc:
         p.error(str(exc))
     log.info("%s", describe(cpu_level))
+    try:
+        device = resolve_device(a.device)
+    except DeviceError as exc:
+        p.error(str(exc))
+    if not 0.0 < a.gpu_memory_utilization <= 1.0:
+        p.error(f"--gpu-memory-utilization must be in (0, 1], got {a.gpu_memory_utilization}")
+    overlap = os.environ.get("SPLITSERVE_OVERLAP_STEPS")  # tests: force on (1) or off (0)
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     advertise = a.advertise_host or a.host
     if advertise in ("0.0.0.0", "::"):
@@ -87,11 +103,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     return WorkerConfig(
         scheduler_address=a.scheduler, model_path=str(a.model or default_model_path()),
         host=a.host, advertise_host=advertise, port=a.port,
-        worker_id=worker_id, epoch=time.time_ns(), device=a.device,
+        worker_id=worker_id, epoch=time.time_ns(), device=device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
         quant_kernels=not a.no_quant_kernels, cpu_level=cpu_level,
         register_timeout_s=a.register_timeout, health_file=a.health_file,
+        enforce_eager=a.enforce_eager,
+        overlap_steps=None if overlap is None else overlap == "1",
         # End-to-end tests only (tests/e2e/test_step_path.py): no flag, so no user meets it.
         fail_request_prefix=os.environ.get("SPLITSERVE_TEST_FAIL_REQUEST_PREFIX") or None)
 

@@ -79,6 +79,24 @@ class AttentionMetadata:
     prefill_groups: list[PrefillGroup]  # the longer chunks, in row order after the decodes
 
 
+def metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """`meta` with every tensor moved to `device` (built on the host, used on a GPU)."""
+    if device.type == "cpu":
+        return meta
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    groups = [PrefillGroup(g.token_start, g.token_end, g.num_chunks, g.max_query_len,
+                           g.max_kv_len, move(g.padded_rows), move(g.gather_rows),
+                           move(g.mask)) for g in meta.prefill_groups]
+    return AttentionMetadata(meta.block_size, move(meta.positions), move(meta.slot_mapping),
+                             meta.num_decodes, move(meta.decode_gather_rows),
+                             move(meta.decode_bias), move(meta.decode_mask),
+                             move(meta.block_table), move(meta.row_request),
+                             move(meta.row_kv_lens), groups)
+
+
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
                              block_tables: list[list[int]], block_size: int,
                              num_blocks: int, torch_path: bool = True) -> AttentionMetadata:

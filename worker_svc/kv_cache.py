@@ -45,10 +45,11 @@ def num_blocks_for_budget(budget_bytes: int, specs: list[KvLayerSpec]) -> int:
     return max(0, budget_bytes) // bytes_per_block(specs)
 
 
-def allocate_kv_caches(specs: list[KvLayerSpec], num_blocks: int) -> list[torch.Tensor]:
+def allocate_kv_caches(specs: list[KvLayerSpec], num_blocks: int,
+                       device: torch.device | None = None) -> list[torch.Tensor]:
     """One zeroed `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), "
                          f"got {num_blocks}")
-    return [torch.zeros((2, num_blocks, *spec.shape_per_block), dtype=spec.dtype)
+    return [torch.zeros((2, num_blocks, *spec.shape_per_block), dtype=spec.dtype, device=device)
             for spec in specs]

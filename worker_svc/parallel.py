@@ -6,7 +6,7 @@ step's tokens out identically (the runner sorts them the same way from the same 
 stage k only sends stage k+1 the hidden states and residual of its last layer: two
 [num_tokens, hidden_size] tensors, from each TP rank to the same TP rank of the next stage
 (after the all-reduce every TP rank of a stage holds the same activations). Tensors travel as
-raw bytes (gloo on CPU; NCCL would carry them on GPU).
+raw bytes: gloo between CPU workers, NCCL device to device between GPU workers.
 """
 
 import datetime
@@ -28,7 +28,7 @@ class ParallelGroups:
     def __init__(self, init_method: str, pp_rank: int, pp_size: int, tp_rank: int,
                  tp_size: int, timeout_s: float, device: str = "cpu") -> None:
         # The collectives run where the tensors live: NCCL for CUDA tensors, gloo for CPU.
-        backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() else "gloo"
+        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         self.rank = pp_rank * tp_size + tp_rank
         world_size = pp_size * tp_size
         try:
@@ -56,13 +56,14 @@ class ParallelGroups:
                  backend, init_method, self.rank, world_size, pp_rank, pp_size, tp_rank,
                  tp_size)
 
-    def recv(self, num_tokens: int, hidden_size: int,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and residual from the previous stage, each [num_tokens, hidden]."""
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and residual from the previous stage, each [num_tokens, hidden], on
+        `device` (NCCL moves them GPU to GPU)."""
         assert self.prev_rank is not None
         tensors = []
         for _ in range(2):
-            buf = torch.empty(num_tokens, hidden_size, dtype=dtype)
+            buf = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
             dist.recv(buf.view(torch.uint8), src=self.prev_rank)
             tensors.append(buf)
         return tensors[0], tensors[1]

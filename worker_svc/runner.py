@@ -1,22 +1,33 @@
 """`ModelRunner`: one worker's model shard, its KV cache and input batch; runs one step.
 
-The worker's service loop owns the sockets and calls, in order: `kv_bytes_per_block` /
-`num_blocks_for_budget` (capacity report), `init_cache` (after `InitCache`), then `execute`
-once per `StepInput`. The last pipeline stage returns a `StepOutput`; an earlier stage
-returns the `StageActivations` its caller sends to the next stage, whose `execute` takes them.
+The worker's service loop owns the sockets and calls, in order: `measure_kv_budget` (the
+capacity report), `init_cache` (after `InitCache`), then `launch` and `finish` once per
+`StepInput` (`execute` is the two back to back). The last pipeline stage returns a
+`StepOutput`; an earlier stage returns the `StageActivations` its caller sends to the next
+stage, whose step takes them.
 
 A step: apply the diff to the input batch, lay the requests out one-token queries first,
-build every per-step tensor once, run the stage's layers, and on the last stage compute logits
-only for requests whose step reaches their last known token, sample, and append each sampled
-token to its request (the scheduler does not send the last stage its own tokens back).
+build every per-step tensor once (on the host, copied to the device), run the stage's layers,
+and on the last stage compute logits only for requests whose step reaches their last known
+token, sample, and append each sampled token to its request (the scheduler does not send the
+last stage its own tokens back).
+
+Launch and finish are apart so that a GPU never waits for the host: `launch` queues the
+step's work and returns; a greedy step's sampled ids stay on the device, their copy to the host
+in flight, and each sampling request holds a placeholder (`PENDING`) for its new token. If the
+next step arrives before that copy is read, its `launch` takes those tokens straight from the
+device (a decode's input is the token just sampled) and queues behind the running step; then
+`finish` of the earlier step waits for its copy, writes the tokens over the placeholders and
+builds its `StepOutput`. Outputs still leave in step order.
 
 A step that raises leaves the runner consistent: the input batch forgets the step's requests
 (see `InputBatch.discard`), nothing else persists between steps but the KV tensors, whose
 slots for those requests are freed by the scheduler. `failed_output` is the answer to send.
 """
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,19 +41,34 @@ from services.wire import (
     StepTimings,
     TokenLogprobs,
 )
-from worker_svc.attention import build_attention_metadata
+from worker_svc.attention import build_attention_metadata, metadata_to
+from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
+from worker_svc.device import dtype_for
 from worker_svc.input_batch import InputBatch, ScheduledRequest
+from worker_svc.kernel_choice import choose_kernels
 from worker_svc.kernels import CpuLevel
+from worker_svc.kernels.cpu import detect_level
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
     bytes_per_block,
     num_blocks_for_budget,
 )
+from worker_svc.memory_budget import (
+    KvBudget,
+    cpu_budget,
+    estimate_activation_bytes,
+    gpu_budget,
+    host_available_bytes,
+)
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import load_weights
-from worker_svc.sampler import sample
-from worker_svc.tensor_parallel import TpGroup
+from worker_svc.sampler import is_greedy, sample
+from worker_svc.tensor_parallel import TpGroup, TpShard
+
+log = logging.getLogger(__name__)
+
+PENDING = -1   # a token sampled on the device whose value the host has not read yet
 
 
 @dataclass(slots=True)
@@ -53,35 +79,88 @@ class StageActivations:
     residual: torch.Tensor        # [num_tokens, hidden_size]
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose work is queued; `ModelRunner.finish` turns it into its result."""
+
+    step: StepInput
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    sampling: list[ScheduledRequest] = field(default_factory=list)  # sampled rows, in order
+    activations: StageActivations | None = None        # non-last stages
+    device_tokens: torch.Tensor | None = None          # [len(sampling)] int64, greedy steps
+    host_tokens: torch.Tensor | None = None            # their copy on the host
+    token_ids: list[int] | None = None                 # already on the host (sampled there)
+    positions: list[int] = field(default_factory=list)  # each sampling row's PENDING index
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    copied: torch.cuda.Event | None = None             # host_tokens complete
+    gpu_start: torch.cuda.Event | None = None
+    gpu_end: torch.cuda.Event | None = None
+    previous_end: torch.cuda.Event | None = None       # the step before's gpu_end
+    num_tokens: int = 0
+    prepare_ms: float = 0.0
+    forward_ms: float = 0.0                            # host time; GPU time when on CUDA
+    sample_ms: float = 0.0
+    launched_at: float = 0.0                           # perf_counter() after the launch
+    gap_ms: float = 0.0
+
+    def ready(self) -> bool:
+        """Whether `finish` would return without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
+
 class ModelRunner:
     """Runs steps for one pipeline stage (layers [first_layer, end_layer)) of one replica."""
 
     def __init__(self, model_config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
                  worker_id: str, first_layer: int = 0, end_layer: int | None = None,
                  is_last_stage: bool = True, quant_kernels: bool = True,
-                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None):
-        """`quant_kernels`: run small steps on the GGUF's own quantized blocks (see
+                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
+                 device: torch.device | None = None, kernels: str | None = None,
+                 enforce_eager: bool = False):
+        """`quant_kernels`: run small CPU steps on the GGUF's own quantized blocks (see
         worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
-        kernels' level (None: the best this CPU has)."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+        kernels' level (None: the best this CPU has). `device`: where it computes (default
+        the CPU). `kernels`: auto / c / triton / torch (worker_svc.kernel_choice).
+        `enforce_eager`: no CUDA graphs."""
+        self.device = torch.device("cpu") if device is None else device
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                torch.float16: "float16"}.get(dtype)
+        if name is None:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype}")
+        dtype_for(self.device, name)      # refuses what this device cannot compute in
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
+        self.enforce_eager = enforce_eager
+        shard = tp.shard if tp is not None else TpShard.whole(
+            model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size,
+            model_config.vocab_size)
+        level = detect_level() if cpu_level is None else cpu_level
+        layer_kernels = choose_kernels(self.device, level, model_config.head_dim,
+                                       shard.num_heads // shard.num_kv_heads, dtype, kernels)
         self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp,
-                                cpu_level)
+                                level, self.device, layer_kernels)
         weights = load_weights(model_path, model_config, dtype, first_layer,
                                self.model.end_layer, is_last_stage)
-        if not quant_kernels:
-            weights.quant.clear()
+        if not quant_kernels or not layer_kernels.quant:
+            weights.quant.clear()            # only the CPU's quantized-block kernels use them
+        if self.device.type != "cpu":
+            weights.tensors = {k: t.to(self.device) for k, t in weights.tensors.items()}
         self.model.load_weights(weights)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
+        self.graphs: DecodeGraphs | None = None
+        # Test hook: run decode steps through the padded persistent buffers without capturing
+        # graphs (set before init_cache; how graph padding is tested on a CPU).
+        self.padded_decode = False
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
-        self._last_forward_end: float | None = None   # perf_counter() after the last forward
+        self._pending: LaunchedStep | None = None   # the latest step with tokens on the device
+        self._pending_rows: dict[str, tuple[int, int]] = {}  # id -> (its row, token position)
+        self._last_end: LaunchedStep | float | None = None   # for the gap between forwards
         # The current (or last) step's forward finished: its KV is all in the cache.
         self._kv_written = False
         # Test-only fault injection (worker_svc.server, from the environment): a step holding
@@ -103,34 +182,131 @@ class ModelRunner:
         """Blocks (null block included) that fit in `budget_bytes` for this worker's layers."""
         return num_blocks_for_budget(budget_bytes, self.kv_layer_specs(block_size))
 
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the KV tensors; drops any request state (block ids would be stale)."""
-        self.kv_caches = allocate_kv_caches(self.kv_layer_specs(block_size), num_blocks)
+    def measure_kv_budget(self, block_size: int, max_num_batched_tokens: int,
+                          max_num_seqs: int, cpu_cap_bytes: int | None,
+                          gpu_memory_utilization: float = 0.9) -> KvBudget:
+        """The KV budget from measured memory (worker_svc.memory_budget): on a GPU after a
+        profiling forward of the largest step; on a CPU from the host's available memory,
+        capped at `cpu_cap_bytes`."""
+        cfg, shard = self.config, self.model.shard
+        rows = max(1, min(max_num_seqs, max_num_batched_tokens))
+        if self.device.type == "cpu":
+            qkv = (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim
+            inter = shard.intermediate[1] - shard.intermediate[0]
+            peak = estimate_activation_bytes(max_num_batched_tokens,
+                                             rows if self.is_last_stage else 0,
+                                             cfg.hidden_size, qkv, inter, cfg.vocab_size,
+                                             torch.empty((), dtype=self.dtype).element_size())
+            return cpu_budget(host_available_bytes(), self.weight_bytes, peak, cpu_cap_bytes)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(self.device)    # the weights and tables
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = self._profile_forward(max_num_batched_tokens, rows, block_size)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        other = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        return gpu_budget(str(self.device), total, gpu_memory_utilization, before, max(0, peak),
+                          other)
+
+    def _profile_forward(self, num_tokens: int, num_rows: int, block_size: int) -> int:
+        """One forward of `num_tokens` tokens over `num_rows` new requests (logits and greedy
+        sampling for each), on a scratch KV cache; returns the scratch cache's bytes."""
+        lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
+                for i in range(num_rows)]
+        lens.sort()                              # one-token queries first
+        tables, next_block = [], 1
+        for n in lens:
+            need = -(-n // block_size)
+            tables.append(list(range(next_block, next_block + need)))
+            next_block += need
+        specs = self.kv_layer_specs(block_size)
+        caches = allocate_kv_caches(specs, next_block, self.device)
+        with torch.inference_mode():
+            meta = metadata_to(build_attention_metadata(
+                lens, [0] * num_rows, tables, block_size, next_block,
+                torch_path=self.model.kernels.attention is None), self.device)
+            hidden = residual = ids = None
+            if self.model.is_first_stage:
+                ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            else:
+                hidden = torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+                residual = torch.zeros_like(hidden)
+            hidden, residual = self.model.forward(ids, hidden, residual, meta.positions, meta,
+                                                  caches)
+            if self.is_last_stage:
+                last = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
+                logits = self.model.compute_logits(hidden.index_select(0, last),
+                                                   residual.index_select(0, last))
+                logits.float().argmax(dim=-1)
+        del caches
+        return bytes_per_block(specs) * next_block
+
+    def init_cache(self, num_blocks: int, block_size: int, max_num_seqs: int = 256) -> None:
+        """Allocate the KV tensors; drops any request state (block ids would be stale). On
+        CUDA, captures the decode graphs (unless enforce_eager) for up to `max_num_seqs`."""
+        self.kv_caches = []
+        self.graphs = None
+        self.kv_caches = allocate_kv_caches(self.kv_layer_specs(block_size), num_blocks,
+                                            self.device)
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
                                       self.config.max_model_len)
+        self._pending, self._pending_rows, self._last_end = None, {}, None
+        # The graphs' metadata is the kernels' (block table, keys per row); the torch
+        # attention path needs per-step padded gathers and is never captured.
+        eligible = self.model.is_first_stage and self.model.kernels.attention is not None
+        capture = (eligible and self.device.type == "cuda" and not self.enforce_eager
+                   and self.model.tp is None)
+        if capture or (eligible and self.padded_decode):
+            self.graphs = DecodeGraphs(
+                self._graph_forward, capture_sizes(max_num_seqs),
+                -(-self.config.max_model_len // block_size), block_size, self.device, capture)
+            seconds = self.graphs.capture_all()
+            if capture:
+                log.info("captured CUDA graphs for decode batches %s in %.1fs",
+                         self.graphs.sizes, seconds)
+
+    def _graph_forward(self, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward(input_ids, None, None, meta.positions, meta, self.kv_caches)
 
     # ------------------------------------------------------------------------------------ step
 
     def execute(self, step: StepInput, stage_input: StageActivations | None = None
                 ) -> StepOutput | StageActivations:
-        """Run one step. `stage_input` is the previous stage's output (non-first stages only).
+        """Run one step and wait for its result (`launch`, then `finish`)."""
+        return self.finish(self.launch(step, stage_input))
 
-        Returns the `StepOutput` on the last stage, else this stage's `StageActivations`. If
-        the step raises, its requests are dropped from the input batch before it propagates.
-        """
+    def launch(self, step: StepInput, stage_input: StageActivations | None = None
+               ) -> LaunchedStep:
+        """Queue one step. `stage_input` is the previous stage's output (non-first stages
+        only). If it raises, the step's requests are dropped from the input batch."""
         if self.input_batch is None:
-            raise RuntimeError("execute() before init_cache()")
+            raise RuntimeError("launch() before init_cache()")
         if self.model.is_first_stage != (stage_input is None):
             raise ValueError("stage_input is required on, and only on, non-first stages")
         self._kv_written = False
         try:
-            return self._execute(step, stage_input, self.input_batch)
+            return self._launch(step, stage_input, self.input_batch)
         except Exception:
             self.input_batch.discard(step)
             raise
 
+    def finish(self, launched: LaunchedStep) -> StepOutput | StageActivations:
+        """Wait for a launched step and return its result; steps finish in launch order."""
+        if launched.activations is not None:
+            return launched.activations
+        try:
+            return self._finish(launched)
+        except Exception:
+            if self.input_batch is not None:
+                self.input_batch.discard(launched.step)
+            raise
+
     def failed_output(self, step: StepInput, exc: Exception) -> StepOutput:
-        """The answer to `step` after `execute` raised `exc` (one-rank replicas only)."""
+        """The answer to `step` after `launch` or `finish` raised `exc` (one-rank replicas)."""
         return StepOutput(step_id=step.step_id, worker_id=self.worker_id, request_ids=[],
                           sampled_token_ids=[], logprobs=[],
                           timings=StepTimings(prepare_ms=0.0, forward_ms=0.0, sample_ms=0.0,
@@ -138,69 +314,93 @@ class ModelRunner:
                           error=StepError(f"{type(exc).__name__}: {exc}"[:4096],
                                           kv_written=self._kv_written))
 
-    def _execute(self, step: StepInput, stage_input: StageActivations | None,
-                 input_batch: InputBatch) -> StepOutput | StageActivations:
+    def _launch(self, step: StepInput, stage_input: StageActivations | None,
+                input_batch: InputBatch) -> LaunchedStep:
         start = time.perf_counter()
         scheduled = input_batch.apply(step)
+        launched = LaunchedStep(step, scheduled, token_ids=[])
         if not scheduled:
-            return self._empty_result(step)
+            if not self.is_last_stage:
+                empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype,
+                                    device=self.device)
+                launched.activations = StageActivations(empty, empty)
+            return launched
         prefix = self.fail_request_prefix
         if prefix is not None and any(s.state.request_id.startswith(prefix) for s in scheduled):
             raise RuntimeError(f"injected fault: a request id starts with {prefix!r}")
         # One-token queries first, then longer chunks by length (similar sizes share one
-        # padded attention call); output order is step order regardless.
+        # padded attention call on the torch path); output order is step order regardless.
         layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
+        on_gpu = self.device.type == "cuda"
         with torch.inference_mode():
             meta = build_attention_metadata(
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
                 [s.state.block_ids for s in layout], input_batch.block_size,
-                input_batch.num_blocks,
-                torch_path=self.model.kernels.attention is None)
+                input_batch.num_blocks, torch_path=self.model.kernels.attention is None)
+            meta = metadata_to(meta, self.device)
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
-                input_ids = torch.tensor(
-                    [t for s in layout for t in
-                     s.state.token_ids[s.num_computed_tokens:
-                                       s.num_computed_tokens + s.num_new_tokens]],
-                    dtype=torch.int64)
+                input_ids = self._input_ids(layout)
                 self.last_input_ids = input_ids
             else:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
             prepared = time.perf_counter()
-            gap = 0.0
-            if self._last_forward_end is not None and start - self._last_forward_end < IDLE_GAP_S:
-                gap = prepared - self._last_forward_end
-            hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
-                                                  meta.positions, meta, self.kv_caches)
-            forwarded = time.perf_counter()
+            if on_gpu:
+                launched.gpu_start = torch.cuda.Event(enable_timing=True)
+                launched.gpu_start.record()
+            elif isinstance(self._last_end, float) and start - self._last_end < IDLE_GAP_S:
+                launched.gap_ms = (prepared - self._last_end) * 1e3
+            if (self.graphs is not None and input_ids is not None
+                    and meta.num_decodes == len(layout) and self.graphs.fits(len(layout))):
+                hidden, residual = self.graphs.run(input_ids, meta)
+            else:
+                hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
+                                                      meta.positions, meta, self.kv_caches)
             self._kv_written = True
+            forwarded = time.perf_counter()
+            launched.num_tokens = int(meta.positions.shape[0])
             if not self.is_last_stage:
-                self._last_forward_end = forwarded
-                return StageActivations(hidden, residual)
-            request_ids, token_ids, logprobs = self._sample(layout, scheduled, hidden, residual)
-        done = self._last_forward_end = time.perf_counter()
-        return StepOutput(
-            step_id=step.step_id, worker_id=self.worker_id, request_ids=request_ids,
-            sampled_token_ids=token_ids, logprobs=logprobs,
-            timings=StepTimings(prepare_ms=(prepared - start) * 1e3,
-                                forward_ms=(forwarded - prepared) * 1e3,
-                                sample_ms=(done - forwarded) * 1e3,
-                                num_tokens=len(meta.positions), gap_ms=gap * 1e3))
+                launched.activations = StageActivations(hidden, residual)
+            else:
+                self._sample(launched, layout, hidden, residual)
+            if on_gpu:
+                launched.gpu_end = torch.cuda.Event(enable_timing=True)
+                launched.gpu_end.record()
+        done = time.perf_counter()
+        launched.prepare_ms = (prepared - start) * 1e3
+        launched.forward_ms = (forwarded - prepared) * 1e3
+        launched.sample_ms = (done - forwarded) * 1e3
+        launched.launched_at = done
+        if on_gpu and isinstance(self._last_end, LaunchedStep):
+            launched.previous_end = self._last_end.gpu_end   # the gap is read at finish
+        self._last_end = launched if on_gpu else done
+        return launched
 
-    def _empty_result(self, step: StepInput) -> StepOutput | StageActivations:
-        """A step that only drops finished requests."""
-        if not self.is_last_stage:
-            empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype)
-            return StageActivations(empty, empty)
-        return StepOutput(step_id=step.step_id, worker_id=self.worker_id, request_ids=[],
-                          sampled_token_ids=[], logprobs=[],
-                          timings=StepTimings(prepare_ms=0.0, forward_ms=0.0, sample_ms=0.0,
-                                              num_tokens=0))
+    def _input_ids(self, layout: list[ScheduledRequest]) -> torch.Tensor:
+        """The step's token ids on the device; tokens still on the device (PENDING) are taken
+        from the step that sampled them, without a round trip through the host."""
+        ids: list[int] = []
+        fill_rows, fill_from = [], []
+        for s in layout:
+            c = s.num_computed_tokens
+            if self._pending_rows:
+                where = self._pending_rows.get(s.state.request_id)
+                if where is not None and c <= where[1] < c + s.num_new_tokens:
+                    fill_rows.append(len(ids) + where[1] - c)
+                    fill_from.append(where[0])
+            ids.extend(s.state.token_ids[c:c + s.num_new_tokens])
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if fill_rows:
+            assert self._pending is not None and self._pending.device_tokens is not None
+            rows = torch.tensor(fill_rows).to(self.device, non_blocking=True)
+            source = torch.tensor(fill_from).to(self.device, non_blocking=True)
+            input_ids.index_copy_(0, rows, self._pending.device_tokens.index_select(0, source))
+        return input_ids
 
-    def _sample(self, layout: list[ScheduledRequest], scheduled: list[ScheduledRequest],
-                hidden: torch.Tensor, residual: torch.Tensor
-                ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
-        """Sample the requests whose step ends at their last known token; report in step order."""
+    def _sample(self, launched: LaunchedStep, layout: list[ScheduledRequest],
+                hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """Logits for the rows that sample, then greedy on the device (tokens stay there,
+        copied back asynchronously) or the full sampler (on the host's terms)."""
         rows, sampling = [], []
         end = 0
         for s in layout:
@@ -208,17 +408,70 @@ class ModelRunner:
             if s.samples:
                 rows.append(end - 1)      # the request's last row in the flat batch
                 sampling.append(s)
+        launched.sampling = sampling
         if not sampling:
-            return [], [], []
-        index = torch.tensor(rows)
+            return
+        index = torch.tensor(rows).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            residual.index_select(0, index))  # [rows, vocab]
-        token_ids, logprobs = sample(logits, [s.state.sampling for s in sampling],
-                                     [s.state.generator for s in sampling],
-                                     argmax=self.model.elementwise.argmax)
-        by_request: dict[str, tuple[int, TokenLogprobs | None]] = {}
-        for s, token_id, lp in zip(sampling, token_ids, logprobs, strict=True):
-            s.state.token_ids.append(token_id)
-            by_request[s.state.request_id] = (token_id, lp)
-        ordered = [s.state.request_id for s in scheduled if s.samples]
-        return (ordered, [by_request[r][0] for r in ordered], [by_request[r][1] for r in ordered])
+        specs = [s.state.sampling for s in sampling]
+        if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
+            token_ids, launched.logprobs = sample(logits, specs,
+                                                  [s.state.generator for s in sampling])
+            launched.token_ids = token_ids
+            for s, token_id in zip(sampling, token_ids, strict=True):
+                s.state.token_ids.append(token_id)
+            return
+        tokens = self.model.elementwise.argmax(logits)                      # [rows] int64
+        launched.token_ids = None          # read at finish
+        launched.device_tokens = tokens
+        launched.logprobs = [None] * len(sampling)
+        if self.device.type == "cuda":
+            launched.host_tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            launched.host_tokens.copy_(tokens, non_blocking=True)
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        else:
+            launched.host_tokens = tokens
+        self._pending = launched
+        self._pending_rows = {}
+        for i, s in enumerate(sampling):
+            position = len(s.state.token_ids)
+            self._pending_rows[s.state.request_id] = (i, position)
+            launched.positions.append(position)
+            s.state.token_ids.append(PENDING)
+
+    def _finish(self, launched: LaunchedStep) -> StepOutput:
+        sampling = launched.sampling
+        token_ids = launched.token_ids
+        if token_ids is None:
+            assert launched.host_tokens is not None
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            token_ids = launched.host_tokens.tolist()
+            for s, position, token_id in zip(sampling, launched.positions, token_ids,
+                                             strict=True):
+                s.state.token_ids[position] = token_id
+            if self._pending is launched:
+                self._pending, self._pending_rows = None, {}
+        forward_ms, sample_ms, gap_ms = launched.forward_ms, launched.sample_ms, launched.gap_ms
+        if launched.gpu_end is not None and launched.gpu_start is not None:
+            # On a GPU the host only queued the work: report the GPU's own clock, and the
+            # gap as the GPU's idle time since the step before ended.
+            launched.gpu_end.synchronize()
+            forward_ms, sample_ms = launched.gpu_start.elapsed_time(launched.gpu_end), 0.0
+            previous = launched.previous_end
+            gap_ms = 0.0 if previous is None else max(0.0, previous.elapsed_time(
+                launched.gpu_start))
+            if gap_ms > IDLE_GAP_S * 1e3:
+                gap_ms = 0.0
+        by_request = {s.state.request_id: (t, lp) for s, t, lp in
+                      zip(sampling, token_ids, launched.logprobs, strict=True)}
+        ordered = [s.state.request_id for s in launched.scheduled if s.samples]
+        return StepOutput(
+            step_id=launched.step.step_id, worker_id=self.worker_id, request_ids=ordered,
+            sampled_token_ids=[by_request[r][0] for r in ordered],
+            logprobs=[by_request[r][1] for r in ordered],
+            timings=StepTimings(prepare_ms=launched.prepare_ms, forward_ms=forward_ms,
+                                sample_ms=sample_ms, num_tokens=launched.num_tokens,
+                                gap_ms=gap_ms))

@@ -79,7 +79,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     else:
         token_ids = logits.argmax(dim=-1)              # [rows]; first maximum wins ties
         if random_rows:
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = _sample_random(
                 logits.index_select(0, rows), [specs[i] for i in random_rows],
                 [generators[i] for i in random_rows])
@@ -87,7 +87,7 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
 
 
 def argmax_float(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> [rows], first maximum, in torch (also TorchElementwise.argmax)."""
+    """[rows, vocab] -> [rows], first maximum, in torch (TorchElementwise.argmax too)."""
     return logits.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
 
 
@@ -95,22 +95,25 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                    generators: Sequence[SeededUniforms | None]) -> torch.Tensor:
     """Temperature, top-k, top-p, then one inverse-CDF draw per row -> [rows] token ids."""
     vocab = logits.shape[-1]
-    temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32)
+    device = logits.device
+    temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32,
+                                device=device)
     x = logits / temperatures[:, None]                 # [rows, vocab]
 
     top_ks = [spec.top_k if 0 < spec.top_k < vocab else vocab for spec in specs]
     if min(top_ks) < vocab:
         top_values = x.topk(min(max(k for k in top_ks if k < vocab), vocab), dim=-1).values
-        kth = torch.tensor([k - 1 if k < vocab else 0 for k in top_ks])
+        kth = torch.tensor([k - 1 if k < vocab else 0 for k in top_ks], device=device)
         threshold = top_values.gather(1, kth[:, None])  # [rows, 1]
-        threshold[torch.tensor(top_ks) >= vocab] = float("-inf")
+        threshold[torch.tensor(top_ks, device=device) >= vocab] = float("-inf")
         x = x.masked_fill(x < threshold, float("-inf"))
     probs = x.softmax(dim=-1)                          # [rows, vocab]
 
     top_p_rows = [i for i, spec in enumerate(specs) if spec.top_p < 1.0]
     if top_p_rows:
-        rows = torch.tensor(top_p_rows)
-        top_ps = torch.tensor([specs[i].top_p for i in top_p_rows], dtype=torch.float32)
+        rows = torch.tensor(top_p_rows, device=device)
+        top_ps = torch.tensor([specs[i].top_p for i in top_p_rows], dtype=torch.float32,
+                              device=device)
         probs[rows] = _apply_top_p(probs.index_select(0, rows), top_ps)
 
     uniforms = torch.empty(len(specs), dtype=torch.float64)
@@ -121,7 +124,8 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         if generator is not None:
             uniforms[i] = generator.next()
     cdf = probs.double().cumsum(dim=-1)                # [rows, vocab], not normalized
-    targets = uniforms[:, None] * cdf[:, -1:]
+    # The draws are made on the host (seeded streams, torch's CPU generator), then moved.
+    targets = uniforms.to(device)[:, None] * cdf[:, -1:]
     # right=True: the first token whose cdf exceeds the target, never a zero-probability one.
     token_ids = torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=vocab - 1)
     # A row with no finite mass (NaN or inf logits) would pick an arbitrary token: take its
@@ -152,11 +156,14 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     result: list[TokenLogprobs | None] = [None] * len(specs)
     if not wanted:
         return result
-    rows = torch.tensor(wanted)
+    rows = torch.tensor(wanted, device=logits.device)
     logprobs = logits.index_select(0, rows).log_softmax(dim=-1)         # [wanted, vocab]
     sampled = logprobs.gather(1, token_ids[rows][:, None])[:, 0].tolist()
     max_top = max(specs[i].num_logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    top_values, top_ids = None, None
+    if max_top:
+        # One copy to the host for the whole batch (on a GPU each small .tolist() would wait).
+        top_values, top_ids = (t.cpu() for t in logprobs.topk(max_top, dim=-1))
     for j, i in enumerate(wanted):
         n = specs[i].num_logprobs or 0
         result[i] = TokenLogprobs(

@@ -43,13 +43,20 @@ from services.wire import (
     ToWorker,
     WorkerFailure,
 )
+from worker_svc.device import (
+    DeviceError,
+    device_label,
+    device_uuid,
+    dtype_for,
+)
+from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
+from worker_svc.runner import LaunchedStep
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_RPC_TIMEOUT_S = 2.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +68,17 @@ class WorkerConfig:
     port: int                       # 0 = any free port
     worker_id: str
     epoch: int                      # incarnation, ns since the Unix epoch at start
-    device: str
-    kv_cache_bytes: int             # CPU KV budget
-    gpu_memory_utilization: float
+    device: torch.device            # resolved from --device (worker_svc.device)
+    kv_cache_bytes: int             # CPU: the cap on the KV budget
+    gpu_memory_utilization: float   # GPU: share of its memory the worker may use
     num_threads: int                # 0 = the CPUs this process may use (services.cpus)
     quant_kernels: bool             # small steps on the GGUF's quantized blocks
     cpu_level: CpuLevel             # the C kernels' instruction set (kernels/cpu.py)
     register_timeout_s: float
     health_file: str | None = None  # touched on every acknowledged heartbeat
+    enforce_eager: bool = False     # no CUDA graphs
+    # Launch the next step before reading the last one's tokens (None: on CUDA only).
+    overlap_steps: bool | None = None
     fail_request_prefix: str | None = None  # tests only: steps with such a request raise
 
 
@@ -85,7 +95,7 @@ class WorkerServer:
         """What this worker computes best in (RegisterRequest.preferred_dtype): bfloat16 on
         a GPU or a CPU with a native bfloat16 dot product; elsewhere bfloat16 would compute
         in float32 anyway, and float32 keeps full precision."""
-        if self.config.device.startswith("cuda") or self.config.cpu_level.native_bf16:
+        if self.config.device.type == "cuda" or self.config.cpu_level.native_bf16:
             return "bfloat16"
         return "float32"
 
@@ -94,7 +104,9 @@ class WorkerServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
         torch.set_num_threads(cfg.num_threads or available_cpus())
-        log.info("%d threads", torch.get_num_threads())
+        log.info("%d threads; %s", torch.get_num_threads(), describe_device(cfg.device))
+        if cfg.device.type == "cuda":
+            torch.cuda.set_device(cfg.device)
         ctx = zmq.Context()
         steps: Receiver[ToWorker] = Receiver(ctx, Codec(ToWorker), f"tcp://{cfg.host}:{cfg.port}")
         step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
@@ -157,7 +169,7 @@ class WorkerServer:
                     return 1
             elif link is not None and runner.model.tp is not None:
                 runner.model.tp.group = link.tp_group   # same slice, new process group
-            num_blocks = runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size)
+            num_blocks = self._capacity(runner, placement)
             try:
                 control.ReportCapacity(control_pb2.CapacityReport(
                     worker_id=cfg.worker_id, epoch=self.epoch, num_kv_blocks=num_blocks,
@@ -185,9 +197,10 @@ class WorkerServer:
         cfg = self.config
         model = load_model_config(cfg.model_path)
         request = control_pb2.RegisterRequest(
-            worker_id=cfg.worker_id, epoch=self.epoch, device=cfg.device,
+            worker_id=cfg.worker_id, epoch=self.epoch, device=device_label(cfg.device),
             memory_bytes=cfg.kv_cache_bytes, step_address=step_address, model=model.name,
-            preferred_dtype=self.preferred_dtype, cpu_level=cfg.cpu_level.label)
+            preferred_dtype=self.preferred_dtype, cpu_level=cfg.cpu_level.label,
+            device_uuid=device_uuid(cfg.device))
         deadline = time.monotonic() + cfg.register_timeout_s
         while not self._stop.is_set():
             try:
@@ -235,75 +248,139 @@ class WorkerServer:
                      placement.tp_size, *shard.q_heads, *shard.kv_heads, *shard.intermediate,
                      *shard.vocab)
         started = time.monotonic()
-        runner = ModelRunner(model, cfg.model_path, DTYPES[placement.dtype], cfg.worker_id,
+        try:
+            dtype = dtype_for(cfg.device, placement.dtype)
+        except DeviceError as exc:
+            log.error("cannot serve this replica: %s", exc)
+            return None
+        runner = ModelRunner(model, cfg.model_path, dtype, cfg.worker_id,
                              first_layer=placement.first_layer, end_layer=placement.end_layer,
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
                              quant_kernels=cfg.quant_kernels, tp=tp,
-                             cpu_level=cfg.cpu_level)
+                             cpu_level=cfg.cpu_level, device=cfg.device,
+                             enforce_eager=cfg.enforce_eager)
         if cfg.fail_request_prefix is not None:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)
             runner.fail_request_prefix = cfg.fail_request_prefix
-        log.info("loaded layers [%d, %d) in %.1fs; KV budget %.2f GiB fits %d blocks of %d "
-                 "tokens (%d bytes each)", placement.first_layer, placement.end_layer,
-                 time.monotonic() - started, cfg.kv_cache_bytes / (1 << 30),
-                 runner.num_blocks_for_budget(cfg.kv_cache_bytes, placement.block_size),
-                 placement.block_size, runner.kv_bytes_per_block(placement.block_size))
+        log.info("loaded layers [%d, %d) in %.1fs (%.2f GiB of weights)", placement.first_layer,
+                 placement.end_layer, time.monotonic() - started,
+                 runner.weight_bytes / (1 << 30))
         return runner
+
+    def _capacity(self, runner: "ModelRunner", placement: control_pb2.RegisterResponse  # noqa: F821
+                  ) -> int:
+        """Blocks this worker can hold, from measured memory (logged term by term)."""
+        cfg = self.config
+        budget = runner.measure_kv_budget(
+            placement.block_size, placement.max_num_batched_tokens or 2048,
+            placement.max_num_seqs or 256, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        per_block = runner.kv_bytes_per_block(placement.block_size)
+        num_blocks = budget.num_blocks(per_block)
+        log.info("%s; fits %d blocks of %d tokens (%d bytes each)", budget.describe(),
+                 num_blocks, placement.block_size, per_block)
+        return num_blocks
 
     def _serve(self, runner: "ModelRunner", num_blocks: int,  # noqa: F821
                steps: Receiver[ToWorker], outputs: Sender,
                placement: control_pb2.RegisterResponse, link: "ParallelGroups | None",  # noqa: F821
                ) -> None:
+        """The step loop. With overlap (CUDA, one pipeline stage), a step's output is read
+        only after the next step is launched or the GPU is done with it, whichever comes
+        first: the GPU then has the next step queued while the host waits, copies and sends
+        (see worker_svc.runner). Outputs leave in step order either way."""
         cfg = self.config
-        reports = placement.pp_rank == placement.pp_size - 1 and placement.tp_rank == 0
+        overlap = cfg.overlap_steps
+        if overlap is None:
+            overlap = cfg.device.type == "cuda"
+        overlap = overlap and placement.pp_size == 1
+        pending: LaunchedStep | None = None
         while not self._stop.is_set() and not self._lost.is_set():
-            message = steps.recv(timeout_ms=200)
+            message = steps.recv(timeout_ms=200 if pending is None else 0)
             if message is None:
+                if pending is not None:
+                    if pending.ready():
+                        self._finish_step(runner, pending, outputs, placement, link)
+                        pending = None
+                    else:
+                        time.sleep(20e-6)
                 continue
+            if pending is not None and not isinstance(message, StepInput):
+                self._finish_step(runner, pending, outputs, placement, link)
+                pending = None
             if isinstance(message, InitCache):
                 if message.num_blocks > num_blocks:
                     log.warning("asked for %d KV blocks; the budget fits %d",
                                 message.num_blocks, num_blocks)
-                runner.init_cache(message.num_blocks, message.block_size)
+                runner.init_cache(message.num_blocks, message.block_size,
+                                  placement.max_num_seqs or 256)
                 log.info("KV cache allocated: %d blocks of %d tokens (replica-wide choice; "
                          "this worker fits %d)", message.num_blocks, message.block_size,
                          num_blocks)
                 outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
             elif isinstance(message, StepInput):
                 try:
-                    result = self._run_step(runner, message, link)
+                    launched = self._launch_step(runner, message, link)
                 except Exception as exc:
-                    log.exception("step %d failed", message.step_id)
-                    if link is None:
-                        outputs.send(runner.failed_output(message, exc))
-                    else:
-                        outputs.send(WorkerFailure(
-                            worker_id=cfg.worker_id, step_id=message.step_id,
-                            message=f"{type(exc).__name__}: {exc}"[:4000]))
+                    if pending is not None:
+                        self._finish_step(runner, pending, outputs, placement, link)
+                        pending = None
+                    self._send_failure(runner, message, exc, outputs, link)
                     continue
-                if reports and result is not None:
-                    outputs.send(result)
+                if pending is not None:
+                    self._finish_step(runner, pending, outputs, placement, link)
+                    pending = None
+                if launched is not None:
+                    if overlap:
+                        pending = launched
+                    else:
+                        self._finish_step(runner, launched, outputs, placement, link)
+        if pending is not None:
+            self._finish_step(runner, pending, outputs, placement, link)
         log.info("worker %s %s", cfg.worker_id,
                  "stopping" if self._stop.is_set() else "leaving its replica")
 
-    def _run_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
-                  link: "ParallelGroups | None") -> object:  # noqa: F821
-        """One step on this stage: activations in from the previous stage, out to the next."""
+    def _send_failure(self, runner: "ModelRunner", step: StepInput, exc: Exception,  # noqa: F821
+                      outputs: Sender, link: "ParallelGroups | None") -> None:  # noqa: F821
+        log.error("step %d failed", step.step_id, exc_info=exc)
+        if link is None:
+            outputs.send(runner.failed_output(step, exc))
+        else:
+            outputs.send(WorkerFailure(worker_id=self.config.worker_id, step_id=step.step_id,
+                                       message=f"{type(exc).__name__}: {exc}"[:4000]))
+
+    def _finish_step(self, runner: "ModelRunner", launched: "LaunchedStep",  # noqa: F821
+                     outputs: Sender, placement: control_pb2.RegisterResponse,
+                     link: "ParallelGroups | None") -> None:  # noqa: F821
+        """Wait for a launched last-stage step; the replica's reporting rank sends it."""
+        try:
+            result = runner.finish(launched)
+        except Exception as exc:
+            self._send_failure(runner, launched.step, exc, outputs, link)
+            return
+        if placement.tp_rank == 0:
+            outputs.send(result)
+
+    def _launch_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
+                     link: "ParallelGroups | None") -> "LaunchedStep | None":  # noqa: F821
+        """Launch one step on this stage: activations in from the previous stage; a non-last
+        stage sends its activations on to the next and returns None."""
         from worker_svc.runner import StageActivations
 
         stage_input = None
         if link is not None and link.prev_rank is not None:
             num_tokens = (sum(r.num_new_tokens for r in step.new_requests)
                           + sum(r.num_new_tokens for r in step.running))
-            hidden, residual = link.recv(num_tokens, runner.config.hidden_size, runner.dtype)
+            hidden, residual = link.recv(num_tokens, runner.config.hidden_size, runner.dtype,
+                                         runner.device)
             stage_input = StageActivations(hidden, residual)
-        result = runner.execute(step, stage_input)
+        launched = runner.launch(step, stage_input)
         if link is not None and link.next_rank is not None:
+            result = runner.finish(launched)
             assert isinstance(result, StageActivations)
             link.send(result.hidden_states, result.residual)
             return None
-        return result
+        return launched
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
         """Every second while registered; runs for the life of the process."""

@@ -71,14 +71,15 @@ class RunningCluster:
 @contextmanager
 def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
                 worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
-                pp: int = 1, num_replicas: int = 1,
+                pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
                 ready_timeout_s: float = 180.0) -> Iterator[RunningCluster]:
     port, plan_port, admin_port, events_port, metrics_port = free_ports(5)
     spec = ClusterSpec(port=port, kv_plan_port=plan_port, kv_admin_port=admin_port,
                        kv_events_port=events_port, metrics_port=metrics_port,
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,
                        scheduler_args=tuple(scheduler_args),
-                       worker_args=("--kv-cache-memory-gib", "0.25", *worker_args))
+                       worker_args=("--kv-cache-memory-gib", "0.25", *worker_args),
+                       env=dict(env or {}))
     procs = ServiceProcesses(spec, log_dir)
     procs.start()
     channel = grpc.insecure_channel(procs.address)

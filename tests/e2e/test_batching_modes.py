@@ -55,22 +55,34 @@ def test_many_chunks_with_tiny_token_budget(tmp_path: Path, prompts, references)
         assert steps >= sum(len(p) for p in prompts[:8]) // 7, "prompts should be chunked"
 
 
+# The GPU's step loop on this CPU: each step launched before the last one's tokens are read
+# (worker_svc.runner), as a GPU worker runs under async scheduling.
+LAUNCH_AHEAD = {"SPLITSERVE_OVERLAP_STEPS": "1"}
+
+
 @pytest.mark.parametrize("mode", ["--async-scheduling", "--no-async-scheduling"])
 def test_forced_preemption(tmp_path: Path, prompts, references, mode: str) -> None:  # type: ignore[no-untyped-def]
     # 16 requests of ~35 + 24 tokens need ~4 blocks of 16 each (64 in all); 21 usable blocks
     # force preemption by recompute while every request still fits alone.
     # Prefix caching stays on: a resumed request may find its own freed blocks still cached.
-    with run_cluster(tmp_path, scheduler_args=["--num-kv-blocks", "22", mode]) as cluster:
+    # Async runs the workers' launch-ahead loop too (preempted requests with tokens in flight).
+    env = LAUNCH_AHEAD if mode == "--async-scheduling" else None
+    with run_cluster(tmp_path, scheduler_args=["--num-kv-blocks", "22", mode],
+                     env=env) as cluster:
         check_all(cluster, prompts, references)
         info = replica_info(cluster)
         assert info.num_kv_blocks == 22
         assert info.num_preemptions > 0, "the tiny pool should have forced preemption"
 
 
-@pytest.mark.parametrize("mode", ["--async-scheduling", "--no-async-scheduling"])
+@pytest.mark.parametrize("mode", ["--async-scheduling", "--no-async-scheduling",
+                                  "launch-ahead"])
 def test_sync_and_async_scheduling_match(tmp_path: Path, prompts, references, mode: str) -> None:  # type: ignore[no-untyped-def]
-    # Async is the default with one pipeline stage; both modes give the reference outputs.
-    with run_cluster(tmp_path, scheduler_args=[mode]) as cluster:
+    # Async is the default with one pipeline stage; both modes give the reference outputs,
+    # and so does async with the workers' launch-ahead loop (a GPU worker's default).
+    env = LAUNCH_AHEAD if mode == "launch-ahead" else None
+    args = ["--async-scheduling"] if mode == "launch-ahead" else [mode]
+    with run_cluster(tmp_path, scheduler_args=args, env=env) as cluster:
         check_all(cluster, prompts, references)
         # Stopping at EOS (async: the token computed one step ahead is dropped, not
         # streamed).

@@ -198,3 +198,62 @@ def test_an_explicit_dtype_overrides_the_workers(model_path: Path,
         assert placement.dtype == "float32" and cluster.served_dtype() == "float32"
     finally:
         cluster.shutdown()
+
+
+# ---------------------------------------------------------------- one GPU, one worker
+
+GPU_A = "GPU-6a2c4e1d-0000-4000-8000-00000000000a"
+GPU_B = "GPU-6a2c4e1d-0000-4000-8000-00000000000b"
+
+
+def test_a_second_worker_on_the_same_gpu_is_refused(model_path: Path,
+                                                    tokenizer) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster_with(model_path, tokenizer, "auto", tp=2)
+    try:
+        def place(worker: str, uuid: str, epoch: int = 1) -> int:
+            return cluster.register(worker, epoch, "cuda:0", 1, "tcp://127.0.0.1:9", "",
+                                    device_uuid=uuid).replica_id
+
+        assert place("w0", GPU_A) == 0
+        # Same replica (it is still forming): NCCL cannot put two ranks on one GPU.
+        with pytest.raises(RegistrationError) as refused:
+            place("w1", GPU_A)
+        message = str(refused.value)
+        assert GPU_A in message and "w0" in message and "w1" in message
+        assert "each rank of a replica needs its own GPU" in message
+        assert "--device cuda:N" in message and "CUDA_VISIBLE_DEVICES" in message
+        assert "w1" not in cluster.workers and cluster.replicas[0].ranks[1] is None
+        # Another replica: refused too, the rule is cluster-wide.
+        assert place("w1", GPU_B) == 0                    # replica 0 is now full
+        with pytest.raises(RegistrationError, match=GPU_B):
+            place("w2", GPU_B)
+        assert set(cluster.replicas) == {0}             # no replica formed for w2
+        # CPU workers report no uuid and may share a host.
+        assert place("c0", "") == 1 and place("c1", "") == 1
+    finally:
+        cluster.shutdown()
+
+
+def test_the_gpu_frees_when_its_worker_is_down_or_itself_again(model_path: Path,
+                                                               tokenizer) -> None:  # type: ignore[no-untyped-def]
+    cluster = _cluster_with(model_path, tokenizer, "auto", tp=1)
+    try:
+        first = cluster.register("w0", 1, "cuda:0", 1, "tcp://127.0.0.1:9", "",
+                                 device_uuid=GPU_A)
+        # The same worker restarted (newer epoch) on its own GPU replaces itself.
+        again = cluster.register("w0", 2, "cuda:0", 1, "tcp://127.0.0.1:9", "",
+                                 device_uuid=GPU_A)
+        assert again.replica_id != first.replica_id
+        assert cluster.replicas[first.replica_id].state == "down"
+        # A refused worker changes nothing: w0's replica stays up.
+        with pytest.raises(RegistrationError, match="already used by worker w0"):
+            cluster.register("w1", 1, "cuda:0", 1, "tcp://127.0.0.1:9", "", device_uuid=GPU_A)
+        assert cluster.replicas[again.replica_id].state == "forming"
+        # Once w0 is lost (its replica down), another worker may take the GPU.
+        cluster._replica_lost_locked(again.replica_id, "test: w0 lost")
+        taken = cluster.register("w1", 1, "cuda:0", 1, "tcp://127.0.0.1:9", "",
+                                 device_uuid=GPU_A)
+        assert cluster.workers["w1"].device_uuid == GPU_A
+        assert cluster.replicas[taken.replica_id].state == "forming"
+    finally:
+        cluster.shutdown()

@@ -53,7 +53,7 @@ def test_the_dtype_a_worker_prefers(device: str, level: CpuLevel, preferred: str
     # end to end in tests/e2e/test_cpu_levels.py at this CPU's level).
     config = WorkerConfig(
         scheduler_address="localhost:1", model_path="m.gguf", host="127.0.0.1",
-        advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1, device=device,
+        advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1, device=torch.device(device),
         kv_cache_bytes=1 << 20, gpu_memory_utilization=0.9, num_threads=1, quant_kernels=True,
         cpu_level=level, register_timeout_s=1.0)
     assert WorkerServer(config).preferred_dtype == preferred

@@ -269,13 +269,11 @@ def test_failed_step_drops_its_requests_and_the_next_step_runs(
 
 def test_failure_after_the_forward_reports_kv_written(
         runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker_svc.runner
-
-    def broken_sample(*args: object, **kwargs: object) -> None:
+    def broken_logits(*args: object, **kwargs: object) -> None:
         raise FloatingPointError("probabilities contain nan")
 
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    monkeypatch.setattr(worker_svc.runner, "sample", broken_sample)
+    monkeypatch.setattr(type(runner.model), "compute_logits", broken_logits)
     a = PROMPTS["def fibonacci(n):"]
     failing = StepInput(0, [NewRequest("a", a, len(a), GREEDY, [1, 2], 0, len(a))], [], [])
     with pytest.raises(FloatingPointError) as caught:

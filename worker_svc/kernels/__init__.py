@@ -2,15 +2,19 @@
 
 - `cpu.py`: the CPU feature level (avx512_bf16, avx512, avx2, none) a worker runs at.
 - `build.py`: compiles a kernel for a level's `-march`, caches and loads it.
-- `paged_attention.py` / `.c`: attention read straight from the paged KV blocks.
-- `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax.
+- `paged_attention.py` / `.c`: attention read straight from the paged KV blocks (its torch
+  twin is worker_svc.attention's torch path).
+- `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax, and
+  their torch twin `TorchElementwise`.
 - `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
   small steps on a GGUF's quantized blocks.
 
 Why compiled here: a level's `-march` and the model's head size as constants give GCC
 fixed-size loops over vector registers, and a build takes well under a second with only a C
 compiler (no torch headers, no Python extension module). At level `none`, or where a kernel
-does not build, the model uses the torch twin of that part (same results, slower).
+does not build, the model uses the torch twin of that part (same results, slower). The GPU's
+kernels are Triton, in worker_svc/triton_kernels; the runner picks one set once
+(worker_svc.kernel_choice).
 """
 
 from dataclasses import dataclass, field
@@ -33,18 +37,20 @@ from worker_svc.kernels.gemm import (
 )
 from worker_svc.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
 
-__all__ = ["Bf16Gemm", "CpuKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm", "Gemm",
+__all__ = ["Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm", "Gemm",
            "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantGemm", "QuantKernel",
            "TorchInt4", "load_cpu_kernels"]
 
 
 @dataclass(frozen=True, slots=True)
-class CpuKernels:
-    """The kernels a model's layers use; a None field = that part in torch."""
+class LayerKernels:
+    """The kernels a model's layers use; a None field = that part in torch. On a CPU these are
+    the C kernels of one level; on a GPU the Triton kernels (worker_svc.triton_kernels, with
+    `level` none, no gemm: matmuls are torch's, cuBLAS). `worker_svc.kernel_choice` picks."""
 
     level: CpuLevel
-    attention: PagedAttentionKernel | None = None
-    elementwise: ElementwiseKernels | None = None
+    attention: "PagedAttentionKernel | TritonPagedAttention | None" = None  # noqa: F821
+    elementwise: "ElementwiseKernels | TritonKernels | None" = None  # noqa: F821
     gemm: Gemm | None = None
     quant: dict[int, QuantKernel] = field(default_factory=dict)  # small steps, by block bits
 
@@ -56,9 +62,9 @@ class CpuKernels:
 
 
 def load_cpu_kernels(level: CpuLevel, head_dim: int, group: int, dtype: torch.dtype
-                     ) -> CpuKernels:
+                     ) -> LayerKernels:
     """The kernels that build for this level and model shape (`group`: query heads per KV
     head)."""
-    return CpuKernels(level, paged_attention_kernel(level, head_dim, group, dtype),
+    return LayerKernels(level, paged_attention_kernel(level, head_dim, group, dtype),
                       elementwise_kernels(level, dtype), gemm_kernel(level, dtype),
                       quant_kernels(level, dtype))

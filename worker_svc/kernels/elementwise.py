@@ -1,14 +1,17 @@
 """`elementwise.c`: the per-token steps of a layer (residual add + RMSNorm, SiLU-and-multiply,
 rotary embedding) and greedy argmax, one pass each instead of several torch kernels whose
-per-call overhead dominates at decode sizes. The torch twin is
-`worker_svc.model.llama.TorchElementwise` (same methods)."""
+per-call overhead dominates at decode sizes. Its torch twin, `TorchElementwise` (same methods),
+is below: the model uses it where the C kernels do not build or are off, and tests compare
+the two."""
 
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
 from worker_svc.kernels.build import build
 from worker_svc.kernels.cpu import CpuLevel
+from worker_svc.sampler import argmax_float
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -87,3 +90,38 @@ def elementwise_kernels(level: CpuLevel, dtype: torch.dtype) -> ElementwiseKerne
         return None
     library = build("elementwise.c", level, {"ELEM_BF16": int(dtype == torch.bfloat16)})
     return None if library is None else ElementwiseKernels(library, dtype)
+
+
+def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [max_positions, head_dim] tables' rows at positions, each [num_tokens, 1, head_dim]."""
+    return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim] -> rotated copy (HF rotate_half convention)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class TorchElementwise:
+    """The torch twin of `worker_svc.kernels.ElementwiseKernels` (same methods), used where
+    the C kernels did not build or are off."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else x + residual
+        return residual, F.rms_norm(residual, weight.shape, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+        heads.copy_(apply_rotary(heads, *rotary_rows(cos, sin, positions)))
+
+    argmax = staticmethod(argmax_float)

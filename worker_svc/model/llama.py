@@ -25,17 +25,21 @@ import torch.nn.functional as F
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
 from worker_svc.kernels import (
-    CpuKernels,
     CpuLevel,
     ElementwiseKernels,
+    LayerKernels,
     PackedQuant,
     PackedWeight,
     QuantKernel,
     load_cpu_kernels,
 )
 from worker_svc.kernels.cpu import detect_level
+from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re-exported)
+    TorchElementwise,
+    apply_rotary,
+    rotary_rows,
+)
 from worker_svc.model.weights import ModelWeights, QuantBlocks
-from worker_svc.sampler import argmax_float
 from worker_svc.tensor_parallel import (
     TpGroup,
     TpShard,
@@ -61,9 +65,9 @@ class Linear:
                  "gemm_weight", "gemm_max_rows")
 
     def __init__(self, parts: list[torch.Tensor], quant_parts: list[QuantBlocks] | None = None,
-                 kernels: CpuKernels | None = None):
+                 kernels: LayerKernels | None = None):
         weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
-        kernels = kernels or CpuKernels(CpuLevel.NONE)
+        kernels = kernels or LayerKernels(CpuLevel.NONE)
         gemm = kernels.gemm if kernels.gemm is not None and kernels.gemm.fits(weight) else None
         self.gemm = gemm
         self.gemm_weight: PackedWeight | None = gemm.pack(weight) if gemm else None
@@ -112,54 +116,20 @@ class RotaryEmbedding:
 
     __slots__ = ("cos", "sin")
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | None = None):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)                # [max_positions, head_dim]
         half = head_dim // 2
-        self.cos = angles.cos().to(dtype)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
         # rotate_half(x) * sin == roll(x, half) * sin_signed, with the first half negated.
         sin = angles.sin()
         sin[:, :half] = -sin[:, :half]
-        self.sin = sin.to(dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
 
 
-def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [max_positions, head_dim] tables' rows at positions, each [num_tokens, 1, head_dim]."""
-    return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim] -> rotated copy (HF rotate_half convention)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
-
-class TorchElementwise:
-    """The torch twin of `worker_svc.kernels.ElementwiseKernels` (same methods), used where
-    the C kernels did not build or are off."""
-
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else x + residual
-        return residual, F.rms_norm(residual, weight.shape, weight, eps)
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def rotary_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> None:
-        heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
-        heads.copy_(apply_rotary(heads, *rotary_rows(cos, sin, positions)))
-
-    argmax = staticmethod(argmax_float)
-
-
-def elementwise_ops(kernels: CpuKernels) -> "ElementwiseKernels | TorchElementwise":
+def elementwise_ops(kernels: LayerKernels) -> "ElementwiseKernels | TorchElementwise":
     """The elementwise C kernels, or their torch twin where they did not build."""
     return kernels.elementwise or TorchElementwise()
 
@@ -173,7 +143,7 @@ class LlamaLayer:
 
     def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
                  prefix: str, rotary: RotaryEmbedding, tp: TpGroup | None = None,
-                 kernels: CpuKernels | None = None):
+                 kernels: LayerKernels | None = None):
         """`shard`: the heads and MLP slice this rank holds (all of them without TP).
         `kernels`: the C kernels that built (None or None fields: torch ops)."""
         self.num_heads = shard.num_heads         # this rank's
@@ -182,7 +152,7 @@ class LlamaLayer:
         self.eps = eps
         self.tp = tp
         self.rotary = rotary
-        self.kernels = kernels or CpuKernels(CpuLevel.NONE)
+        self.kernels = kernels or LayerKernels(CpuLevel.NONE)
         self.elementwise = elementwise_ops(self.kernels)
         self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
@@ -232,7 +202,7 @@ class LlamaLayer:
 
 
 def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
-            kernels: CpuKernels) -> Linear:
+            kernels: LayerKernels) -> Linear:
     """One matmul over the named matrices stacked by rows, each cut to this rank's slice:
     (name, "rows" | "cols", start, end). The blocks are used only if every part has blocks
     that the cut keeps whole."""
@@ -257,18 +227,21 @@ class LlamaModel:
     """The layers of one pipeline stage, plus embedding (first) and norm + head (last), as
     held by one TP rank (`tp` None: the whole width)."""
 
-    __slots__ = ("config", "dtype", "first_layer", "end_layer", "is_last_stage", "shard", "tp",
-                 "embed_tokens", "layers", "norm", "lm_head", "rotary", "kernels",
-                 "elementwise")
+    __slots__ = ("config", "dtype", "device", "first_layer", "end_layer", "is_last_stage",
+                 "shard", "tp", "embed_tokens", "layers", "norm", "lm_head", "rotary",
+                 "kernels", "elementwise")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
-                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None):
-        """`cpu_level`: the C kernels' level (worker_svc.kernels.cpu; None: the best this CPU
-        has). At level none, or where a kernel does not build, its torch twin runs (same
-        results, slower)."""
+                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
+                 device: torch.device | None = None, kernels: LayerKernels | None = None):
+        """`device`: where weights, tables and activations live (default the CPU).
+        `kernels`: the layers' kernel set (worker_svc.kernel_choice; None: the C kernels at
+        `cpu_level`, None meaning the best this CPU has). At level none, or where a kernel
+        does not build, its torch twin runs (same results, slower)."""
         self.config = config
         self.dtype = dtype
+        self.device = torch.device("cpu") if device is None else device
         self.first_layer = first_layer
         self.end_layer = config.num_layers if end_layer is None else end_layer
         self.is_last_stage = is_last_stage
@@ -280,10 +253,12 @@ class LlamaModel:
         self.norm: torch.Tensor | None = None           # [hidden], last stage
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
-                                      dtype)
-        self.kernels = load_cpu_kernels(
-            detect_level() if cpu_level is None else cpu_level, config.head_dim,
-            self.shard.num_heads // self.shard.num_kv_heads, dtype)
+                                      dtype, self.device)
+        if kernels is None:
+            kernels = load_cpu_kernels(
+                detect_level() if cpu_level is None else cpu_level, config.head_dim,
+                self.shard.num_heads // self.shard.num_kv_heads, dtype)
+        self.kernels = kernels
         self.elementwise = elementwise_ops(self.kernels)
 
     @property
@@ -291,7 +266,8 @@ class LlamaModel:
         return self.first_layer == 0
 
     def load_weights(self, weights: ModelWeights) -> None:
-        """Take HF-named weights (see `weights.load_weights`) already in `self.dtype`."""
+        """Take HF-named weights (see `weights.load_weights`) already in `self.dtype` and on
+        `self.device`."""
         cfg = self.config
         tensors = weights.tensors
         v0, v1 = self.shard.vocab

@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch", "device", "memory_bytes", "step_address", "model", "preferred_dtype", "cpu_level")
+    __slots__ = ("worker_id", "epoch", "device", "memory_bytes", "step_address", "model", "preferred_dtype", "cpu_level", "device_uuid")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,7 @@ class RegisterRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_DTYPE_FIELD_NUMBER: _ClassVar[int]
     CPU_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     device: str
@@ -22,10 +23,11 @@ class RegisterRequest(_message.Message):
     model: str
     preferred_dtype: str
     cpu_level: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ..., preferred_dtype: _Optional[str] = ..., cpu_level: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ..., preferred_dtype: _Optional[str] = ..., cpu_level: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method")
+    __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method", "max_num_batched_tokens", "max_num_seqs")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +39,8 @@ class RegisterResponse(_message.Message):
     OUTPUT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIST_INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     pp_rank: int
     tp_rank: int
@@ -48,7 +52,9 @@ class RegisterResponse(_message.Message):
     output_address: str
     dtype: str
     dist_init_method: str
-    def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ...) -> None: ...
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_kv_blocks", "kv_bytes_per_block")

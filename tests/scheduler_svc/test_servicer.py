@@ -1,0 +1,72 @@
+"""WorkerControl's Register as a thin adapter: the proto request reaches the cluster (the GPU
+uuid included), the answer carries the scheduler's step limits, and a refusal becomes
+FAILED_PRECONDITION with the cluster's message. Driven directly, with no server or network."""
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import zmq
+
+from scheduler_svc.cluster import Cluster
+from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.servicer import WorkerControlServicer
+from services.model_config import load_model_config
+from services.rpc.splitserve.v1 import control_pb2
+
+GPU = "GPU-0b7f3c2a-0000-4000-8000-000000000001"
+
+
+class Aborted(Exception):
+    """What the fake context raises where grpc.aio's abort would end the call."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class FakeContext:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+@pytest.fixture
+def servicer(model_path: Path, tokenizer) -> Iterator[WorkerControlServicer]:  # type: ignore[no-untyped-def]
+    ctx = zmq.Context()
+    config = ServerConfig(model_path=str(model_path), model_name="", tp_size=2,
+                          kvcache_address="tcp://127.0.0.1:9")
+    sched = SchedulerConfig(block_size=16, max_num_seqs=48, max_num_batched_tokens=512,
+                            chunked_prefill=False, max_model_len=4096)
+    cluster = Cluster(config, sched, load_model_config(model_path), tokenizer, ctx)
+    yield WorkerControlServicer(cluster)
+    cluster.shutdown()
+    ctx.destroy(linger=0)
+
+
+def register(servicer: WorkerControlServicer, worker_id: str,
+             device_uuid: str) -> control_pb2.RegisterResponse:
+    request = control_pb2.RegisterRequest(
+        worker_id=worker_id, epoch=1, device="cuda:0", memory_bytes=1,
+        step_address="tcp://127.0.0.1:9", device_uuid=device_uuid)
+    return asyncio.run(servicer.Register(request, FakeContext()))  # type: ignore[arg-type]
+
+
+def test_register_answers_the_step_limits(servicer: WorkerControlServicer) -> None:
+    placement = register(servicer, "w0", GPU)
+    assert (placement.tp_size, placement.tp_rank, placement.block_size) == (2, 0, 16)
+    assert placement.max_num_seqs == 48
+    # Chunked prefill is off: a whole prompt up to the context length can be one step.
+    assert placement.max_num_batched_tokens == 4096
+    assert servicer.cluster.workers["w0"].device_uuid == GPU
+
+
+def test_a_gpu_held_by_another_worker_is_a_failed_precondition(
+        servicer: WorkerControlServicer) -> None:
+    register(servicer, "w0", GPU)
+    with pytest.raises(Aborted) as refused:
+        register(servicer, "w1", GPU)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert GPU in refused.value.details and "w0" in refused.value.details

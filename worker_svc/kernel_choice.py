@@ -1,0 +1,41 @@
+"""Which kernels a worker's layers run, chosen once by the runner at load.
+
+- `c`: the CPU's C kernels at the worker's level (worker_svc.kernels), the CPU default;
+- `triton`: the Triton kernels (worker_svc.triton_kernels), the CUDA default; on a CPU they
+  run only under `TRITON_INTERPRET=1` (tests: the GPU's code path, checked without a GPU);
+- `torch`: plain torch ops everywhere (the twins; slow, any device).
+
+Matmuls are torch's on CUDA (cuBLAS) and with `triton` / `torch`; the C kernels bring their own
+CPU matmuls. `SPLITSERVE_KERNELS` overrides the choice (tests, debugging).
+"""
+
+import os
+
+import torch
+
+from worker_svc.kernels import CpuLevel, LayerKernels, load_cpu_kernels
+
+CHOICES = ("auto", "c", "triton", "torch")
+
+
+def choose_kernels(device: torch.device, level: CpuLevel, head_dim: int, group: int,
+                   dtype: torch.dtype, choice: str | None = None) -> LayerKernels:
+    """The kernel set for this device and model shape. `group`: query heads per KV head on
+    this rank. `choice` None: `SPLITSERVE_KERNELS`, else auto."""
+    choice = (choice or os.environ.get("SPLITSERVE_KERNELS") or "auto").lower()
+    if choice not in CHOICES:
+        raise ValueError(f"kernels {choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "c"
+    if choice == "c":
+        if device.type != "cpu":
+            raise ValueError("the C kernels run on the CPU only")
+        return load_cpu_kernels(level, head_dim, group, dtype)
+    if choice == "torch":
+        return LayerKernels(CpuLevel.NONE)
+    from worker_svc.triton_kernels import TritonKernels, TritonPagedAttention, triton_available
+
+    if not triton_available():
+        raise ValueError("the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on a CPU")
+    return LayerKernels(CpuLevel.NONE, attention=TritonPagedAttention(head_dim, group, dtype),
+                        elementwise=TritonKernels())

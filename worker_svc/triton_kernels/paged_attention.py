@@ -1,0 +1,190 @@
+"""Attention for every row of a step, read from the paged KV cache where it lies (Triton).
+
+The contract is that of the C kernel (worker_svc.kernels.paged_attention): every row is ONE
+query token that attends the first `kv_lens[row]` keys and values of its request
+`row_request[row]`, found through that request's row of `block_table` (position p lives in
+block `block_table[r, p // block_size]` at offset `p % block_size`; cache layout in
+worker_svc.attention). A decode row and a token of a prefill chunk are then the same thing:
+a chunk token at position p has kv_len p + 1, so causal masking is only each row's length,
+and one launch serves a mixed step without padding, gathering or masks.
+
+Grid: one program per (row, KV head). The program loads the query heads that share its KV
+head (GQA group, padded to a power of two with masked heads) and walks the row's keys in tiles
+of `TILE` positions: every key and value is loaded once per group, never once per query head.
+Scores and the softmax run in float32 with an online (running max and sum) softmax, so any
+length fits in registers; scores are kept in log2 units (the scale folds in log2(e)) to use
+exp2. Products are broadcast-multiply-and-sum, not `tl.dot`: a group has 1 to 8 heads, below
+the 16 rows a tensor-core dot needs, and a decode row is bound by reading K/V anyway.
+
+Why not split long sequences across programs (flash-decoding): it needs a second reduction
+pass; rows x KV heads programs already fill a GPU once a step has a few hundred rows, which is
+where the time goes. A lone long decode under-fills it: that is the known cost of this choice.
+
+A row with kv_len 0 (a padding row) outputs zeros. `paged_attention_reference` is the
+vectorised torch twin, the tests' oracle.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from worker_svc.triton_kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_float,
+    check_index,
+    check_row_view,
+    next_power_of_2,
+)
+from worker_svc.triton_kernels.kv_write import write_kv
+
+# Head sizes the kernel takes: powers of two (tl.arange lengths must be one).
+_HEAD_DIMS = tuple(2 ** i for i in range(4, 9))          # 16 .. 256
+# Elements of the [group, TILE, head_dim] products a program holds: bounds registers.
+_TILE_ELEMENTS = 8192
+_MIN_TILE, _MAX_TILE = 4, 64
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
+                            block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr, out_ptr,
+                            qk_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                            GROUP_PAD: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    group_ids = tl.arange(0, GROUP_PAD)
+    head_ok = group_ids < GROUP                              # padding heads compute, never store
+    heads = kv_head * GROUP + group_ids                      # [GROUP_PAD] query heads
+    dims = tl.arange(0, HEAD_DIM)
+    head_offsets = heads[:, None] * HEAD_DIM + dims[None, :]  # [GROUP_PAD, HEAD_DIM] in a row
+    q = tl.load(q_ptr + row * q_row_stride + head_offsets, mask=head_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * qk_scale                          # [GROUP_PAD, HEAD_DIM], log2 units
+
+    request = tl.load(row_request_ptr + row)                 # int64
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int32)
+    table = block_table_ptr + request * max_blocks
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, kv_len, TILE):
+        positions = start + tl.arange(0, TILE)
+        visible = positions < kv_len                         # the first always: start < kv_len
+        block = tl.load(table + positions // BLOCK_SIZE, mask=visible, other=0)   # int64
+        slot = block * BLOCK_SIZE + positions % BLOCK_SIZE
+        kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_PAD, TILE]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        # new_max is finite (a tile has a visible position): no -inf - -inf below.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)             # 0 on the first tile
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :],
+                                              axis=1)
+        running_max = new_max
+    # kv_len 0: acc is 0 and so is the sum; divide by 1 to output zeros.
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out_row = out_ptr + row * (NUM_KV_HEADS * GROUP * HEAD_DIM)
+    tl.store(out_row + head_offsets, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           row_request: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    name = "paged_attention"
+    check_float(name, "q", q)
+    check_float(name, "kv_cache", kv_cache, q.dtype)
+    check_contiguous(name, "kv_cache", kv_cache)
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q must be [rows, num_heads, head_dim], got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != q.shape[2]:
+        raise ValueError(f"{name}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
+                         f"{q.shape[2]}], got {tuple(kv_cache.shape)}")
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    check_row_view(name, "q", q, (rows, num_heads, head_dim))
+    if head_dim not in _HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be a power of two in 16..256, got {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"{name}: num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if (block_table.dtype != torch.int64 or block_table.dim() != 2
+            or block_table.shape[1] == 0 or not block_table.is_contiguous()):
+        raise ValueError(f"{name}: block_table must be contiguous int64 [num_requests, "
+                         f"max_blocks >= 1], got {block_table.dtype} {tuple(block_table.shape)}")
+    check_index(name, "row_request", row_request, rows)
+    check_index(name, "kv_lens", kv_lens, rows)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
+                    tile_tokens: int | None = None) -> torch.Tensor:
+    """Attend every row of q [rows, num_heads, head_dim] (one query token per row; any row
+    stride, heads and dim contiguous) over the first kv_lens[row] positions of request
+    row_request[row] in kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], through
+    block_table [num_requests, max_blocks] (int64, contiguous). Returns [rows, num_heads *
+    head_dim] in q's dtype. `tile_tokens` (a power of two) overrides the positions per tile,
+    for tests. Table entries and lengths are not range-checked (that would cost a sync)."""
+    _check(q, kv_cache, block_table, row_request, kv_lens)
+    check_device("paged_attention", q, kv_cache, block_table, row_request, kv_lens)
+    rows, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    if tile_tokens is None:
+        tile = max(_MIN_TILE, min(_MAX_TILE, _TILE_ELEMENTS // (group_pad * head_dim)))
+    elif tile_tokens < 1 or tile_tokens != next_power_of_2(tile_tokens):
+        raise ValueError(f"paged_attention: tile_tokens must be a power of two, got "
+                         f"{tile_tokens}")
+    else:
+        tile = tile_tokens
+    _paged_attention_kernel[(rows, num_kv_heads)](
+        q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
+        row_request, kv_lens, out, scale * math.log2(math.e), NUM_KV_HEADS=num_kv_heads,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, TILE=tile)
+    return out
+
+
+def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
+                              block_table: torch.Tensor, row_request: torch.Tensor,
+                              kv_lens: torch.Tensor, scale: float, *,
+                              tile_tokens: int | None = None) -> torch.Tensor:
+    """Torch twin of `paged_attention` (the tests' oracle): gathers every row's keys and
+    values into a padded [rows, max_kv_len, ...] copy, masks past each length, softmax in
+    float32. `tile_tokens` is accepted and ignored (it only changes the summation order)."""
+    _check(q, kv_cache, block_table, row_request, kv_lens)
+    rows, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(kv_lens.max()) if rows else 0
+    positions = torch.arange(max_len, device=q.device)                        # [max_len]
+    visible = positions[None, :] < kv_lens[:, None]                           # [rows, max_len]
+    columns = (positions // block_size).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table[row_request][:, columns]                             # [rows, max_len]
+    slots = torch.where(visible, blocks * block_size + positions % block_size, 0)
+    cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    keys = cache[0][slots].float()                            # [rows, max_len, kv_heads, dim]
+    values = cache[1][slots].float()
+    queries = q.float().reshape(rows, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rhgd,rnhd->rhgn", queries, keys) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)     # kv_len 0: all -inf -> NaN -> 0
+    out = torch.einsum("rhgn,rnhd->rhgd", probs, values)      # [rows, kv_heads, group, dim]
+    return out.reshape(rows, num_heads * head_dim).to(q.dtype)
+
+
+def paged_attention_with_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                               block_table: torch.Tensor, row_request: torch.Tensor,
+                               kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`write_kv(k, v, kv_cache, slot_mapping)`, then `paged_attention`: a layer's whole
+    attention step, in the C kernel's argument order (PagedAttentionKernel.__call__)."""
+    write_kv(k, v, kv_cache, slot_mapping)
+    return paged_attention(q, kv_cache, block_table, row_request, kv_lens, scale)

@@ -5,6 +5,14 @@ transformers and, with --with-vllm, vLLM's CPU build; same prompts, same weights
                                          [--skip-dense] [--with-vllm [--vllm-dtype D ...]]
                                          [--num-prompts N] [--out FILE]
     bash bench/vllm_env.sh     # once, before --with-vllm: vLLM's CPU build in .venv-vllm/
+    python3 bench/throughput.py --device cuda [--shapes smollm2,llama-1b | --model DIR]
+                                [--tokenizer DIR] [--skip-compile] [--repeats 3]
+
+--device cuda (a GPU machine; scripts/gpu-check --bench runs it there) measures random-weight
+models in the SmolLM2-135M and Llama-3.2-1B shapes: splitserve with its worker on the GPU,
+then HF transformers on the same GPU, eager and with a static cache + torch.compile, and
+splitserve's GPU idle share between steps; it prints a table per shape beside issue 13's
+targets. bench/gpu_throughput.py holds that run; what follows describes the CPU run.
 
 Workload (shared/bench/WORKLOAD): 64 chat prompts, greedy, exactly 128 new tokens each (EOS
 ignored), all submitted at once; single stream = prompt 0. Each system gets an untimed warm-up.
@@ -20,16 +28,12 @@ float32 when --dtype is bfloat16 and the CPU has no native bf16 (no avx512_bf16 
 where vLLM's bf16 can be the slower; the ratios to vLLM take, for each figure, vLLM's faster
 dtype.
 
-The batch client is one asyncio event loop (grpc.aio), as a load generator should be: it shares
-the machine's cores with the services, and 64 threads blocking on sync streams cost about twice
-its CPU time (0.9-1.2 against 0.4-0.6 CPU-seconds per run, measured).
+splitserve's side (cluster start, warm-up, the asyncio batch client, the gap metric) is in
+bench/splitserve_runs.py.
 """
 
 import argparse
-import asyncio
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,28 +42,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from services.launcher import ClusterSpec, ServiceProcesses  # noqa: E402
-from services.model_config import default_model_path  # noqa: E402
-from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
-
 sys.path.insert(0, str(ROOT / "bench"))
+
+# bench_splitserve, load_workload and write_result are imported from here by parallel.py and
+# cpu_kernels.py too.
+from bench_io import load_workload, medians, write_result  # noqa: E402
+from splitserve_runs import bench_splitserve  # noqa: E402
 from vllm_peer import VllmPeer, save_hf_dir  # noqa: E402
+
+from services.model_config import default_model_path  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 # JSON keys of the systems whose key is not their name with underscores.
 RESULT_KEYS = {"splitserve dense": "splitserve_dense_bf16"}
-
-
-def load_workload() -> tuple[list[str], str, int]:
-    for candidate in (ROOT.parent / "shared" / "bench", ROOT / "shared" / "bench"):
-        if (candidate / "workload.py").is_file():
-            sys.path.insert(0, str(candidate))
-            import workload  # type: ignore[import-not-found]
-
-            return workload.PROMPTS, workload.SINGLE_PROMPT, workload.MAX_NEW_TOKENS
-    raise SystemExit("shared/bench/workload.py not found beside the repository")
 
 
 def cpu_info() -> dict[str, object]:
@@ -75,119 +71,6 @@ def cpu_info() -> dict[str, object]:
     return {"model": info.get("model name", "unknown"),
             "family_model": f"{info.get('cpu family', '?')}/{info.get('model', '?')}",
             "cpus": os.cpu_count(), **{f: f in flags for f in CPU_FLAGS}}
-
-
-def write_result(results: dict, out: str | None, stem: str) -> None:  # type: ignore[type-arg]
-    """Writes the JSON result to `out`, or to bench/results/<stem>-<time>.json."""
-    path = Path(out) if out else ROOT / "bench" / "results" / \
-        f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {path}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
-        text=prompt, sampling=generation_pb2.SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens: int,
-               ) -> tuple[int, float, float]:
-    """(tokens, seconds to first token, seconds in all)."""
-    start = time.perf_counter()
-    first = None
-    n = 0
-    for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
-        if chunk.token_ids and first is None:
-            first = time.perf_counter() - start
-        n += len(chunk.token_ids)
-    return n, first or 0.0, time.perf_counter() - start
-
-
-def run_batch(address: str, prompts: list[str], max_tokens: int) -> list[int]:
-    """Every prompt streamed at once from one event loop; the tokens each got."""
-    import grpc
-
-    async def stream_all() -> list[int]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-
-            async def one(prompt: str) -> int:
-                n = 0
-                async for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
-                    n += len(chunk.token_ids)
-                return n
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-    return asyncio.run(stream_all())
-
-
-def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: str,
-                     extra_args: list[str], worker_args: list[str], pp: int = 1,
-                     tp: int = 1) -> dict[str, float]:
-    import grpc
-
-    port = free_port()
-    spec = ClusterSpec(port=port, kv_plan_port=free_port(), kv_admin_port=free_port(),
-                       kv_events_port=free_port(), metrics_port=-1,
-                       dtype=dtype, tp=tp, pp=pp, scheduler_args=tuple(extra_args),
-                       worker_args=tuple(worker_args),
-                       log_level="warning")
-    log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-    procs = ServiceProcesses(spec, log_dir)
-    procs.start()
-    try:
-        procs.wait_ready(300)
-        with grpc.insecure_channel(procs.address) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            # Warm-up: a batch and a single stream, untimed.
-            run_batch(procs.address, prompts[:8], 16)
-            run_stream(stub, single, 16)
-
-            gaps = ForwardGaps(stub)
-            n, ttft, total = run_stream(stub, single, max_tokens)
-            single_decode = (n - 1) / (total - ttft)
-            single_gap = gaps.mean_since_last()
-            start = time.perf_counter()
-            counts = run_batch(procs.address, prompts, max_tokens)
-            wall = time.perf_counter() - start
-            batch_gap = gaps.mean_since_last()
-            assert sum(counts) == len(prompts) * max_tokens, counts
-    finally:
-        procs.stop()
-    return {"batch_tok_s": sum(counts) / wall, "batch_wall_s": wall,
-            "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode,
-            "single_forward_gap_ms": single_gap, "batch_forward_gap_ms": batch_gap}
-
-
-class ForwardGaps:
-    """Mean idle time between the workers' forward passes over an interval, from the
-    scheduler's ServerInfo counters (summed over replicas)."""
-
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
-        self.stub = stub
-        self.last = self._totals()
-
-    def _totals(self) -> tuple[float, int]:
-        info = self.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
-        return (sum(r.forward_gap_ms_total for r in info.replicas),
-                sum(r.num_forward_gaps for r in info.replicas))
-
-    def mean_since_last(self) -> float:
-        now = self._totals()
-        total, count = now[0] - self.last[0], now[1] - self.last[1]
-        self.last = now
-        return total / count if count else 0.0
 
 
 class HfBaseline:
@@ -227,11 +110,6 @@ class HfBaseline:
         count, wall = self._generate(prompts, max_tokens)
         return {"batch_tok_s": count / wall, "batch_wall_s": wall,
                 "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode}
-
-
-def medians(runs: list[dict[str, float]]) -> dict[str, object]:
-    """Each figure's median over the repeats, plus the repeats themselves."""
-    return {**{key: statistics.median(r[key] for r in runs) for key in runs[0]}, "runs": runs}
 
 
 def start_vllm(dtypes: list[str]) -> dict[str, VllmPeer]:
@@ -280,47 +158,91 @@ def add_ratios(results: dict[str, object], table: dict[str, dict[str, object]],
               f"single decode / {decode_ref}: {decode:.2f}x")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: random-weight models per --shapes on the GPU, splitserve and HF "
+                   "transformers eager and static-cache compiled (bench/gpu_throughput.py)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                   help="float16: --device cuda only")
     p.add_argument("--num-prompts", type=int, default=64,
                    help="fewer than 64: a quick smoke check, not the shared workload")
     p.add_argument("--repeats", type=int, default=3,
-                   help="rounds of every system in turn; the table shows medians")
+                   help="rounds of every system; the table shows medians")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
-                   help="skip the run without the small-step kernel on quantized blocks")
+                   help="CPU: skip the run without the small-step kernel on quantized blocks")
     p.add_argument("--with-vllm", action="store_true",
-                   help="also run vLLM's CPU build (bash bench/vllm_env.sh first)")
+                   help="CPU: also run vLLM's CPU build (bash bench/vllm_env.sh first)")
     p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
                    help="vLLM dtype (repeatable, implies --with-vllm); default --dtype, plus "
                    "float32 for bfloat16 on a CPU without native bf16")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra scheduler flag (repeatable), e.g. "
                    "--scheduler-arg=--no-prefix-caching")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra worker flag (repeatable), e.g. --worker-arg=--enforce-eager")
+    gpu = p.add_argument_group("--device cuda")
+    gpu.add_argument("--shapes", default="smollm2,llama-1b",
+                     help="comma-separated random-weight shapes (scripts/random_model.py)")
+    gpu.add_argument("--model", default=None, metavar="DIR",
+                     help="run this HF directory instead of building --shapes")
+    gpu.add_argument("--models-dir", default=str(ROOT / "models" / "random"),
+                     help="where the random models are built, DIR/<shape>, and reused")
+    gpu.add_argument("--tokenizer", default=None, metavar="PATH",
+                     help="tokenizer for the random models (a directory from "
+                     "`scripts/random_model.py --export-tokenizer`); default: the GGUF's")
+    gpu.add_argument("--skip-compile", action="store_true",
+                     help="skip HF static cache + torch.compile (its compile takes minutes)")
     p.add_argument("--out", default=None)
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
+    if a.device == "cuda":
+        if a.with_vllm or a.vllm_dtype:
+            p.error("--with-vllm drives vLLM's CPU build: --device cpu only")
+        from gpu_throughput import check_shapes, run_cuda
+
+        try:
+            shapes = check_shapes(a.shapes, a.model)
+        except ValueError as exc:
+            p.error(str(exc))
+        prompts, single, max_tokens = load_workload()
+        return run_cuda(a, shapes, prompts[:a.num_prompts], single, max_tokens)
+    if a.dtype == "float16":
+        p.error("--dtype float16 is for --device cuda (the CPU workers refuse it)")
+    return run_cpu(a)
+
+
+def run_cpu(a: argparse.Namespace) -> int:
+    """The shared workload on this machine's CPU, against HF transformers and vLLM."""
     cpu = cpu_info()
     print(f"cpu: {cpu['model']} (family/model {cpu['family_model']}), {cpu['cpus']} cpus, "
           + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in CPU_FLAGS), flush=True)
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
+    # Explicit, so that a GPU in this machine (and a worker default of auto) changes nothing.
+    worker_args = ["--device", "cpu", *a.worker_arg]
 
     # Every system runs once per round, in turn, so slow and fast spells of this shared
     # machine fall on all of them; splitserve gets a fresh cluster every time (a cold prefix
     # cache, as on the first round).
     systems: dict[str, Callable[[], dict[str, float]]] = {
         "splitserve": lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
-                                               a.scheduler_arg, [])}
+                                               a.scheduler_arg, worker_args)}
     if a.dtype == "bfloat16" and not a.skip_dense:
         # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
         # steps): the strict same-dtype comparison.
         systems["splitserve dense"] = lambda: bench_splitserve(
-            prompts, single, max_tokens, a.dtype, a.scheduler_arg, ["--no-quant-kernels"])
+            prompts, single, max_tokens, a.dtype, a.scheduler_arg,
+            [*worker_args, "--no-quant-kernels"])
     if not a.skip_hf:
         hf = HfBaseline(a.dtype)
         systems["hf transformers"] = lambda: hf.run(prompts, single, max_tokens)

@@ -203,7 +203,10 @@ def test_gpu_workers_claim_a_gpu_each_and_compute_on_it(gpu_config: dict[str, An
         monkeypatch.setenv(key, str(value))
     claim, worker_command = parse_claim(command[3:])
     assert worker_command == ["python", "-m", "worker_svc"]
-    assert parse_worker(worker_command[3:]).device == "cuda"
+    # The worker resolves the device at start: as on a machine with the one claimed GPU.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    assert str(parse_worker(worker_command[3:]).device) == "cuda:0"
     # The locks live on one named volume that every scaled worker container mounts.
     (claims,) = [m for m in worker["volumes"] if m["target"] == claim.dir]
     assert claims["type"] == "volume" and not claims.get("read_only")

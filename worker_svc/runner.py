@@ -124,6 +124,10 @@ class ModelRunner:
         the CPU). `kernels`: auto / c / triton / torch (worker_svc.kernel_choice).
         `enforce_eager`: no CUDA graphs."""
         self.device = torch.device("cpu") if device is None else device
+        if self.device.type == "cuda":
+            # float32 means float32 (the oracle's precision): no TF32 in matmuls.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                 torch.float16: "float16"}.get(dtype)
         if name is None:

@@ -1,0 +1,149 @@
+"""splitserve as a benchmark subject: a fresh cluster (all services as processes), timed over
+gRPC on the shared workload, CPU or GPU workers alike.
+
+`bench_splitserve` starts the cluster, warms it up untimed, then times one single stream (time
+to first token, decode tokens/s) and all prompts at once (tokens/s, prefill included). It also
+reads the workers' idle time between forward passes from ServerInfo (the StepTimings gap
+metric, summed by the scheduler) over each timed part.
+
+The batch client is one asyncio event loop (grpc.aio), as a load generator should be: it shares
+the machine's cores with the services, and 64 threads blocking on sync streams cost about twice
+its CPU time (0.9-1.2 against 0.4-0.6 CPU-seconds per run, measured)."""
+
+import asyncio
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.launcher import ClusterSpec, ServiceProcesses  # noqa: E402
+from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(prompt: str, max_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        text=prompt, sampling=generation_pb2.SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens: int,
+               ) -> tuple[int, float, float]:
+    """(tokens, seconds to first token, seconds in all)."""
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
+        if chunk.token_ids and first is None:
+            first = time.perf_counter() - start
+        n += len(chunk.token_ids)
+    return n, first or 0.0, time.perf_counter() - start
+
+
+def run_batch(address: str, prompts: list[str], max_tokens: int) -> list[int]:
+    """Every prompt streamed at once from one event loop; the tokens each got."""
+    import grpc
+
+    async def stream_all() -> list[int]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(prompt: str) -> int:
+                n = 0
+                async for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
+                    n += len(chunk.token_ids)
+                return n
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(stream_all())
+
+
+class ForwardGaps:
+    """The workers' idle time between forward passes over an interval, from the scheduler's
+    ServerInfo counters (summed over replicas): the gap total, how many gaps it covers, and
+    the engine steps run."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+        self.stub = stub
+        self.last = self._totals()
+
+    def _totals(self) -> tuple[float, int, int]:
+        info = self.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
+        return (sum(r.forward_gap_ms_total for r in info.replicas),
+                sum(r.num_forward_gaps for r in info.replicas),
+                sum(r.num_steps for r in info.replicas))
+
+    def since_last(self) -> tuple[float, int, int]:
+        """(gap milliseconds, gaps, steps) since the previous call (or construction)."""
+        now = self._totals()
+        delta = (now[0] - self.last[0], now[1] - self.last[1], now[2] - self.last[2])
+        self.last = now
+        return delta
+
+    def mean_since_last(self) -> float:
+        gap_ms, num_gaps, _ = self.since_last()
+        return gap_ms / num_gaps if num_gaps else 0.0
+
+
+def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: str,
+                     extra_args: list[str], worker_args: list[str], pp: int = 1,
+                     tp: int = 1, model: str | None = None,
+                     warmup_prompts: Sequence[str] | None = None,
+                     ready_timeout_s: float = 300.0) -> dict[str, float]:
+    """One round on a fresh cluster. `warmup_prompts`: what the untimed warm-up sends (default
+    the first 8 prompts and `single`; a GPU run passes other texts, so that the timed prompts
+    find nothing of theirs in the prefix cache and every batch size has been seen).
+
+    batch_idle_fraction = the last stage's summed gaps between forwards during the batch run
+    / the batch run's wall time: the share of the run the GPU sat idle between steps (idle
+    before the first step and after the last is not in it)."""
+    import grpc
+
+    port = free_port()
+    spec = ClusterSpec(model=model, port=port, kv_plan_port=free_port(),
+                       kv_admin_port=free_port(), kv_events_port=free_port(), metrics_port=-1,
+                       dtype=dtype, tp=tp, pp=pp, scheduler_args=tuple(extra_args),
+                       worker_args=tuple(worker_args),
+                       log_level="warning")
+    log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
+    procs = ServiceProcesses(spec, log_dir)
+    procs.start()
+    try:
+        try:
+            procs.wait_ready(ready_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; service logs in {log_dir}") from exc
+        with grpc.insecure_channel(procs.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            # Warm-up: a batch and a single stream, untimed.
+            warm_batch = list(warmup_prompts) if warmup_prompts else prompts[:8]
+            run_batch(procs.address, warm_batch, 16)
+            run_stream(stub, warm_batch[0] if warmup_prompts else single, 16)
+
+            gaps = ForwardGaps(stub)
+            n, ttft, total = run_stream(stub, single, max_tokens)
+            single_decode = (n - 1) / (total - ttft)
+            single_gap = gaps.mean_since_last()
+            start = time.perf_counter()
+            counts = run_batch(procs.address, prompts, max_tokens)
+            wall = time.perf_counter() - start
+            gap_ms, num_gaps, num_steps = gaps.since_last()
+            assert sum(counts) == len(prompts) * max_tokens, counts
+    finally:
+        procs.stop()
+    return {"batch_tok_s": sum(counts) / wall, "batch_wall_s": wall,
+            "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode,
+            "single_forward_gap_ms": single_gap,
+            "batch_forward_gap_ms": gap_ms / num_gaps if num_gaps else 0.0,
+            "batch_idle_fraction": gap_ms / (wall * 1000), "batch_num_steps": num_steps}

@@ -20,6 +20,11 @@ Every term is logged; the replica takes the smallest block count over its ranks.
 
 from dataclasses import dataclass
 
+import torch
+
+from worker_svc.attention import build_attention_metadata, metadata_to
+from worker_svc.kv_cache import allocate_kv_caches, bytes_per_block
+
 GIB = 1 << 30
 GPU_MARGIN_BYTES = 512 << 20      # CUDA graphs' pool, allocator fragmentation
 CPU_MARGIN_BYTES = 1 << 30        # the process's own growth, the page cache's due
@@ -93,3 +98,70 @@ def estimate_activation_bytes(num_tokens: int, num_logit_rows: int, hidden_size:
     logits and their sampling copies for the sampled rows."""
     per_token = (4 * hidden_size + 2 * qkv_width + 3 * intermediate_size) * itemsize
     return num_tokens * per_token + 3 * num_logit_rows * vocab_size * 4
+
+
+def measure_kv_budget(runner: "ModelRunner", block_size: int,  # noqa: F821
+                      max_num_batched_tokens: int, max_num_seqs: int,
+                      cpu_cap_bytes: int | None, gpu_memory_utilization: float = 0.9
+                      ) -> KvBudget:
+    """`runner`'s KV budget (worker_svc.runner.ModelRunner, weights loaded): on a GPU after a
+    profiling forward of the largest step; on a CPU from the host's available memory, capped
+    at `cpu_cap_bytes`."""
+    cfg, shard = runner.config, runner.model.shard
+    rows = max(1, min(max_num_seqs, max_num_batched_tokens))
+    if runner.device.type == "cpu":
+        qkv = (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim
+        inter = shard.intermediate[1] - shard.intermediate[0]
+        peak = estimate_activation_bytes(max_num_batched_tokens,
+                                         rows if runner.is_last_stage else 0,
+                                         cfg.hidden_size, qkv, inter, cfg.vocab_size,
+                                         torch.empty((), dtype=runner.dtype).element_size())
+        return cpu_budget(host_available_bytes(), runner.weight_bytes, peak, cpu_cap_bytes)
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(runner.device)    # the weights and tables
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    scratch = _profile_forward(runner, max_num_batched_tokens, rows, block_size)
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - before - scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(runner.device)
+    other = max(0, (total - free) - torch.cuda.memory_reserved(runner.device))
+    return gpu_budget(str(runner.device), total, gpu_memory_utilization, before, max(0, peak),
+                      other)
+
+
+def _profile_forward(runner: "ModelRunner", num_tokens: int, num_rows: int,  # noqa: F821
+                     block_size: int) -> int:
+    """One forward of `num_tokens` tokens over `num_rows` new requests (logits and greedy
+    sampling for each), on a scratch KV cache; returns the scratch cache's bytes."""
+    lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
+            for i in range(num_rows)]
+    lens.sort()                              # one-token queries first
+    tables, next_block = [], 1
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+    specs = runner.kv_layer_specs(block_size)
+    caches = allocate_kv_caches(specs, next_block, runner.device)
+    with torch.inference_mode():
+        meta = metadata_to(build_attention_metadata(
+            lens, [0] * num_rows, tables, block_size, next_block,
+            torch_path=runner.model.kernels.attention is None), runner.device)
+        hidden = residual = ids = None
+        if runner.model.is_first_stage:
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+        else:
+            hidden = torch.zeros(num_tokens, runner.config.hidden_size, dtype=runner.dtype,
+                                 device=runner.device)
+            residual = torch.zeros_like(hidden)
+        hidden, residual = runner.model.forward(ids, hidden, residual, meta.positions, meta,
+                                                caches)
+        if runner.is_last_stage:
+            last = torch.cumsum(torch.tensor(lens, device=runner.device), 0) - 1
+            logits = runner.model.compute_logits(hidden.index_select(0, last),
+                                                 residual.index_select(0, last))
+            logits.float().argmax(dim=-1)
+    del caches
+    return bytes_per_block(specs) * next_block

@@ -54,13 +54,7 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
-from worker_svc.memory_budget import (
-    KvBudget,
-    cpu_budget,
-    estimate_activation_bytes,
-    gpu_budget,
-    host_available_bytes,
-)
+from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import load_weights
 from worker_svc.sampler import is_greedy, sample
@@ -192,62 +186,8 @@ class ModelRunner:
         """The KV budget from measured memory (worker_svc.memory_budget): on a GPU after a
         profiling forward of the largest step; on a CPU from the host's available memory,
         capped at `cpu_cap_bytes`."""
-        cfg, shard = self.config, self.model.shard
-        rows = max(1, min(max_num_seqs, max_num_batched_tokens))
-        if self.device.type == "cpu":
-            qkv = (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim
-            inter = shard.intermediate[1] - shard.intermediate[0]
-            peak = estimate_activation_bytes(max_num_batched_tokens,
-                                             rows if self.is_last_stage else 0,
-                                             cfg.hidden_size, qkv, inter, cfg.vocab_size,
-                                             torch.empty((), dtype=self.dtype).element_size())
-            return cpu_budget(host_available_bytes(), self.weight_bytes, peak, cpu_cap_bytes)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated(self.device)    # the weights and tables
-        torch.cuda.reset_peak_memory_stats(self.device)
-        scratch = self._profile_forward(max_num_batched_tokens, rows, block_size)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        other = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        return gpu_budget(str(self.device), total, gpu_memory_utilization, before, max(0, peak),
-                          other)
-
-    def _profile_forward(self, num_tokens: int, num_rows: int, block_size: int) -> int:
-        """One forward of `num_tokens` tokens over `num_rows` new requests (logits and greedy
-        sampling for each), on a scratch KV cache; returns the scratch cache's bytes."""
-        lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
-                for i in range(num_rows)]
-        lens.sort()                              # one-token queries first
-        tables, next_block = [], 1
-        for n in lens:
-            need = -(-n // block_size)
-            tables.append(list(range(next_block, next_block + need)))
-            next_block += need
-        specs = self.kv_layer_specs(block_size)
-        caches = allocate_kv_caches(specs, next_block, self.device)
-        with torch.inference_mode():
-            meta = metadata_to(build_attention_metadata(
-                lens, [0] * num_rows, tables, block_size, next_block,
-                torch_path=self.model.kernels.attention is None), self.device)
-            hidden = residual = ids = None
-            if self.model.is_first_stage:
-                ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-            else:
-                hidden = torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype,
-                                     device=self.device)
-                residual = torch.zeros_like(hidden)
-            hidden, residual = self.model.forward(ids, hidden, residual, meta.positions, meta,
-                                                  caches)
-            if self.is_last_stage:
-                last = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
-                logits = self.model.compute_logits(hidden.index_select(0, last),
-                                                   residual.index_select(0, last))
-                logits.float().argmax(dim=-1)
-        del caches
-        return bytes_per_block(specs) * next_block
+        return measure_kv_budget(self, block_size, max_num_batched_tokens, max_num_seqs,
+                                 cpu_cap_bytes, gpu_memory_utilization)
 
     def init_cache(self, num_blocks: int, block_size: int, max_num_seqs: int = 256) -> None:
         """Allocate the KV tensors; drops any request state (block ids would be stale). On

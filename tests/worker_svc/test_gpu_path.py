@@ -161,3 +161,17 @@ def test_float16_is_refused_on_the_cpu(tiny_model: tuple[Path, object]) -> None:
     path, _ = tiny_model
     with pytest.raises(ValueError, match="float16.*not supported on cpu"):
         _runner(path, "c", torch.float16)
+
+
+@pytest.mark.parametrize("kernels", ["c", "triton"])
+def test_the_profiling_forward_runs_the_largest_step(tiny_model: tuple[Path, object],
+                                                     kernels: str) -> None:
+    # What a GPU worker runs before sizing its KV cache (its peak memory is measured there):
+    # 50 tokens over 8 new requests (lengths 6 and 7), logits for each, on a scratch cache
+    # of 8 x 2 blocks plus the null block.
+    from worker_svc.memory_budget import _profile_forward
+
+    path, _ = tiny_model
+    runner = _runner(path, kernels)
+    assert _profile_forward(runner, 50, 8, BLOCK_SIZE) == 17 * runner.kv_bytes_per_block(
+        BLOCK_SIZE)

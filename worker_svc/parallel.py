@@ -3,10 +3,12 @@ this rank's stage.
 
 Global rank = pp_rank * tp_size + tp_rank. Every rank receives every StepInput and lays the
 step's tokens out identically (the runner sorts them the same way from the same message), so
-stage k only sends stage k+1 the hidden states and residual of its last layer: two
-[num_tokens, hidden_size] tensors, from each TP rank to the same TP rank of the next stage
-(after the all-reduce every TP rank of a stage holds the same activations). Tensors travel as
-raw bytes: gloo between CPU workers, NCCL device to device between GPU workers.
+stage k only sends stage k+1 a one-number header (the row count, or FAILED when the step
+failed there, so that the next stage does not wait for activations that never come) and the
+hidden states and residual of its last layer: two [num_tokens, hidden_size] tensors, from each
+TP rank to the same TP rank of the next stage (after the all-reduce every TP rank of a stage
+holds the same activations). Tensors travel as raw bytes: gloo between CPU workers, NCCL
+device to device between GPU workers.
 """
 
 import datetime
@@ -20,6 +22,13 @@ log = logging.getLogger(__name__)
 
 class RendezvousError(RuntimeError):
     """The replica's ranks did not all join the process group in time."""
+
+
+class StageFailed(RuntimeError):
+    """The previous pipeline stage failed the step this stage was waiting for."""
+
+
+FAILED = -1   # the header a stage sends in place of a step's row count when it failed the step
 
 
 class ParallelGroups:
@@ -59,8 +68,17 @@ class ParallelGroups:
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and residual from the previous stage, each [num_tokens, hidden], on
-        `device` (NCCL moves them GPU to GPU)."""
+        `device` (NCCL moves them GPU to GPU). Raises `StageFailed` when the previous stage
+        failed the step (and sent only that)."""
         assert self.prev_rank is not None
+        header = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(header, src=self.prev_rank)
+        sent = int(header.item())
+        if sent == FAILED:
+            raise StageFailed(f"pipeline stage {self.pp_rank - 1} failed this step")
+        if sent != num_tokens:
+            raise RuntimeError(f"the previous stage sent {sent} rows for a step of "
+                               f"{num_tokens} tokens")
         tensors = []
         for _ in range(2):
             buf = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
@@ -69,9 +87,18 @@ class ParallelGroups:
         return tensors[0], tensors[1]
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """This step's activations to the next stage: a header (the row count), then both."""
         assert self.next_rank is not None
+        dist.send(torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device),
+                  dst=self.next_rank)
         for t in (hidden, residual):
             dist.send(t.contiguous().view(torch.uint8), dst=self.next_rank)
+
+    def send_failure(self) -> None:
+        """Tell the next stage this step failed here: a header of FAILED and nothing else."""
+        assert self.next_rank is not None
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        dist.send(torch.tensor([FAILED], dtype=torch.int64, device=device), dst=self.next_rank)
 
     def close(self) -> None:
         if dist.is_initialized():

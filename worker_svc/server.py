@@ -309,15 +309,7 @@ class WorkerServer:
                 self._finish_step(runner, pending, outputs, placement, link)
                 pending = None
             if isinstance(message, InitCache):
-                if message.num_blocks > num_blocks:
-                    log.warning("asked for %d KV blocks; the budget fits %d",
-                                message.num_blocks, num_blocks)
-                runner.init_cache(message.num_blocks, message.block_size,
-                                  placement.max_num_seqs or 256)
-                log.info("KV cache allocated: %d blocks of %d tokens (replica-wide choice; "
-                         "this worker fits %d)", message.num_blocks, message.block_size,
-                         num_blocks)
-                outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
+                self._init_cache(runner, message, num_blocks, outputs, placement)
             elif isinstance(message, StepInput):
                 try:
                     launched = self._launch_step(runner, message, link)
@@ -339,6 +331,36 @@ class WorkerServer:
             self._finish_step(runner, pending, outputs, placement, link)
         log.info("worker %s %s", cfg.worker_id,
                  "stopping" if self._stop.is_set() else "leaving its replica")
+
+    def _init_cache(self, runner: "ModelRunner", message: InitCache,  # noqa: F821
+                    num_blocks: int, outputs: Sender,
+                    placement: control_pb2.RegisterResponse) -> None:
+        """Allocate the replica's KV cache, or refuse (WorkerFailure: the replica does not come
+        up, and the scheduler logs why) a size this worker cannot hold: a cache past the
+        measured budget would fail later, mid-step, or take the host's memory."""
+        cfg = self.config
+        problem = None
+        if message.block_size != placement.block_size:
+            problem = (f"InitCache block size {message.block_size} differs from the "
+                       f"registration's {placement.block_size}")
+        elif not 2 <= message.num_blocks <= num_blocks:
+            problem = (f"InitCache asks for {message.num_blocks} KV blocks; this worker holds "
+                       f"2..{num_blocks} (its budget: --kv-cache-memory-gib on a CPU, "
+                       f"--gpu-memory-utilization on a GPU; the scheduler's --num-kv-blocks)")
+        if problem is None:
+            try:
+                runner.init_cache(message.num_blocks, message.block_size,
+                                  placement.max_num_seqs or 256)
+            except (RuntimeError, ValueError) as exc:     # torch's out-of-memory included
+                problem = f"allocating {message.num_blocks} KV blocks failed: {exc}"
+        if problem is not None:
+            log.error("%s", problem)
+            outputs.send(WorkerFailure(worker_id=cfg.worker_id, step_id=0,
+                                       message=problem[:4000]))
+            return
+        log.info("KV cache allocated: %d blocks of %d tokens (replica-wide choice; this worker "
+                 "fits %d)", message.num_blocks, message.block_size, num_blocks)
+        outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
 
     def _send_failure(self, runner: "ModelRunner", step: StepInput, exc: Exception,  # noqa: F821
                       outputs: Sender, link: "ParallelGroups | None") -> None:  # noqa: F821
@@ -367,20 +389,30 @@ class WorkerServer:
         stage sends its activations on to the next and returns None."""
         from worker_svc.runner import StageActivations
 
-        stage_input = None
-        if link is not None and link.prev_rank is not None:
-            num_tokens = (sum(r.num_new_tokens for r in step.new_requests)
-                          + sum(r.num_new_tokens for r in step.running))
-            hidden, residual = link.recv(num_tokens, runner.config.hidden_size, runner.dtype,
-                                         runner.device)
-            stage_input = StageActivations(hidden, residual)
-        launched = runner.launch(step, stage_input)
-        if link is not None and link.next_rank is not None:
+        forwards = link is not None and link.next_rank is not None
+        try:
+            stage_input = None
+            if link is not None and link.prev_rank is not None:
+                num_tokens = (sum(r.num_new_tokens for r in step.new_requests)
+                              + sum(r.num_new_tokens for r in step.running))
+                hidden, residual = link.recv(num_tokens, runner.config.hidden_size,
+                                             runner.dtype, runner.device)
+                stage_input = StageActivations(hidden, residual)
+            launched = runner.launch(step, stage_input)
+            if not forwards:
+                return launched
             result = runner.finish(launched)
             assert isinstance(result, StageActivations)
-            link.send(result.hidden_states, result.residual)
-            return None
-        return launched
+        except Exception:
+            # The next stage is waiting for this step's activations: tell it the step failed,
+            # or it would sit in its receive until the group's timeout.
+            if forwards:
+                assert link is not None
+                link.send_failure()
+            raise
+        assert link is not None
+        link.send(result.hidden_states, result.residual)
+        return None
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
         """Every second while registered; runs for the life of the process."""

@@ -36,6 +36,8 @@ class EventPublisher:
         self._closed = False
         self.socket = ctx.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # A PUB socket only receives subscriptions: a larger frame is no subscriber of ours.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 4096)
         try:
             if port == 0:
                 port = self.socket.bind_to_random_port(f"tcp://{host}")

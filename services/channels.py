@@ -3,7 +3,9 @@
 `Sender` wraps a PUSH socket, `Receiver` a PULL socket, `RequestClient` a DEALER that sends a
 request and waits for the matching reply with a timeout (reconnecting after a timeout so a
 restarted server is picked up), and `ReplyServer` a ROUTER that answers them. Malformed frames
-are logged and dropped by the receiving side; they never raise out of `recv`.
+are logged and dropped by the receiving side; they never raise out of `recv`. Every receiving
+socket has ZMQ_MAXMSGSIZE set to the codec's frame limit: libzmq disconnects a peer that sends
+more, instead of buffering a frame of any size whole before the codec could refuse it.
 """
 
 import logging
@@ -22,6 +24,11 @@ R = TypeVar("R")
 
 def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
+
+
+def limit_frames(socket: zmq.Socket, codec: Codec) -> None:  # type: ignore[type-arg]
+    """Inbound frames above the codec's limit are refused by libzmq (the peer is dropped)."""
+    socket.setsockopt(zmq.MAXMSGSIZE, codec.max_frame_bytes)
 
 
 class Sender:
@@ -56,6 +63,7 @@ class Receiver(Generic[T]):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        limit_frames(self.socket, codec)
         try:
             if bind:
                 if address.endswith(":0"):
@@ -98,6 +106,7 @@ class RequestClient(Generic[R]):
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        limit_frames(sock, self.codec)
         sock.connect(self.address)
         return sock
 
@@ -126,6 +135,7 @@ class ReplyServer(Generic[T]):
         self.codec = codec
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        limit_frames(self.socket, codec)
         try:
             self.socket.bind(address)
         except zmq.ZMQError:

@@ -5,15 +5,18 @@ import msgspec
 import pytest
 import zmq
 
+from services.block_hash import hash_full_blocks
 from services.channels import Receiver, Sender
 from services.codec import Codec, DecodeError
 from services.wire import (
     NewRequest,
+    PrefixQuery,
     RunningRequest,
     SamplingSpec,
     StepInput,
     StepOutput,
     StepTimings,
+    ToKvCache,
     ToWorker,
 )
 
@@ -80,6 +83,35 @@ def test_receiver_drops_malformed_and_keeps_going() -> None:
         ctx.destroy(linger=0)
 
 
+def test_a_frame_above_the_limit_never_reaches_the_receiver() -> None:
+    # libzmq drops the peer (ZMQ_MAXMSGSIZE) instead of buffering the frame whole before the
+    # codec's own check; the receiver never decodes it and keeps serving other senders.
+    ctx = zmq.Context()
+    try:
+        decoded: list[int] = []
+
+        class Counting(Codec):  # type: ignore[type-arg]
+            def decode(self, frame: bytes | memoryview) -> StepInput:
+                decoded.append(len(frame))
+                return super().decode(frame)  # type: ignore[no-any-return]
+
+        codec = Counting(ToWorker, max_frame_bytes=1024)
+        receiver: Receiver[StepInput] = Receiver(ctx, codec, "tcp://127.0.0.1:0")
+        assert receiver.socket.getsockopt(zmq.MAXMSGSIZE) == 1024
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(receiver.address)
+        raw.send(b"\x00" * 4096)
+        assert receiver.recv(timeout_ms=300) is None and decoded == []
+        sender = Sender(ctx, Codec(ToWorker), receiver.address)
+        sender.send(step())
+        assert receiver.recv(timeout_ms=2000) == step() and len(decoded) == 1
+        raw.close(linger=0)
+        sender.close()
+        receiver.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_output_lengths_are_bounded() -> None:
     codec = Codec(StepOutput)
     out = StepOutput(1, "w", ["a"], [7], [None], StepTimings(1.0, 2.0, 3.0, 4))
@@ -95,3 +127,15 @@ def test_every_uint64_seed_crosses_the_wire(seed: int) -> None:
     codec: Codec[StepInput] = Codec(ToWorker)
     decoded = codec.decode(codec.encode(message))
     assert decoded.new_requests[0].sampling.seed == seed
+
+
+def test_block_hashes_cross_the_wire_as_32_bytes() -> None:
+    """Chained SHA-256 hashes travel whole; any other width (the former u64 included) is a
+    malformed frame."""
+    hashes = hash_full_blocks(list(range(12)), 4, cache_salt=b"tenant")
+    codec: Codec[PrefixQuery] = Codec(ToKvCache)
+    assert codec.decode(codec.encode(PrefixQuery(hashes))) == PrefixQuery(hashes)
+    for bad in (hashes[0][:8], hashes[0] + b"\0", 12345):
+        frame = msgspec.msgpack.encode(["PrefixQuery", [hashes[0], bad]])
+        with pytest.raises(DecodeError):
+            codec.decode(frame)

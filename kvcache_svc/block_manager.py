@@ -203,7 +203,7 @@ class ReplicaBlockManager:
 
     # ------------------------------------------------------------------------------ queries
 
-    def num_cached_prefix_blocks(self, block_hashes: list[int]) -> int:
+    def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """Leading `block_hashes` in the prefix index; changes nothing (0 with caching off,
         as the index is then always empty)."""
         return self.pool.num_cached_prefix_blocks(block_hashes)

@@ -24,7 +24,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0                          # requests holding this block
-        self.block_hash: int | None = None        # set while the block is in the prefix index
+        self.block_hash: bytes | None = None      # set while the block is in the prefix index
         self.prev_free: KVBlock | None = None     # links of the free queue; None when not in it
         self.next_free: KVBlock | None = None
 
@@ -106,15 +106,15 @@ class IndexLog:
     __slots__ = ("runs",)
 
     def __init__(self) -> None:
-        self.runs: list[tuple[bool, list[int]]] = []
+        self.runs: list[tuple[bool, list[bytes]]] = []
 
-    def add(self, stored: bool, block_hash: int) -> None:
+    def add(self, stored: bool, block_hash: bytes) -> None:
         if self.runs and self.runs[-1][0] is stored:
             self.runs[-1][1].append(block_hash)
         else:
             self.runs.append((stored, [block_hash]))
 
-    def drain(self) -> list[tuple[bool, list[int]]]:
+    def drain(self) -> list[tuple[bool, list[bytes]]]:
         runs, self.runs = self.runs, []
         return runs
 
@@ -132,7 +132,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1:])
         # Prefix hash -> the one block holding it. A second block computed with the same hash
         # (two requests missed the same prefix at once) is simply left out of the index.
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[bytes, KVBlock] = {}
         self.index_log = index_log              # None: changes are not recorded
 
     @property
@@ -194,7 +194,7 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
         """Enters `block` into the prefix index under `block_hash`. False when another block
         already holds that hash (this one then stays out of the index) or `block` has one."""
         if block_hash in self._cached or block.block_hash is not None:
@@ -205,10 +205,10 @@ class BlockPool:
             self.index_log.add(True, block_hash)
         return True
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def num_cached_prefix_blocks(self, block_hashes: Iterable[int]) -> int:
+    def num_cached_prefix_blocks(self, block_hashes: Iterable[bytes]) -> int:
         """How many leading `block_hashes` the index holds, stopping at the first miss.
         Read-only: no block is touched or moved in the free queue."""
         num_found = 0

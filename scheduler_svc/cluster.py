@@ -41,6 +41,7 @@ from scheduler_svc.placement import (
     Replica,
     WorkerRecord,
     gpu_taken_message,
+    kv_blocks_problem,
     rendezvous_address,
     split_layers,
 )
@@ -159,7 +160,7 @@ class Cluster:
             return self.config.dtype
         with self._lock:
             dtypes = sorted({r.dtype for r in self.replicas.values()
-                             if r.dtype and r.state != "down"})
+                             if r.dtype and r.state not in ("down", "refused")})
         return ",".join(dtypes) or "auto"
 
     def _forming_replica_locked(self) -> Replica:
@@ -188,6 +189,14 @@ class Cluster:
             self._start_replica_locked(replica)
 
     def _start_replica_locked(self, replica: Replica) -> None:
+        problem = kv_blocks_problem(replica.workers, self.config.num_kv_blocks)
+        if problem is not None:
+            # No engine, no InitCache. Its workers stay registered and idle: one restarted
+            # with more memory registers with a newer epoch, which takes this replica down
+            # and has the others register again into a new one.
+            log.error("replica %d not started: %s", replica.replica_id, problem)
+            replica.state = "refused"
+            return
         measured = min(w.num_kv_blocks or 0 for w in replica.workers)
         num_blocks = self.config.num_kv_blocks or measured
         log.info("replica %d: ranks measured %s KV blocks; using %d%s", replica.replica_id,
@@ -282,10 +291,12 @@ class Cluster:
     # ------------------------------------------------------------------ requests
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams, deadline: float) -> Request:
+                     sampling: SamplingParams, deadline: float,
+                     cache_salt: bytes = b"") -> Request:
         sc = self.sched_config
         request = Request(request_id, prompt_token_ids, sampling, self.model.eos_token_ids,
-                          sc.max_model_len, sc.block_size, hash_blocks=sc.prefix_caching)
+                          sc.max_model_len, sc.block_size, hash_blocks=sc.prefix_caching,
+                          cache_salt=cache_salt)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, sampling.skip_special_tokens, sampling.stop)
         request.deadline = deadline
@@ -352,7 +363,7 @@ class Cluster:
 
         return max(ready, key=score).engine
 
-    def _cached_blocks(self, block_hashes: list[int]) -> dict[int, int]:
+    def _cached_blocks(self, block_hashes: list[bytes]) -> dict[int, int]:
         with self._route_lock:
             reply = self._route_kv.call(PrefixQuery(block_hashes=block_hashes),
                                         timeout_ms=ROUTE_QUERY_TIMEOUT_MS)
@@ -422,10 +433,14 @@ class Cluster:
                                error="no replica became ready before the request's deadline"))
 
     def max_kv_tokens(self) -> int | None:
-        """Tokens one request can hold on the smallest replica that served (None: none)."""
-        sizes = [(r.engine.config.num_kv_blocks - 1) * self.sched_config.block_size
-                 for r in self.replicas.values() if r.engine is not None]
-        return min(sizes) if sizes else None
+        """Tokens one request can hold on the smallest replica that served, or that will: with
+        --num-kv-blocks every replica that starts has exactly that many blocks, so requests
+        are checked before the first one is up (None: not known yet)."""
+        blocks = [r.engine.config.num_kv_blocks for r in list(self.replicas.values())
+                  if r.engine is not None]
+        if self.config.num_kv_blocks is not None:
+            blocks.append(self.config.num_kv_blocks)
+        return (min(blocks) - 1) * self.sched_config.block_size if blocks else None
 
     def shutdown(self) -> None:
         self._stop.set()

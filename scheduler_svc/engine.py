@@ -126,14 +126,17 @@ class ReplicaEngine:
                                         daemon=True)
         self._stopping = False
         self._down_reason: str | None = None  # set by fail_over (any thread)
-        self._submit_lock = threading.Lock()  # submit vs. the final hand-over of requests
+        # Guards `_dead` (submit vs. the final hand-over of requests) and every change to
+        # `num_live`: gRPC threads add to it while the engine thread takes away.
+        self._submit_lock = threading.Lock()
         self._dead = False
         self.kv_ok = True                     # kvcache_svc reachable and holding our pool
         self._reset_pool = False              # a failed step may have poisoned the prefix index
         self.kv_epoch: int | None = None      # the kvcache_svc instance that holds it
         self.num_kv_recoveries = 0
         self.ready = threading.Event()
-        self.num_live = 0            # requests submitted and not yet finished (any thread reads)
+        self.num_live = 0            # requests submitted and not yet finished (any thread reads;
+                                     # changed only under _submit_lock)
         self.num_steps = 0
         self.forward_gap_ms_total = 0.0   # sum of StepTimings.gap_ms (ServerInfo)
         self.num_forward_gaps = 0
@@ -205,6 +208,7 @@ class ReplicaEngine:
         run again from its prompt + tokens so far (nothing is lost silently)."""
         with self._submit_lock:
             self._dead = True
+            self.num_live = 0
         orphans: list[tuple[Request, OutputSink]] = []
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
             sink = self._sinks.pop(request.request_id, None)
@@ -219,7 +223,6 @@ class ReplicaEngine:
             if isinstance(command, _Add):
                 orphans.append((command.request, command.sink))
         self._sinks.clear()
-        self.num_live = 0
         if self.kv_ok:
             kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
         self._on_down(self.config.replica_id, reason, orphans)
@@ -273,10 +276,10 @@ class ReplicaEngine:
             request = command.request
             try:
                 self.scheduler.add_request(request)
-            except ValueError as exc:
-                self.num_live -= 1
+            except ValueError as exc:   # it can never run here (INVALID_ARGUMENT)
+                self._count_ended()
                 command.sink(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
-                                           error=str(exc)))
+                                           error=str(exc), invalid=True))
                 return
             self._sinks[request.request_id] = command.sink
         elif isinstance(command, _Abort):
@@ -371,11 +374,23 @@ class ReplicaEngine:
                                       f"{self.config.step_timeout_s:.0f}s")
                 continue
             if isinstance(msg, WorkerFailure):
-                raise EngineError(f"worker {msg.worker_id} failed step {msg.step_id}: "
-                                  f"{msg.message}")
+                reason = f"worker {msg.worker_id} failed step {msg.step_id}: {msg.message}"
+                if msg.step_id == step_id:
+                    # The step's own requests end (INTERNAL), as on a one-rank replica: handed
+                    # back, a request that makes every step fail would take each replica it
+                    # lands on down in turn. The rest move on when the replica goes down.
+                    self._fail_step(step_id, StepError(reason[:4096], kv_written=False))
+                raise EngineError(reason)
             if isinstance(msg, StepOutput) and msg.step_id == step_id:
                 return msg
             log.warning("ignoring stale worker message %s", type(msg).__name__)
+
+    def _count_ended(self) -> None:
+        """A live request ended. `-=` on an attribute is a read and a write: unlocked, a
+        `submit` on another thread between them would be lost, and the routing load
+        (`Cluster.route`) would drift for good."""
+        with self._submit_lock:
+            self.num_live -= 1
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -384,7 +399,7 @@ class ReplicaEngine:
                 continue
             if out.finish_reason is not None:
                 del self._sinks[out.request_id]
-                self.num_live -= 1
+                self._count_ended()
             sink(out)
 
     # ---------------------------------------------------------------- kvcache_svc recovery

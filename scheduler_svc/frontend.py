@@ -26,6 +26,7 @@ from scheduler_svc.validation import (
     InvalidRequest,
     Limits,
     RawSampling,
+    validate_cache_salt,
     validate_chat,
     validate_model,
     validate_prompt,
@@ -72,6 +73,7 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    cache_salt: bytes = b""     # the tenant's prefix-cache salt, UTF-8; empty = unsalted
 
 
 class LoopPoster:
@@ -156,9 +158,10 @@ class Frontend:
         return text, self.tokenizer.encode(text) if text else []
 
     async def prepare(self, request_id: str, model: str, prompt: PromptInput,
-                      raw: RawSampling) -> PreparedRequest:
+                      raw: RawSampling, cache_salt: str = "") -> PreparedRequest:
         validate_model(model, self.limits)
         validate_request_id(request_id)
+        salt = validate_cache_salt(cache_salt)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
@@ -169,13 +172,14 @@ class Frontend:
         limits = dataclasses.replace(self.limits, max_kv_tokens=self.cluster.max_kv_tokens())
         validate_prompt(token_ids, limits)
         sampling = validate_sampling(raw, len(token_ids), limits)
-        return PreparedRequest(request_id, token_ids, sampling)
+        return PreparedRequest(request_id, token_ids, sampling, salt)
 
     async def generate(self, prepared: PreparedRequest,
                        time_remaining: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one RequestOutput per step that produced tokens; the last one has a
         finish_reason. Aborts the request if the consumer stops early (client cancelled).
-        `time_remaining`: seconds to the client's deadline, if it set one."""
+        `time_remaining`: seconds to the client's deadline, if it set one. Raises
+        InvalidRequest if the replica refuses it (it can never run there)."""
         if self.draining:
             raise NoReplica("the server is draining; send new requests elsewhere")
         if len(self._live) >= self.max_live_requests:
@@ -194,7 +198,8 @@ class Frontend:
             wait_s = min(wait_s, max(0.0, time_remaining - 0.5))
         request_id = prepared.request_id
         request = self.cluster.make_request(request_id, prepared.prompt_token_ids,
-                                            prepared.sampling, time.monotonic() + wait_s)
+                                            prepared.sampling, time.monotonic() + wait_s,
+                                            prepared.cache_salt)
         self._live.add(request_id)
         self.num_requests_total += 1
         timer = RequestTimer(self.metrics)
@@ -206,6 +211,8 @@ class Frontend:
                 if out.error is not None:
                     finished = True
                     timer.failed()
+                    if out.invalid:         # refused by the replica it was dispatched to
+                        raise InvalidRequest(out.error)
                     raise RequestFailed(out.error, out.server_fault)
                 timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:

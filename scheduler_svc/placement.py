@@ -57,6 +57,41 @@ def gpu_taken_message(device_uuid: str, holder: WorkerRecord, worker_id: str) ->
             f"CUDA_VISIBLE_DEVICES per worker.")
 
 
+MIN_KV_BLOCKS = 2     # block 0 is the null block: a pool needs one more to hold any token
+
+
+def kv_blocks_problem(workers: list[WorkerRecord], num_kv_blocks: int | None) -> str | None:
+    """Why a replica of `workers` cannot have a pool of `num_kv_blocks` KV blocks (the
+    `--num-kv-blocks` override; None: the smallest worker's measure), or None if it can.
+
+    Checked before InitCache: past its budget a worker would over-allocate (or refuse, which
+    takes the replica down and has its ranks register again, over and over), and a pool
+    under 2 blocks fails the wire's validation with a message naming neither cause nor fix."""
+
+    def fits(w: WorkerRecord) -> str:
+        n = w.num_kv_blocks or 0
+        return f"worker {w.worker_id} fits {n} KV block{'' if n == 1 else 's'}"
+
+    def more_memory(short: list[WorkerRecord]) -> str:
+        who = "the worker" if len(short) == 1 else "those workers"
+        return (f"give {who} more KV memory (--kv-cache-memory-gib on a CPU worker, "
+                f"--gpu-memory-utilization on a GPU worker)")
+
+    tiny = [w for w in workers if (w.num_kv_blocks or 0) < MIN_KV_BLOCKS]
+    if tiny:
+        return (f"{', '.join(map(fits, tiny))}; a pool needs at least {MIN_KV_BLOCKS} "
+                f"(block 0 is the null block): {more_memory(tiny)}; --num-kv-blocks cannot go "
+                f"past what a worker fits")
+    if num_kv_blocks is None:
+        return None
+    short = [w for w in workers if (w.num_kv_blocks or 0) < num_kv_blocks]
+    if not short:
+        return None
+    most = min(w.num_kv_blocks or 0 for w in short)
+    return (f"--num-kv-blocks {num_kv_blocks} is more than {', '.join(map(fits, short))} for "
+            f"its layers: lower --num-kv-blocks to at most {most}, or {more_memory(short)}")
+
+
 def split_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """Contiguous stage ranges; the first `num_layers % pp_size` stages get one layer more."""
     base, extra = divmod(num_layers, pp_size)
@@ -88,7 +123,9 @@ class Replica:
         self.dist_init_method = ""      # set when rank 0 registers (multi-rank replicas)
         self.dtype = ""                 # set when its first rank registers
         self.engine: ReplicaEngine | None = None
-        self.state = "forming"          # forming -> starting -> ready -> down
+        # forming -> starting -> ready -> down; or forming -> refused (its workers cannot
+        # hold the KV pool: no engine, the ranks stay idle until one registers again)
+        self.state = "forming"
 
     @property
     def workers(self) -> list[WorkerRecord]:

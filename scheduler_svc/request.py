@@ -61,6 +61,8 @@ class RequestOutput:
     error: str | None = None           # the request ended without finishing (replica lost, ...)
     server_fault: bool = False         # the error is a fault of the server (a failed step),
                                        # not an unavailable one (INTERNAL, not UNAVAILABLE)
+    invalid: bool = False              # the replica refused the request as it can never run
+                                       # there (longer than its KV pool): INVALID_ARGUMENT
 
 
 class Request:
@@ -70,11 +72,12 @@ class Request:
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
+        "cache_salt",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, block_size: int,
-                 hash_blocks: bool) -> None:
+                 hash_blocks: bool, cache_salt: bytes = b"") -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)       # prompt + outputs
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -88,7 +91,10 @@ class Request:
         self.block_ids: list[int] = []
         self.block_size = block_size
         self.hash_blocks = hash_blocks
-        self.block_hashes: list[int] = []            # hashes of full blocks of token_ids
+        # The client's tenant salt (UTF-8; empty = none), hashed into block 0: requests with
+        # different salts never share cached blocks (services.block_hash).
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []          # hashes of full blocks of token_ids
         self.num_committed_blocks = 0                # of those, how many kvcache_svc indexed
         self.num_cached_tokens: int | None = None    # prefix hit at first admission
         self.on_worker = False                       # the worker holds state for it
@@ -132,10 +138,24 @@ class Request:
             return
         parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
         self.block_hashes.extend(hash_full_blocks(
-            self.token_ids, self.block_size, parent, start_block=len(self.block_hashes)))
+            self.token_ids, self.block_size, parent, start_block=len(self.block_hashes),
+            cache_salt=self.cache_salt))
 
     def reset_for_preemption(self) -> None:
-        """Back to waiting with no blocks; outputs are kept and recomputed on resume."""
+        """Back to waiting with no blocks; outputs are kept and recomputed on resume.
+
+        Only a request with no step in flight may be preempted. Such a step still writes its
+        blocks, and when its output comes back `Scheduler._leave_step` takes it off
+        `num_in_flight` / `num_pending_tokens`; zeroed here, they would go negative then, and
+        the resumed request would be planned one token short and sample before its last
+        token. So they are checked, not reset (`reset_for_migration` may reset them: the
+        steps of a lost replica never come back)."""
+        if self.num_in_flight or self.num_pending_tokens:
+            raise RuntimeError(
+                f"request {self.request_id} preempted with {self.num_in_flight} step"
+                f"{'' if self.num_in_flight == 1 else 's'} in flight "
+                f"({self.num_pending_tokens} tokens pending); only idle requests may be "
+                "preempted")
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids = []

@@ -91,8 +91,20 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, request: Request) -> None:
+        """Queues a request, or raises ValueError if it can never run here: its id is live,
+        or it needs more KV blocks than the pool has. Such a request would be admitted, grow
+        until the pool is full, preempt itself and never fit again (the frontend refuses it
+        up front once it knows the pool; a request parked before any replica came up, or
+        moved to a smaller replica, is caught here)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
+        pool_tokens = self.num_total_blocks * self.config.block_size
+        if request.max_num_tokens > pool_tokens:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) needs {request.max_num_tokens} tokens of KV "
+                f"cache; this replica's pool holds {pool_tokens} tokens ({self.num_total_blocks} "
+                f"blocks of {self.config.block_size})")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -138,12 +150,17 @@ class Scheduler:
         self._draft = None
 
     def preempt_all(self) -> None:
-        """kvcache_svc lost its state: every running request goes back to waiting."""
+        """kvcache_svc lost its state: every running request goes back to waiting.
+
+        The caller lets the steps in flight finish first; any still recorded are forgotten
+        here, and with them what they hold of each request's in-flight counters (a late
+        output of such a step is then ignored by `update`)."""
+        for step_id in list(self._step_requests):
+            self._leave_step(step_id)
         for request in reversed(self.running):
             self._preempt(request, release_blocks=False)
         self.running.clear()
         self._free_ids.clear()
-        self._step_requests.clear()
         self.num_free_blocks = self.num_total_blocks
 
     # ------------------------------------------------------------------ phase 1: draft a plan
@@ -234,7 +251,7 @@ class Scheduler:
             return min(num_new, budget)
         return num_new if num_new <= budget else 0
 
-    def _hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[int]:
+    def _hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[bytes]:
         """Hashes of blocks that this step fills and kvcache_svc has not indexed yet."""
         if not self.config.prefix_caching:
             return []

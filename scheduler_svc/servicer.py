@@ -116,12 +116,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             prepared = await self.frontend.prepare(request.request_id, request.model,
                                                    prompt_from_pb(request),
-                                                   sampling_from_pb(request))
+                                                   sampling_from_pb(request),
+                                                   request.cache_salt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             async for out in self.frontend.generate(prepared, context.time_remaining()):
                 yield out
+        except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoReplica as exc:

@@ -18,6 +18,9 @@ from services.wire import MAX_ID_LEN, MAX_TOP_LOGPROBS
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
+# UTF-8 bytes of a cache salt: room for a tenant id or a random 256-bit secret in any encoding,
+# while bounding what is hashed and kept per request.
+MAX_CACHE_SALT_BYTES = 256
 # Below this a temperature is greedy: logits / 1e-45 overflow to inf and softmax gives NaN.
 # The same floor as vLLM's; the worker's sampler applies it again.
 MIN_TEMPERATURE = 1e-5
@@ -87,6 +90,15 @@ def validate_model(model: str, limits: Limits) -> None:
 def validate_request_id(request_id: str) -> None:
     if len(request_id) > MAX_ID_LEN:
         raise InvalidRequest(f"request_id longer than {MAX_ID_LEN} characters")
+
+
+def validate_cache_salt(cache_salt: str) -> bytes:
+    """The salt as the bytes hashed into the request's first block; empty = unsalted."""
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    if len(salt) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt is {len(salt)} bytes of UTF-8; at most "
+                             f"{MAX_CACHE_SALT_BYTES} are allowed")
+    return salt
 
 
 def validate_prompt_text(text: str, limits: Limits, what: str = "prompt text") -> None:

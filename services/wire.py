@@ -19,6 +19,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from services.block_hash import BLOCK_HASH_BYTES
+
 MAX_TOKENS_PER_REQUEST = 1 << 20   # token ids in one request (prompt + output)
 MAX_BLOCKS_PER_REQUEST = MAX_TOKENS_PER_REQUEST  # block ids held by one request (block_size >= 1)
 MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
@@ -28,7 +30,8 @@ MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 BlockId = Annotated[int, Meta(ge=0, lt=1 << 31)]
-BlockHash = Annotated[int, Meta(ge=0)]  # u64; msgpack caps it
+# A chained SHA-256 block hash (services.block_hash): msgpack bin of exactly 32 bytes.
+BlockHash = Annotated[bytes, Meta(min_length=BLOCK_HASH_BYTES, max_length=BLOCK_HASH_BYTES)]
 Count = Annotated[int, Meta(ge=0, lt=1 << 40)]
 TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
 BlockIds = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_REQUEST)]

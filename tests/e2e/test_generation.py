@@ -2,6 +2,7 @@
 against HF transformers, plus the public API's behaviour over real gRPC."""
 
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -80,6 +81,25 @@ def test_prefix_cache_shared_system_prompt(cluster, tokenizer, oracle) -> None: 
         assert_matches_reference(ids, *oracle.greedy(prompts[i], 16), label=f"system {i}")
 
 
+def test_prefix_cache_salt_separates_tenants(cluster, prompts) -> None:  # type: ignore[no-untyped-def]
+    """One prompt unsalted (cached from now on), then under salt A (no hit on the unsalted
+    blocks), under A again (a hit), then under salt B (no hit: B cannot see what A sent).
+    Salts are fresh per run, so nothing else warmed them."""
+    salt_a, salt_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+
+    def run(salt: str) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+        request = greedy_request(prompts[7], 8)
+        request.cache_salt = salt
+        return stream_tokens(cluster.stub, request)
+
+    unsalted = run("")
+    first, second, other = run(salt_a), run(salt_a), run(salt_b)
+    assert first[2].usage.cached_prompt_tokens == 0, "salt A must not hit unsalted blocks"
+    assert second[2].usage.cached_prompt_tokens > 0, "same salt should hit the prefix cache"
+    assert other[2].usage.cached_prompt_tokens == 0, "salt B must not hit salt A's blocks"
+    assert unsalted[0] == first[0] == second[0] == other[0]
+
+
 def test_bad_input_table_while_others_stream(cluster, prompts) -> None:  # type: ignore[no-untyped-def]
     P = generation_pb2
     ok_ids = prompts[0]
@@ -113,6 +133,8 @@ def test_bad_input_table_while_others_stream(cluster, prompts) -> None:  # type:
          "set exactly one of text, token_ids, chat (got none)"),
         ("both text and token ids", req(text="hi", token_ids=P.TokenIds(ids=[1, 2])),
          "(got text and token_ids)"),
+        ("cache_salt too long", req(cache_salt="s" * 257),
+         "cache_salt is 257 bytes of UTF-8; at most 256"),
     ]
 
     done = threading.Event()

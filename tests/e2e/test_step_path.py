@@ -100,3 +100,23 @@ def ready_members(server: generation_pb2.ServerInfoResponse) -> dict[int, list[i
     """Ready replicas and their workers' epochs (a slow start may have lost one already)."""
     return {r.replica_id: [w.epoch for w in r.workers]
             for r in server.replicas if r.state == "ready"}
+
+
+def test_a_failed_pipeline_step_ends_its_request_and_the_replica_recovers(  # type: ignore[no-untyped-def]
+        tmp_path: Path, prompts, references) -> None:
+    # pp=2, every stage raises on a step holding a "bad-" request. Stage 0 fails before it
+    # sends its activations: stage 1 learns so from the step's header instead of waiting in
+    # its receive for the process group's timeout (60 s); the bad request ends INTERNAL, the
+    # replica re-forms, and the next request completes and matches.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPLITSERVE_TEST_FAIL_REQUEST_PREFIX", "bad-")
+        with run_cluster(tmp_path, pp=2, scheduler_args=["--max-num-seqs", "1"]) as cluster:
+            with pytest.raises(grpc.RpcError) as failed:
+                stream_tokens(cluster.stub, greedy_request(prompts[0], 8, request_id="bad-1"))
+            assert failed.value.code() == grpc.StatusCode.INTERNAL
+            started = time.monotonic()
+            ids, _, _ = stream_tokens(cluster.stub, greedy_request(prompts[1], MAX_TOKENS))
+            assert time.monotonic() - started < 30, "the replica took the group timeout"
+            assert_matches_reference(ids, *references[1], label="after the failed step")
+            assert any("pipeline stage 0 failed this step" in log.read_text()
+                       for log in cluster.log_dir.glob("*.log"))

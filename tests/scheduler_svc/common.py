@@ -19,11 +19,11 @@ def make_scheduler(num_blocks: int = 64, **overrides: object) -> tuple[Scheduler
     return sched, ReplicaBlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
 
 
-def add(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4, **kw: object,
-        ) -> Request:
+def add(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4,
+        cache_salt: bytes = b"", **kw: object) -> Request:
     req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
                   (EOS,), sched.config.max_model_len, sched.config.block_size,
-                  hash_blocks=sched.config.prefix_caching)
+                  hash_blocks=sched.config.prefix_caching, cache_salt=cache_salt)
     sched.add_request(req)
     return req
 

@@ -1,5 +1,6 @@
 """The cluster: placement (contiguous stage ranges, uneven splits), routing, parking,
-heartbeat loss and epochs, with fake engines (the e2e tests run the real ones)."""
+heartbeat loss and epochs, with fake engines (the e2e tests run the real ones); a replica
+whose workers cannot hold its KV pool is refused before it starts."""
 
 import time
 from collections.abc import Iterator
@@ -255,5 +256,59 @@ def test_the_gpu_frees_when_its_worker_is_down_or_itself_again(model_path: Path,
                                  device_uuid=GPU_A)
         assert cluster.workers["w1"].device_uuid == GPU_A
         assert cluster.replicas[taken.replica_id].state == "forming"
+    finally:
+        cluster.shutdown()
+
+
+# ---------------------------------------------------------------- KV capacity at start
+
+
+def _sized_cluster(model_path: Path, tokenizer, tp: int,  # type: ignore[no-untyped-def]
+                   num_kv_blocks: int | None) -> Cluster:
+    config = ServerConfig(model_path=str(model_path), model_name="", tp_size=tp,
+                          num_kv_blocks=num_kv_blocks, kvcache_address="tcp://127.0.0.1:9")
+    return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                   tokenizer, zmq.Context.instance())
+
+
+def _report(cluster: Cluster, blocks: dict[str, int]) -> Replica:
+    for worker_id in blocks:
+        cluster.register(worker_id, 1, "cpu", 1, "tcp://127.0.0.1:9", "")
+    for worker_id, num_blocks in blocks.items():
+        cluster.report_capacity(worker_id, 1, num_blocks)
+    return cluster.replicas[cluster.workers[worker_id].replica_id]
+
+
+def test_num_kv_blocks_past_a_workers_budget_is_refused(
+        model_path: Path, tokenizer, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    cluster = _sized_cluster(model_path, tokenizer, tp=2, num_kv_blocks=100)
+    try:
+        # Known before any replica exists: every replica will have exactly 100 blocks.
+        assert cluster.max_kv_tokens() == 99 * 16
+        replica = _report(cluster, {"w0": 400, "w1": 60})
+        # No engine, no InitCache: the workers would over-allocate (or refuse it, taking
+        # the replica down and registering again, over and over).
+        assert replica.engine is None and replica.state == "refused"
+        (message,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert "replica 0 not started" in message and "--num-kv-blocks 100" in message
+        assert "worker w1 fits 60" in message and "w0" not in message
+        assert "lower --num-kv-blocks to at most 60" in message
+        assert cluster.heartbeat("w0", 1) and cluster.heartbeat("w1", 1)   # they wait, idle
+        assert not cluster.ready_replicas() and cluster.served_dtype() == "auto"
+    finally:
+        cluster.shutdown()
+
+
+def test_a_budget_under_two_blocks_is_refused(
+        model_path: Path, tokenizer, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    cluster = _sized_cluster(model_path, tokenizer, tp=1, num_kv_blocks=None)
+    try:
+        assert cluster.max_kv_tokens() is None
+        replica = _report(cluster, {"w0": 1})
+        assert replica.engine is None and replica.state == "refused"
+        (message,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert "worker w0 fits 1 KV block" in message and "at least 2" in message
+        for flag in ("--kv-cache-memory-gib", "--gpu-memory-utilization", "--num-kv-blocks"):
+            assert flag in message
     finally:
         cluster.shutdown()

@@ -1,6 +1,7 @@
 """ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
 one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
-sends nothing, and a step the worker fails ends just its requests."""
+sends nothing, a step the worker fails ends just its requests, and a request longer than
+the pool is refused. Also, with no sockets: `num_live` changes only under its lock."""
 
 import queue
 import threading
@@ -227,3 +228,96 @@ def test_failed_step_without_its_kv_empties_the_prefix_index() -> None:
         # bad's blocks were indexed when planned but never written: nothing may hit them.
         _, last = final(r.submit("ok-2", list(range(30, 39)), max_tokens=1))
         assert last.num_cached_tokens == 0
+
+
+# ---------------------------------------------------------------- num_live under its lock
+
+
+class OwnedLock:
+    """A lock that knows which thread holds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> "OwnedLock":
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held_here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+
+class CountWatchingEngine(ReplicaEngine):
+    """Records every change to `num_live` and whether the changing thread held the engine's
+    lock. A lost update needs a thread switch inside `num_live -= 1`, too rare to provoke
+    reliably, so the test checks the rule that prevents it: every change is locked."""
+
+    changes: list[tuple[int, bool]]
+
+    @property  # type: ignore[override]
+    def num_live(self) -> int:
+        return self.__dict__["_watched_num_live"]
+
+    @num_live.setter
+    def num_live(self, value: int) -> None:
+        lock = self.__dict__.get("_submit_lock")
+        if isinstance(lock, OwnedLock):
+            self.__dict__.setdefault("changes", []).append((value, lock.held_here()))
+        self.__dict__["_watched_num_live"] = value
+
+
+class NoKv:
+    def call(self, *_: object, **__: object) -> None:
+        return None
+
+
+def test_every_change_to_num_live_holds_the_lock() -> None:
+    config = EngineConfig(
+        replica_id=0, scheduler=SchedulerConfig(block_size=BLOCK_SIZE,
+                                                max_model_len=MAX_MODEL_LEN),
+        num_kv_blocks=64, kvcache_address="inproc://unused", kv_timeout_s=1.0,
+        step_timeout_s=1.0, ship_sampled_tokens=False)
+    # Never started: the test plays the engine thread itself.
+    engine = CountWatchingEngine(config, None, (EOS,), None, [], None,  # type: ignore[arg-type]
+                                 on_down=lambda *_: None)
+    engine._submit_lock = OwnedLock()  # type: ignore[assignment]
+    sink: list[RequestOutput] = []
+
+    def request(request_id: str) -> Request:
+        return Request(request_id, [5, 6, 7], SamplingParams(max_tokens=2), (EOS,),
+                       MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True)
+
+    assert engine.submit(request("a"), sink.append)
+    engine._take_commands(block=False)
+    assert engine.submit(request("a"), sink.append)     # a duplicate: refused when taken in
+    engine._take_commands(block=False)
+    assert sink[-1].error is not None and engine.num_live == 1
+    engine._publish([RequestOutput("a", [9], "", [None], FinishReason.STOP)])
+    assert engine.num_live == 0
+    assert engine.submit(request("b"), sink.append)
+    engine._take_commands(block=False)
+    engine.kv_ok = False
+    engine._go_down(NoKv(), "test")  # type: ignore[arg-type]
+    assert engine.num_live == 0
+    # submit a, submit a, refuse a, finish a, submit b, go down.
+    assert [value for value, _ in engine.changes] == [1, 2, 1, 0, 1, 0]
+    unlocked = [value for value, locked in engine.changes if not locked]
+    assert unlocked == [], f"num_live changed without the lock (to {unlocked})"
+
+
+def test_a_request_longer_than_the_pool_is_refused_and_the_replica_serves_on() -> None:
+    # 63 usable blocks of 4 tokens: 252 tokens. Before, this request was admitted, grew to
+    # fill the pool, preempted itself, and then waited forever.
+    with replica() as r:
+        _, last = final(r.submit("long", list(range(10, 250)), max_tokens=15))
+        assert last.finish_reason is FinishReason.ABORT and last.invalid
+        assert last.error is not None and "pool holds 252 tokens" in last.error
+        tokens, last = final(r.submit("short", list(range(10, 20)), max_tokens=3))
+        assert last.error is None and tokens == expected_tokens(list(range(10, 20)), 3)
+        assert r.engine.num_live == 0 and r.downs == []

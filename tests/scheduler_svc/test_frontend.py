@@ -1,14 +1,15 @@
 """The frontend's prompt path: sizes and roles are checked before any tokenizing, and rendering
 plus tokenizing run off the event loop (a long prompt once stalled every stream and the
-workers' heartbeats for seconds)."""
+workers' heartbeats for seconds). A request its replica refuses ends as an invalid one."""
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from scheduler_svc.frontend import Frontend, PromptInput
+from scheduler_svc.frontend import Frontend, PreparedRequest, PromptInput
+from scheduler_svc.request import FinishReason, RequestOutput, SamplingParams
 from scheduler_svc.tokenizer import ChatMessage, TextTokenizer
 from scheduler_svc.validation import InvalidRequest, Limits, RawSampling
 
@@ -99,3 +100,36 @@ def test_tokenizing_leaves_the_event_loop_free(tokenizer: TextTokenizer) -> None
     frontend.close()
     assert took > 0.2, f"tokenizing took only {took:.2f}s: the prompt is too short to tell"
     assert max(lags) < took / 4, f"the loop stalled {max(lags):.2f}s of {took:.2f}s"
+
+
+class RefusingCluster(NoCluster):
+    """A replica took the request and refused it (say, longer than its KV pool)."""
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     sampling: SamplingParams, deadline: float,
+                     cache_salt: bytes = b"") -> object:
+        return request_id
+
+    def dispatch(self, request_id: str, sink: Callable[[RequestOutput], None]) -> None:
+        sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT,
+                           error="the pool holds 16 tokens", invalid=True))
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def test_a_request_the_replica_refuses_is_invalid() -> None:
+    frontend = Frontend(RefusingCluster(), CountingTokenizer(),  # type: ignore[arg-type]
+                        Limits("m", 100, 50), max_live_requests=8)
+    prepared = PreparedRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))
+
+    async def run() -> None:
+        with pytest.raises(InvalidRequest, match="the pool holds 16 tokens"):
+            async for _ in frontend.generate(prepared):
+                pass
+    asyncio.run(run())
+    frontend.close()
+    assert frontend.num_live == 0

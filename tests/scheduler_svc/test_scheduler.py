@@ -134,6 +134,31 @@ def test_shared_prefix_between_live_requests() -> None:
     assert b.block_ids[:2] == a_blocks[:2]
 
 
+def test_cache_salt_separates_prefixes() -> None:
+    """Tenants with different salts never share cached blocks, whether the first request has
+    finished (its blocks cached and free) or is admitted in the same step; equal salts share
+    as unsalted requests do."""
+    sched, kv = make_scheduler()
+    prompt = list(range(60, 72))                       # 12 tokens = 3 full blocks
+
+    def admitted(rid: str, salt: bytes) -> int:
+        add(sched, rid, prompt, max_tokens=1, cache_salt=salt)
+        s = step(sched, kv)
+        sched.update(sample(s, {rid: 9}))
+        return s.new_requests[0].num_computed_tokens
+
+    assert admitted("a1", b"tenant-a") == 0
+    assert admitted("a2", b"tenant-a") == 8            # same salt: hit (one token computed)
+    assert admitted("b1", b"tenant-b") == 0            # other salt: nothing to see
+    assert admitted("none", b"") == 0                  # unsalted: no hit on salted blocks
+    assert admitted("b2", b"tenant-b") == 8
+    add(sched, "c1", prompt, cache_salt=b"tenant-c")
+    add(sched, "d1", prompt, cache_salt=b"tenant-d")
+    c, d = step(sched, kv).new_requests
+    assert (c.num_computed_tokens, d.num_computed_tokens) == (0, 0)
+    assert not set(c.block_ids) & set(d.block_ids)
+
+
 def test_preemption_by_recompute_when_blocks_run_out() -> None:
     # 8 usable blocks of 4 tokens; two 12-token prompts (3 blocks each) growing by decode.
     sched, kv = make_scheduler(num_blocks=9, prefix_caching=False, max_num_batched_tokens=64)
@@ -285,3 +310,46 @@ def test_async_scheduling_drops_the_token_after_a_stop() -> None:
     outs = sched.update(sample(s1, {"a": EOS}))
     assert outs[0].finish_reason is FinishReason.STOP
     assert sched.update(sample(s2, {"a": 99})) == []   # computed, never emitted
+
+
+# ---------------------------------------------------------------- preemption and the pool
+
+
+def test_preempting_a_request_with_a_step_in_flight_is_refused() -> None:
+    # A step in flight writes the request's blocks, and its output will decrement the
+    # counters; resetting them instead would drive them negative when it comes back.
+    sched, kv = make_scheduler()
+    a = add(sched, "a", list(range(10, 20)), max_tokens=3)
+    step(sched, kv)
+    assert (a.num_in_flight, a.num_pending_tokens) == (1, 1)
+    with pytest.raises(RuntimeError, match="request a preempted with 1 step in flight"):
+        a.reset_for_preemption()
+
+
+def test_preempt_all_forgets_the_steps_it_drops() -> None:
+    # preempt_all drops its record of the steps in flight: what they hold of each request's
+    # counters goes with them, or the request resumes looking in flight forever (it would
+    # never be scheduled again, or never sample).
+    sched, kv = make_scheduler()
+    a = add(sched, "a", list(range(10, 20)), max_tokens=3)
+    lost = step(sched, kv)
+    sched.preempt_all()
+    assert (a.num_in_flight, a.num_pending_tokens) == (0, 0)
+    kv = make_scheduler()[1]                     # kvcache_svc's new pool
+    s = step(sched, kv)
+    assert s is not None and scheduled(s) == {"a": 10}
+    assert sched.update(sample(lost, {"a": 5})) == []    # a late output of a dropped step
+    (out,) = sched.update(sample(s, {"a": 7}))
+    assert out.new_token_ids == [7] and a.output_token_ids == [7]
+
+
+def test_a_request_longer_than_the_pool_is_refused() -> None:
+    # 4 usable blocks of 4 tokens: the pool holds 16 tokens. A request needing more would be
+    # admitted, grow until the pool is full, preempt itself and start over, forever.
+    sched, _ = make_scheduler(num_blocks=5)
+    add(sched, "fits", list(range(10)), max_tokens=6)
+    with pytest.raises(ValueError, match="prompt .10 tokens. \\+ max_tokens .7. needs 17 "
+                                         "tokens of KV cache; this replica's pool holds 16 "
+                                         "tokens"):
+        add(sched, "long", list(range(10)), max_tokens=7)
+    assert "long" not in sched.requests and [r.request_id for r in sched.waiting] == ["fits"]

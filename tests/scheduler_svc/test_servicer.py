@@ -1,9 +1,10 @@
 """WorkerControl's Register as a thin adapter: the proto request reaches the cluster (the GPU
 uuid included), the answer carries the scheduler's step limits, and a refusal becomes
-FAILED_PRECONDITION with the cluster's message. Driven directly, with no server or network."""
+FAILED_PRECONDITION with the cluster's message; a request a replica refuses is
+INVALID_ARGUMENT. Driven directly, with no server or network."""
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -12,9 +13,11 @@ import zmq
 
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.servicer import WorkerControlServicer
+from scheduler_svc.request import RequestOutput
+from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
+from scheduler_svc.validation import InvalidRequest
 from services.model_config import load_model_config
-from services.rpc.splitserve.v1 import control_pb2
+from services.rpc.splitserve.v1 import control_pb2, generation_pb2
 
 GPU = "GPU-0b7f3c2a-0000-4000-8000-000000000001"
 
@@ -70,3 +73,30 @@ def test_a_gpu_held_by_another_worker_is_a_failed_precondition(
         register(servicer, "w1", GPU)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert GPU in refused.value.details and "w0" in refused.value.details
+
+
+class RefusingFrontend:
+    """Takes the request, then a replica refuses it as it is taken in."""
+
+    async def prepare(self, *_: object) -> str:
+        return "prepared"
+
+    async def generate(self, prepared: str, time_remaining: float | None,
+                       ) -> AsyncIterator[RequestOutput]:
+        raise InvalidRequest("the pool holds 16 tokens")
+        yield  # an async generator, like Frontend.generate
+
+
+class StreamContext(FakeContext):
+    def time_remaining(self) -> float | None:
+        return None
+
+
+def test_a_refusal_after_dispatch_is_invalid_argument(model_path: Path) -> None:
+    servicer = GenerationServicer(RefusingFrontend(),  # type: ignore[arg-type]
+                                  load_model_config(model_path))
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1, 2]))
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(servicer.GenerateOnce(request, StreamContext()))  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the pool holds 16 tokens" in refused.value.details

@@ -13,6 +13,7 @@ from scheduler_svc.validation import (
     RawSampling,
     default_max_prompt_bytes,
     max_request_bytes,
+    validate_cache_salt,
     validate_chat,
     validate_model,
     validate_prompt,
@@ -144,3 +145,13 @@ def test_prompt_byte_limit_rule() -> None:
 def test_long_token_list_is_refused_before_the_vocabulary_scan() -> None:
     with pytest.raises(InvalidRequest, match="context is 50 tokens"):
         validate_prompt([10**9] * 60, LIMITS)
+
+
+def test_cache_salt_is_utf8_bytes_of_bounded_size() -> None:
+    assert validate_cache_salt("") == b""                       # no salt
+    assert validate_cache_salt("tenant-7") == b"tenant-7"
+    assert validate_cache_salt("\u00e9" * 128) == "\u00e9".encode() * 128   # 256 bytes
+    with pytest.raises(InvalidRequest, match="cache_salt is 257 bytes of UTF-8; at most 256"):
+        validate_cache_salt("x" * 257)
+    with pytest.raises(InvalidRequest, match="cache_salt is 258 bytes"):
+        validate_cache_salt("\u00e9" * 129)                    # counted in bytes, not characters

@@ -113,6 +113,7 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
     port = free_port()
     spec = ClusterSpec(model=model, port=port, kv_plan_port=free_port(),
                        kv_admin_port=free_port(), kv_events_port=free_port(), metrics_port=-1,
+                       control_port=free_port(),
                        dtype=dtype, tp=tp, pp=pp, scheduler_args=tuple(extra_args),
                        worker_args=tuple(worker_args),
                        log_level="warning")

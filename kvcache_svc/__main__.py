@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcache_svc.server import KvCacheServer
+from services import cluster_token
 
 log = logging.getLogger("kvcache_svc")
 
@@ -58,11 +59,12 @@ def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
                          args.log_level)
 
 
-async def serve(config: KvCacheConfig) -> int:
+async def serve(config: KvCacheConfig, token: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     server = KvCacheServer(config.host, config.plan_port, config.admin_port, config.events_port,
-                           on_fatal=lambda: loop.call_soon_threadsafe(stop.set))
+                           on_fatal=lambda: loop.call_soon_threadsafe(stop.set),
+                           cluster_token=token)
     try:
         await server.start()
     except OSError as exc:
@@ -83,7 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config))
+    try:
+        token = cluster_token.load()
+    except cluster_token.TokenError as exc:
+        log.error("%s", exc)
+        return 2
+    cluster_token.install(token)
+    return asyncio.run(serve(config, token))
 
 
 if __name__ == "__main__":

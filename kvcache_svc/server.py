@@ -38,6 +38,7 @@ from services.wire import (
     PrefixReply,
     ReplicaPrefix,
     ToKvCache,
+    future_epoch,
 )
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class KvCachePools:
         return reply
 
     def _configure(self, message: ConfigurePool) -> KvAck:
+        if (problem := future_epoch(message.scheduler_epoch)) is not None:
+            return KvAck(f"scheduler {problem}", self.epoch)
         if message.scheduler_epoch < self.scheduler_epoch:
             return KvAck(f"scheduler epoch {message.scheduler_epoch} is older than "
                          f"{self.scheduler_epoch}: a newer scheduler owns the pools",
@@ -268,8 +271,12 @@ class KvCacheServer:
     """Binds the plan socket, the events socket and the admin server; starts and stops them."""
 
     def __init__(self, host: str, plan_port: int, admin_port: int, events_port: int,
-                 on_fatal: Callable[[], None]) -> None:
+                 on_fatal: Callable[[], None], cluster_token: str | None = None) -> None:
+        """`cluster_token`: what admin calls must carry (services.cluster_token; None: none,
+        for tests that drive the server alone). ZMQ frames follow the process's installed
+        frame key."""
         self.host = host
+        self.cluster_token = cluster_token
         self.plan_port = plan_port
         self.admin_port = admin_port
         self.events_port = events_port      # 0 until start() picks one, when asked for 0
@@ -317,7 +324,7 @@ class KvCacheServer:
             raise OSError(f"cannot bind events socket {self.events_address}: {exc}") from exc
         self.events_port = events.port
 
-        server = make_server()
+        server = make_server(cluster_token=self.cluster_token)
         kvcache_pb2_grpc.add_KvCacheAdminServicer_to_server(KvCacheAdminServicer(self.pools),
                                                             server)
         health = Health(server, [ADMIN_SERVICE_NAME])

@@ -6,6 +6,7 @@ no new requests, live ones finish (up to --drain-timeout), then exit 0.
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
+from services import cluster_token
 from services.grpc_server import Health, bind, make_server
 from services.model_config import default_model_path, load_model_config
 from services.rpc.splitserve.v1 import control_pb2_grpc, generation_pb2_grpc
@@ -44,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
                         "the HF directory's name); workers still register with the real one")
     p.add_argument("--host", default=env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("PORT", "50051") or 50051))
+    p.add_argument("--control-host", default=env("CONTROL_HOST", "127.0.0.1"),
+                   help="interface of the internal listener that workers register and "
+                        "heartbeat on (loopback by default; a private network in compose)")
+    p.add_argument("--control-port", type=int,
+                   default=int(env("CONTROL_PORT", "50052") or 50052))
     p.add_argument("--advertise-host", default=env("ADVERTISE_HOST"),
                    help="address workers use to reach this host (default: --host)")
     p.add_argument("--kvcache", default=env("KVCACHE", "tcp://127.0.0.1:50053"),
@@ -114,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         advertise = socket.gethostbyname(socket.gethostname())  # a container's own address
     server = ServerConfig(
         model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
+        control_host=a.control_host, control_port=a.control_port,
         advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
         step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight,
@@ -155,7 +163,11 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
         max_model_len, tokenizer.max_token_bytes)
     ctx = zmq.Context()
     server = make_server(max_request_bytes(max_prompt_bytes, max_model_len))
-    health = Health(server, [GENERATION_SERVICE, CONTROL_SERVICE])
+    health = Health(server, [GENERATION_SERVICE])
+    # Workers register on a listener of their own that only the cluster's members may use
+    # (services.cluster_token): the public port offers no control service.
+    control = make_server(cluster_token=config.cluster_token)
+    control_health = Health(control, [CONTROL_SERVICE])
     loop = asyncio.get_running_loop()
 
     def readiness_changed() -> None:
@@ -172,9 +184,10 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
                         replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, served_name), server)
-    control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), server)
+    control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), control)
     try:
         port = bind(server, config.host, config.port)
+        control_port = bind(control, config.control_host, config.control_port)
     except OSError as exc:
         log.error("%s", exc)
         return 1
@@ -187,12 +200,16 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
             return 1
         log.info("Prometheus metrics on http://%s:%d/metrics", config.host, metrics_port)
     await server.start()
+    await control.start()
     await health.set_live()
     await health.set_ready(False)
+    await control_health.set_live()
+    await control_health.set_ready(True)
     cluster.start()
     log.info("scheduler_svc serving %s as %r on %s:%d (dtype %s, tp %d, pp %d, prompts up to "
-             "%d bytes)", model.name, served_name, config.host, port, config.dtype,
-             config.tp_size, config.pp_size, max_prompt_bytes)
+             "%d bytes); workers register on %s:%d", model.name, served_name, config.host,
+             port, config.dtype, config.tp_size, config.pp_size, max_prompt_bytes,
+             config.control_host, control_port)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,6 +223,7 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
         await asyncio.sleep(0.05)
     await health.shutdown()
     await server.stop(grace=1.0)
+    await control.stop(grace=0.5)
     cluster.shutdown()
     frontend.close()
     ctx.destroy(linger=0)
@@ -215,6 +233,13 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
 
 def main(argv: list[str] | None = None) -> int:
     config, sched, drain_timeout = parse_args(argv)
+    try:
+        token = cluster_token.load()
+    except cluster_token.TokenError as exc:
+        log.error("%s", exc)
+        return 2
+    cluster_token.install(token)
+    config = dataclasses.replace(config, cluster_token=token)
     return asyncio.run(serve(config, sched, drain_timeout))
 
 

@@ -15,14 +15,7 @@ A monitor thread checks heartbeats: a worker silent for `--heartbeat-timeout` ta
 replica down; the engine hands its live requests back and they are dispatched again
 (migration). A worker registering again with a newer epoch is a new member (its old replica
 goes down); an older or equal epoch is refused. The monitor also probes kvcache_svc, which
-with a ready replica decides readiness.
-
-One GPU, one worker: a registration whose GPU (its non-empty `device_uuid`) is already held by
-another live worker is refused, in any replica, not only its own. Two ranks of one replica
-cannot share a GPU (NCCL refuses two ranks on one device), and two workers of different
-replicas on one GPU would each size their KV cache from its whole memory. CPU workers report
-no uuid and may share a host. The holder stops counting once it is down (heartbeat timeout,
-lost replica); the same worker id registering again with a newer epoch replaces itself.
+with a ready replica decides readiness. One GPU, one worker: see placement.gpu_holder.
 """
 
 import logging
@@ -40,9 +33,11 @@ from scheduler_svc.placement import (
     RegistrationError,
     Replica,
     WorkerRecord,
+    gpu_holder,
     gpu_taken_message,
     kv_blocks_problem,
     rendezvous_address,
+    replica_dtype,
     split_layers,
 )
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
@@ -53,6 +48,8 @@ from services.model_config import ModelConfig
 from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
 
 log = logging.getLogger(__name__)
+
+MAX_DOWN_REPLICAS = 16     # down replicas kept for ServerInfo (their sockets closed)
 
 MONITOR_INTERVAL_S = 0.5
 KV_PROBE_TIMEOUT_MS = 1000
@@ -112,7 +109,7 @@ class Cluster:
                     f"worker {worker_id} epoch {epoch} is not newer than {old.epoch}")
             # Checked before anything changes: a refused worker must not take down the old
             # incarnation's replica.
-            if holder := self._gpu_holder_locked(device_uuid, worker_id):
+            if holder := gpu_holder(self.workers.values(), device_uuid, worker_id):
                 message = gpu_taken_message(device_uuid, holder, worker_id)
                 log.warning("registration refused: %s", message)
                 raise RegistrationError(message)
@@ -126,7 +123,7 @@ class Cluster:
                                   replica.replica_id, pp_rank, tp_rank, cpu_level=cpu_level,
                                   device_uuid=device_uuid)
             if not replica.dtype:
-                replica.dtype = self._replica_dtype(preferred_dtype)
+                replica.dtype = replica_dtype(self.config.dtype, preferred_dtype)
             replica.ranks[rank] = record
             self.workers[worker_id] = record
             if rank == 0 and len(replica.ranks) > 1:
@@ -138,21 +135,6 @@ class Cluster:
             return Placement(replica.replica_id, pp_rank, tp_rank, self.config.pp_size,
                              self.config.tp_size, first, end, replica.outputs.address,
                              replica.dist_init_method, replica.dtype)
-
-    def _gpu_holder_locked(self, device_uuid: str, worker_id: str) -> WorkerRecord | None:
-        """The live worker other than `worker_id` that computes on GPU `device_uuid`."""
-        if not device_uuid:
-            return None
-        for record in self.workers.values():
-            if (record.device_uuid == device_uuid and record.worker_id != worker_id
-                    and record.state != "down"):
-                return record
-        return None
-
-    def _replica_dtype(self, preferred: str) -> str:
-        if self.config.dtype != "auto":
-            return self.config.dtype
-        return preferred if preferred in ("float32", "bfloat16") else "float32"
 
     def served_dtype(self) -> str:
         """The dtype the replicas compute in (see ModelInfoResponse.dtype)."""
@@ -251,6 +233,7 @@ class Cluster:
         """Called from the engine's thread once it stopped: its live requests move on."""
         with self._lock:
             self._mark_down_locked(replica_id, reason)
+            self._retire_locked(replica_id)       # its engine no longer reads the socket
         self.on_change()
         for request, sink in orphans:
             with self._lock:
@@ -279,6 +262,20 @@ class Cluster:
         # The surviving ranks learn it from their next heartbeat and register again.
         for record in replica.workers:
             record.state = "down"
+        if replica.engine is None:
+            self._retire_locked(replica_id)
+
+    def _retire_locked(self, replica_id: int) -> None:
+        """A down replica's output socket closes; only the last MAX_DOWN_REPLICAS down ones
+        (and their workers) stay listed: churn must not grow sockets and memory unbounded."""
+        self.replicas[replica_id].outputs.close()
+        down = [r for r in self.replicas.values() if r.state == "down"]
+        for old in down[:max(0, len(down) - MAX_DOWN_REPLICAS)]:
+            old.outputs.close()
+            del self.replicas[old.replica_id]
+            for record in old.workers:
+                if self.workers.get(record.worker_id) is record:
+                    del self.workers[record.worker_id]
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas.values()

@@ -30,7 +30,10 @@ class ServerConfig:
     model_path: str
     model_name: str                       # public name (--served-model-name); "" = the model's
     host: str = "127.0.0.1"
-    port: int = 50051                     # public gRPC (Generation, WorkerControl, health)
+    port: int = 50051                     # public gRPC (Generation, health, reflection)
+    control_host: str = "127.0.0.1"       # internal gRPC: worker registration, heartbeats
+    control_port: int = 50052
+    cluster_token: str = ""               # what every member presents (services.cluster_token)
     advertise_host: str = "127.0.0.1"     # how workers reach this host's ZMQ sockets
     kvcache_address: str = "tcp://127.0.0.1:50053"  # kvcache_svc plan socket
     dtype: str = "auto"                   # "float32", "bfloat16", or "auto": per replica, its

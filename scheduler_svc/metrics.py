@@ -12,11 +12,19 @@ existing dashboards work; the cluster's own have a `splitserve:` prefix. Two kin
 """
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -67,8 +75,28 @@ class SchedulerMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def serve(self, host: str, port: int) -> int:
-        """Starts the /metrics HTTP server on a daemon thread; returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Starts the HTTP server on a daemon thread; returns the bound port. It answers
+        GET /metrics and nothing else (404): no other page, no debug output."""
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass                                 # scrapes every few seconds: no log line
+
+        server = ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return int(server.server_port)
 
 

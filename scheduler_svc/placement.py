@@ -5,6 +5,7 @@ stage layer ranges, and the replica's rendezvous. Plain data and arithmetic; `Cl
 
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduler_svc.engine import ReplicaEngine
@@ -133,3 +134,29 @@ class Replica:
 
     def is_full(self) -> bool:
         return all(w is not None for w in self.ranks)
+
+
+def gpu_holder(workers: Iterable[WorkerRecord], device_uuid: str,
+               worker_id: str) -> WorkerRecord | None:
+    """The live worker other than `worker_id` that computes on GPU `device_uuid`.
+
+    One GPU, one worker: a registration whose GPU (its non-empty `device_uuid`) another live
+    worker holds is refused, in any replica, not only its own. Two ranks of one replica cannot
+    share a GPU (NCCL refuses two ranks on one device), and two workers of different replicas
+    on one GPU would each size their KV cache from its whole memory. CPU workers report no
+    uuid and may share a host. The holder stops counting once it is down (heartbeat timeout,
+    lost replica); the same worker id registering again with a newer epoch replaces itself."""
+    if not device_uuid:
+        return None
+    for record in workers:
+        if (record.device_uuid == device_uuid and record.worker_id != worker_id
+                and record.state != "down"):
+            return record
+    return None
+
+
+def replica_dtype(configured: str, preferred: str) -> str:
+    """A new replica's dtype: the scheduler's --dtype, or with auto its first rank's choice."""
+    if configured != "auto":
+        return configured
+    return preferred if preferred in ("float32", "bfloat16") else "float32"

@@ -39,10 +39,6 @@ from services.wire import (
 )
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True, slots=True)
 class _InStep:
     """One request's share of a step in flight."""
@@ -178,7 +174,7 @@ class Scheduler:
         queue = [r for r in self.running if self._schedulable(r)]
         max_requests = cfg.max_num_seqs
         if self.num_batches > 1 and not self.async_scheduling:
-            max_requests = cdiv(len(self.running) + len(self.waiting), self.num_batches)
+            max_requests = -(-(len(self.running) + len(self.waiting)) // self.num_batches)
         i = 0
         while i < len(queue) and budget > 0 and len(grows) < max_requests:
             request = queue[i]
@@ -186,7 +182,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            needed = cdiv(request.num_computed_tokens + num_new, cfg.block_size) - len(
+            needed = -(-(request.num_computed_tokens + num_new) // cfg.block_size) - len(
                 request.block_ids)
             while needed > free:
                 if queue[-1].in_flight:   # its blocks are in use by a step in flight
@@ -225,7 +221,7 @@ class Scheduler:
                 max_new = min(max_new, cfg.long_prefill_token_threshold)
             if not cfg.chunked_prefill and num_tokens > budget:
                 break
-            needed = cdiv(max_new, cfg.block_size)
+            needed = -(-max_new // cfg.block_size)
             if needed > free:
                 break
             free -= needed

@@ -28,6 +28,7 @@ from services.rpc.splitserve.v1 import (
     generation_pb2,
     generation_pb2_grpc,
 )
+from services.wire import future_epoch
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
 
     async def Register(self, request: control_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> control_pb2.RegisterResponse:
+        if (problem := future_epoch(request.epoch)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker {problem}")
         try:
             p = self.cluster.register(request.worker_id, request.epoch, request.device,
                                       request.memory_bytes, request.step_address, request.model,

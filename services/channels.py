@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import msgspec
 import zmq
 
+from services import cluster_token
 from services.codec import Codec, DecodeError
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ def tcp_address(host: str, port: int) -> str:
 
 def limit_frames(socket: zmq.Socket, codec: Codec) -> None:  # type: ignore[type-arg]
     """Inbound frames above the codec's limit are refused by libzmq (the peer is dropped)."""
-    socket.setsockopt(zmq.MAXMSGSIZE, codec.max_frame_bytes)
+    tag = 0 if codec.key is None else cluster_token.TAG_BYTES
+    socket.setsockopt(zmq.MAXMSGSIZE, codec.max_frame_bytes + tag)
 
 
 class Sender:

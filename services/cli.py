@@ -3,6 +3,10 @@
     splitserve up [--model PATH] [--port 50051] [--dtype auto|float32|bfloat16] ...
     splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
+
+`up` gives every service the same cluster token (SPLITSERVE_CLUSTER_TOKEN): the one in the
+environment if set, else a fresh one for this cluster that is never shown (set your own to
+add workers by hand).
 """
 
 import argparse
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from services import cluster_token
 from services.launcher import ClusterSpec, DevicePlanError, ServiceProcesses, plan_devices
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -52,10 +57,11 @@ def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
         worker_args.append("--enforce-eager")
     devices = plan_devices(a.device, a.tp, a.pp, a.replicas, num_gpus)
     metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
-    return ClusterSpec(model=a.model, host=a.host, port=a.port, kv_plan_port=a.port + 2,
-                       kv_admin_port=a.port + 3, kv_events_port=a.port + 4,
-                       metrics_port=metrics_port, dtype=a.dtype, tp=a.tp, pp=a.pp,
-                       num_replicas=a.replicas, scheduler_args=tuple(sched_args),
+    control_port = a.port + 1 if a.control_port is None else a.control_port
+    return ClusterSpec(model=a.model, host=a.host, port=a.port, control_port=control_port,
+                       kv_plan_port=a.port + 2, kv_admin_port=a.port + 3,
+                       kv_events_port=a.port + 4, metrics_port=metrics_port, dtype=a.dtype,
+                       tp=a.tp, pp=a.pp, num_replicas=a.replicas, scheduler_args=tuple(sched_args),
                        worker_args=tuple(worker_args), threads_per_worker=a.threads,
                        worker_devices=devices, log_level=a.log_level)
 
@@ -67,6 +73,15 @@ def _up(a: argparse.Namespace) -> int:
         print(f"splitserve: {exc}", file=sys.stderr)
         return 2
     procs = ServiceProcesses(spec, Path(a.log_dir) if a.log_dir else None)
+    if procs.token_chosen:
+        # Refused here rather than by every service at once; a generated one always fits.
+        try:
+            cluster_token.load({cluster_token.ENV: procs.cluster_token})
+        except cluster_token.TokenError as exc:
+            print(f"splitserve: {exc}", file=sys.stderr)
+            return 2
+        print(f"splitserve: every service gets the cluster token from {cluster_token.ENV}",
+              file=sys.stderr)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -78,7 +93,7 @@ def _up(a: argparse.Namespace) -> int:
     procs.start()
     print(f"splitserve: starting kvcache_svc, scheduler_svc and {a.tp * a.pp * a.replicas} "
           f"worker(s) on {', '.join(dict.fromkeys(spec.worker_devices))}, serving on "
-          f"{procs.address} ...",
+          f"{procs.address} (workers' control on {procs.control_address}) ...",
           file=sys.stderr)
     try:
         deadline = time.monotonic() + a.startup_timeout
@@ -158,9 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start kvcache_svc, scheduler_svc and the workers")
     up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M)")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="interface of the client and metrics ports (the services' internal "
+                         "sockets stay on 127.0.0.1)")
     up.add_argument("--port", type=int, default=50051, help="client gRPC port; kvcache_svc "
                     "takes PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
+    up.add_argument("--control-port", type=int, default=None,
+                    help="scheduler's control listener on 127.0.0.1, where workers register "
+                         "(default PORT+1: 50052)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],

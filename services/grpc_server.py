@@ -39,9 +39,16 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
-    return grpc.aio.server(options=server_options(max_receive_bytes),
-                           interceptors=[ParseErrorInterceptor()])
+def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
+                cluster_token: str | None = None) -> grpc.aio.Server:
+    """`cluster_token`: an internal listener's; every call but health checks must carry it
+    (services.cluster_token.TokenInterceptor). None: a public listener."""
+    from services.cluster_token import TokenInterceptor
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [ParseErrorInterceptor()]
+    if cluster_token is not None:
+        interceptors.insert(0, TokenInterceptor(cluster_token))
+    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors)
 
 
 class UnparsedRequest:

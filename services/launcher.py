@@ -5,6 +5,16 @@ child `python -m <service>`. Used by `splitserve up` and by the end-to-end tests
 dies, the rest are stopped and the launcher reports it; SIGTERM goes to every child, then
 SIGKILL after a grace period.
 
+The cluster token: every child gets the same `SPLITSERVE_CLUSTER_TOKEN` in its environment
+(services.cluster_token): the one the spec's env or this process's environment names, else one
+generated here for this set of processes. Restarted or added children get the same one, so
+they can rejoin; the token is never logged.
+
+Listeners: only the scheduler's client port and its metrics port go on `host`. The internal
+plane (the scheduler's control listener for worker registration and heartbeats, kvcache_svc's
+plan, admin and events sockets, the workers' step sockets) is bound to 127.0.0.1 whatever
+`host` is: every process the launcher starts is on this machine.
+
 GPUs: every worker gets a GPU of its own (`plan_devices`): worker i computes on `cuda:i`. One
 GPU cannot host two NCCL ranks of a replica, and two workers sharing one would each size their
 KV cache from its whole memory, so more workers than GPUs is refused before anything starts
@@ -16,16 +26,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import cluster_token
 from services.cpus import available_cpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Every internal listener: its peers are all children of this launcher, on this machine.
+INTERNAL_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +46,10 @@ class ClusterSpec:
     """What to start; every field maps to a service flag."""
 
     model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 50051                       # scheduler gRPC
+    host: str = "127.0.0.1"                 # clients' and metrics' interface
+    port: int = 50051                       # scheduler gRPC, public (clients)
+    control_port: int = 50052               # scheduler gRPC, workers' control
+    # kvcache_svc's ports below and the workers' step sockets are on 127.0.0.1 too
     kv_plan_port: int = 50053
     kv_admin_port: int = 50054
     kv_events_port: int = 50055             # KV events PUB (0: any free port)
@@ -49,7 +64,8 @@ class ClusterSpec:
     worker_devices: tuple[str, ...] = ()    # worker i's --device ("cpu", "cuda:N"); ():
                                             # each worker's own default (plan_devices)
     log_level: str = "info"
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)   # extra environment for every child;
+                                            # SPLITSERVE_CLUSTER_TOKEN here wins over ours
 
 
 class DevicePlanError(ValueError):
@@ -92,6 +108,15 @@ def plan_devices(device: str, tp: int, pp: int, num_replicas: int,
     return (device,)
 
 
+def resolve_token(spec_env: Mapping[str, str], environ: Mapping[str, str]) -> tuple[str, bool]:
+    """The cluster token for one set of processes and whether someone chose it: the spec's,
+    else the environment's, else a fresh one. An empty value counts as unset (`VAR= cmd`)."""
+    chosen = spec_env.get(cluster_token.ENV) or environ.get(cluster_token.ENV)
+    if chosen:
+        return chosen, True
+    return cluster_token.generate(), False
+
+
 class ServiceProcesses:
     """The running children; `stop()` is idempotent."""
 
@@ -99,15 +124,29 @@ class ServiceProcesses:
         self.spec = spec
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Decided once: a child restarted later must present the same secret as the rest.
+        self.cluster_token, self.token_chosen = resolve_token(spec.env, os.environ)
 
     @property
     def address(self) -> str:
+        """The public gRPC address, where clients (and readiness checks) go."""
         return f"{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, module: str, args: Sequence[str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
+    @property
+    def control_address(self) -> str:
+        """Where workers register and send heartbeats."""
+        return f"{INTERNAL_HOST}:{self.spec.control_port}"
+
+    def child_env(self) -> dict[str, str]:
+        """Every child's environment: ours, the spec's additions and the one cluster token."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env,
+               cluster_token.ENV: self.cluster_token}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
+        return env
+
+    def _spawn(self, name: str, module: str, args: Sequence[str]) -> None:
+        env = self.child_env()
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +167,7 @@ class ServiceProcesses:
         s = self.spec
         model = ["--model", s.model] if s.model else []
         device = ["--device", s.worker_devices[i]] if s.worker_devices else []
-        return [*model, "--scheduler", self.address, "--host", s.host,
+        return [*model, "--scheduler", self.control_address, "--host", INTERNAL_HOST,
                 "--threads", str(self.threads_per_worker), "--worker-id", f"worker{i}",
                 *device, "--log-level", s.log_level, *s.worker_args]
 
@@ -139,29 +178,36 @@ class ServiceProcesses:
         s = self.spec
         return s.threads_per_worker or max(1, available_cpus() // (s.tp * s.pp * s.num_replicas))
 
-    def start_scheduler(self) -> None:
-        """(Re)starts scheduler_svc; running workers register with a restarted one."""
+    def scheduler_args(self) -> list[str]:
+        """The scheduler's command line: clients (and metrics) on --host, the control listener
+        and the ZMQ socket the workers answer on (--advertise-host) on the internal host."""
         s = self.spec
         model = ["--model", s.model] if s.model else []
-        self._spawn("scheduler", "scheduler_svc", [
-            *model, "--host", s.host, "--port", str(s.port), "--dtype", s.dtype,
-            "--tp", str(s.tp), "--pp", str(s.pp), "--metrics-port", str(s.metrics_port),
-            "--kvcache", f"tcp://{s.host}:{s.kv_plan_port}", "--log-level", s.log_level,
-            *s.scheduler_args])
+        return [*model, "--host", s.host, "--port", str(s.port), "--control-host", INTERNAL_HOST,
+                "--control-port", str(s.control_port), "--advertise-host", INTERNAL_HOST,
+                "--dtype", s.dtype,
+                "--tp", str(s.tp), "--pp", str(s.pp), "--metrics-port", str(s.metrics_port),
+                "--kvcache", f"tcp://{INTERNAL_HOST}:{s.kv_plan_port}", "--log-level", s.log_level,
+                *s.scheduler_args]
+
+    def start_scheduler(self) -> None:
+        """(Re)starts scheduler_svc; running workers register with a restarted one."""
+        self._spawn("scheduler", "scheduler_svc", self.scheduler_args())
 
     def start_kvcache(self) -> None:
         """(Re)starts kvcache_svc on its fixed ports (a restart after a kill is a new
         instance: new epoch, no pools)."""
         s = self.spec
         self._spawn("kvcache", "kvcache_svc", [
-            "--host", s.host, "--plan-port", str(s.kv_plan_port), "--admin-port",
+            "--host", INTERNAL_HOST, "--plan-port", str(s.kv_plan_port), "--admin-port",
             str(s.kv_admin_port), "--events-port", str(s.kv_events_port),
             "--log-level", s.log_level])
 
     def add_worker(self, name: str, extra: Sequence[str] = ()) -> None:
         s = self.spec
         model = ["--model", s.model] if s.model else []
-        self._spawn(name, "worker_svc", [*model, "--scheduler", self.address, "--host", s.host,
+        self._spawn(name, "worker_svc", [*model, "--scheduler", self.control_address,
+                                         "--host", INTERNAL_HOST,
                                          "--threads", str(self.threads_per_worker),
                                          "--worker-id", name, "--log-level", s.log_level,
                                          *s.worker_args, *extra])

@@ -14,6 +14,7 @@ Step messages are diffs (shared/DESIGN.md section 2): a request travels in full 
 only what changed travels as a `RunningRequest`.
 """
 
+import time
 from typing import Annotated
 
 import msgspec
@@ -176,6 +177,20 @@ MAX_EVENTS_PER_BATCH = 1 << 17
 # any reply means kvcache_svc restarted and every pool is gone: the scheduler preempts all
 # running requests and configures its pools again.
 Epoch = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # msgspec bounds must fit an int64
+
+# Epochs are start times. One further ahead than this clock skew is refused by its receiver:
+# a newer epoch supersedes the older one, so an epoch of 2**63 - 1 would lock out every real
+# restart of that process until its receiver restarted too.
+MAX_EPOCH_SKEW_NS = 24 * 3600 * 10**9
+
+
+def future_epoch(epoch: int, now_ns: int | None = None) -> str | None:
+    """Why `epoch` cannot be a real start time, or None if it can."""
+    now = time.time_ns() if now_ns is None else now_ns
+    if epoch > now + MAX_EPOCH_SKEW_NS:
+        return (f"epoch {epoch} is more than a day ahead of this host's clock ({now}); an "
+                f"epoch is the process's start time in ns since the Unix epoch")
+    return None
 
 
 class GrowOp(_Wire):

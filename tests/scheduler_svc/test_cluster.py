@@ -312,3 +312,22 @@ def test_a_budget_under_two_blocks_is_refused(
             assert flag in message
     finally:
         cluster.shutdown()
+
+
+def test_down_replicas_close_their_sockets_and_are_not_kept_forever(cluster: Cluster) -> None:
+    # 40 one-rank replicas come and go (a stream of registrations, or churn): each down
+    # replica's output socket closes at once, and only the last MAX_DOWN_REPLICAS stay listed.
+    from scheduler_svc.cluster import MAX_DOWN_REPLICAS
+
+    sockets = []
+    for i in range(40):
+        placement = cluster.register(f"w{i}", epoch=1, device="cpu", memory_bytes=1,
+                                     step_address="tcp://127.0.0.1:9", model="")
+        replica = cluster.replicas[placement.replica_id]
+        sockets.append(replica.outputs.socket)
+        with cluster._lock:
+            cluster._replica_lost_locked(placement.replica_id, "gone")
+    assert all(sock.closed for sock in sockets)
+    down = [r for r in cluster.replicas.values() if r.state == "down"]
+    assert len(down) == len(cluster.replicas) == MAX_DOWN_REPLICAS
+    assert sorted(cluster.workers) == sorted(f"w{i}" for i in range(40 - MAX_DOWN_REPLICAS, 40))

@@ -50,9 +50,9 @@ def servicer(model_path: Path, tokenizer) -> Iterator[WorkerControlServicer]:  #
 
 
 def register(servicer: WorkerControlServicer, worker_id: str,
-             device_uuid: str) -> control_pb2.RegisterResponse:
+             device_uuid: str, epoch: int = 1) -> control_pb2.RegisterResponse:
     request = control_pb2.RegisterRequest(
-        worker_id=worker_id, epoch=1, device="cuda:0", memory_bytes=1,
+        worker_id=worker_id, epoch=epoch, device="cuda:0", memory_bytes=1,
         step_address="tcp://127.0.0.1:9", device_uuid=device_uuid)
     return asyncio.run(servicer.Register(request, FakeContext()))  # type: ignore[arg-type]
 
@@ -73,6 +73,16 @@ def test_a_gpu_held_by_another_worker_is_a_failed_precondition(
         register(servicer, "w1", GPU)
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert GPU in refused.value.details and "w0" in refused.value.details
+
+
+def test_an_epoch_from_the_far_future_is_refused(servicer: WorkerControlServicer) -> None:
+    # A newer epoch supersedes a worker's older one: 2**63 - 1 would lock the real worker out.
+    register(servicer, "w0", GPU)
+    with pytest.raises(Aborted) as refused:
+        register(servicer, "w0", GPU, epoch=2**63 - 1)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than a day ahead" in refused.value.details
+    assert servicer.cluster.workers["w0"].epoch == 1
 
 
 class RefusingFrontend:

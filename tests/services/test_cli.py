@@ -1,6 +1,8 @@
 """`splitserve up`'s flags as the processes it would start, without starting any: the device
 each worker gets, the GPU flags passed through, and a refusal before anything starts when the
-workers outnumber the GPUs. (tests/e2e/test_cli.py runs the real thing.)"""
+workers outnumber the GPUs; the control port the workers are sent to, and what `up` says about
+the cluster token (that a chosen one is used, never its value). (tests/e2e/test_cli.py runs the
+real thing.)"""
 
 import subprocess
 import sys
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
+from services import cli, cluster_token
 from services.launcher import DevicePlanError, ServiceProcesses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +72,49 @@ def test_the_cli_does_not_import_torch_until_a_gpu_may_be_wanted() -> None:
                           "print('torch' in sys.modules)"], cwd=ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_control_port_defaults_beside_the_client_port() -> None:
+    assert cli.cluster_spec(up_args(), num_gpus=0).control_port == 50052
+    assert cli.cluster_spec(up_args("--port", "6000"), num_gpus=0).control_port == 6001
+    spec = cli.cluster_spec(up_args("--control-port", "7100"), num_gpus=0)
+    worker = ServiceProcesses(spec).worker_args(0)
+    assert worker[worker.index("--scheduler") + 1] == "127.0.0.1:7100"
+
+
+def up_until_a_service_exits(monkeypatch: pytest.MonkeyPatch) -> int:
+    """`splitserve up` with nothing started: the first check finds a service gone, so it
+    prints what it prints at start and returns 1."""
+    monkeypatch.setattr("signal.signal", lambda *args: None)
+    monkeypatch.setattr(ServiceProcesses, "start", lambda self: None)
+    monkeypatch.setattr(ServiceProcesses, "dead", lambda self: {"kvcache": 2})
+    monkeypatch.setattr(ServiceProcesses, "stop", lambda self, grace_s=0.0: {})
+    return cli.main(["up", "--device", "cpu"])
+
+
+def test_up_says_nothing_of_a_token_it_generated(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(cluster_token.ENV, raising=False)
+    monkeypatch.setattr(cluster_token, "generate", lambda: "f" * 64)
+    assert up_until_a_service_exits(monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert "control on 127.0.0.1:50052" in err
+    assert "token" not in err.lower() and "f" * 16 not in err
+
+
+def test_up_names_a_token_that_was_set_but_never_shows_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(cluster_token.ENV, "operator-secret-0123456789")
+    assert up_until_a_service_exits(monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert f"cluster token from {cluster_token.ENV}" in err
+    assert "operator-secret" not in err
+
+
+def test_up_refuses_a_short_token_before_starting_anything(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(cluster_token.ENV, "tiny-secret")
+    monkeypatch.setattr(ServiceProcesses, "start", lambda self: pytest.fail("started"))
+    assert cli.main(["up", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert cluster_token.ENV in err and "shorter than" in err and "tiny-secret" not in err

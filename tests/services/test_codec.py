@@ -139,3 +139,27 @@ def test_block_hashes_cross_the_wire_as_32_bytes() -> None:
         frame = msgspec.msgpack.encode(["PrefixQuery", [hashes[0], bad]])
         with pytest.raises(DecodeError):
             codec.decode(frame)
+
+
+def test_frames_carry_the_cluster_tag() -> None:
+    # A member's codec tags every frame (HMAC-SHA256 under the cluster's frame key) and
+    # refuses, before parsing, a frame that is untagged, tagged under another key, or altered.
+    from services import cluster_token
+
+    key = cluster_token.frame_key("a-cluster-token-of-ours")
+    member: Codec[StepInput] = Codec(ToWorker, key=key)
+    frame = member.encode(step())
+    assert len(frame) == len(Codec(ToWorker).encode(step())) + cluster_token.TAG_BYTES
+    assert member.decode(frame) == step()
+    stranger = Codec(ToWorker).encode(step())
+    other = Codec(ToWorker, key=cluster_token.frame_key("someone-else's-token")).encode(step())
+    altered = bytearray(frame)
+    altered[5] ^= 1
+    for bad in (stranger, other, bytes(altered), b"", frame[:10]):
+        with pytest.raises(DecodeError, match="cluster token"):
+            member.decode(bad)
+    with pytest.raises(cluster_token.TokenError, match="is not set"):
+        cluster_token.load({})
+    with pytest.raises(cluster_token.TokenError, match="shorter"):
+        cluster_token.load({cluster_token.ENV: "short"})
+    assert len(cluster_token.generate()) == 64

@@ -29,10 +29,13 @@ from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.engine import EngineConfig, OutputSink, ReplicaEngine
 from scheduler_svc.placement import (
+    GONE_STATES,
     Placement,
     RegistrationError,
     Replica,
+    ReplicaState,
     WorkerRecord,
+    WorkerState,
     gpu_holder,
     gpu_taken_message,
     kv_blocks_problem,
@@ -50,7 +53,6 @@ from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
 log = logging.getLogger(__name__)
 
 MAX_DOWN_REPLICAS = 16     # down replicas kept for ServerInfo (their sockets closed)
-
 MONITOR_INTERVAL_S = 0.5
 KV_PROBE_TIMEOUT_MS = 1000
 ROUTE_QUERY_TIMEOUT_MS = 100  # the prefix query is on the request path: never wait long
@@ -141,13 +143,12 @@ class Cluster:
         if self.config.dtype != "auto":
             return self.config.dtype
         with self._lock:
-            dtypes = sorted({r.dtype for r in self.replicas.values()
-                             if r.dtype and r.state not in ("down", "refused")})
-        return ",".join(dtypes) or "auto"
+            live = [r for r in self.replicas.values() if r.state not in GONE_STATES]
+        return ",".join(sorted({r.dtype for r in live if r.dtype})) or "auto"
 
     def _forming_replica_locked(self) -> Replica:
         for replica in self.replicas.values():
-            if replica.state == "forming" and not replica.is_full():
+            if replica.state == ReplicaState.FORMING and not replica.is_full():
                 return replica
         replica_id = self._next_replica_id
         self._next_replica_id += 1
@@ -161,10 +162,10 @@ class Cluster:
         with self._lock:
             record = self._known_locked(worker_id, epoch)
             record.num_kv_blocks = num_kv_blocks
-            record.state = "ready"
+            record.state = WorkerState.READY
             log.info("worker %s fits %d KV blocks for its layers", worker_id, num_kv_blocks)
             replica = self.replicas[record.replica_id]
-            if replica.state != "forming" or not replica.is_full():
+            if replica.state != ReplicaState.FORMING or not replica.is_full():
                 return
             if any(w.num_kv_blocks is None for w in replica.workers):
                 return
@@ -177,7 +178,7 @@ class Cluster:
             # with more memory registers with a newer epoch, which takes this replica down
             # and has the others register again into a new one.
             log.error("replica %d not started: %s", replica.replica_id, problem)
-            replica.state = "refused"
+            replica.state = ReplicaState.REFUSED
             return
         measured = min(w.num_kv_blocks or 0 for w in replica.workers)
         num_blocks = self.config.num_kv_blocks or measured
@@ -196,7 +197,7 @@ class Cluster:
         replica.engine = ReplicaEngine(engine_config, self.tokenizer, self.model.eos_token_ids,
                                        self.ctx, addresses, replica.outputs, self._on_engine_down,
                                        on_kv_change=self.on_change)
-        replica.state = "starting"
+        replica.state = ReplicaState.STARTING
         replica.engine.start()
         threading.Thread(target=self._await_ready, args=(replica,), daemon=True).start()
 
@@ -204,18 +205,18 @@ class Cluster:
         engine = replica.engine
         assert engine is not None
         while not engine.ready.wait(0.5):
-            if replica.state != "starting":
+            if replica.state != ReplicaState.STARTING:
                 return
         with self._lock:
-            if replica.state == "starting":
-                replica.state = "ready"
+            if replica.state == ReplicaState.STARTING:
+                replica.state = ReplicaState.READY
         self.on_change()
         self._dispatch_parked()
 
     def heartbeat(self, worker_id: str, epoch: int) -> bool:
         with self._lock:
             record = self.workers.get(worker_id)
-            if record is None or record.epoch != epoch or record.state == "down":
+            if record is None or record.epoch != epoch or record.state == WorkerState.DOWN:
                 return False
             record.last_heartbeat = time.monotonic()
             return True
@@ -247,7 +248,7 @@ class Cluster:
     def _replica_lost_locked(self, replica_id: int, reason: str) -> None:
         """Take a replica down; its engine (if any) stops and hands its requests back."""
         replica = self.replicas.get(replica_id)
-        if replica is None or replica.state == "down":
+        if replica is None or replica.state == ReplicaState.DOWN:
             return
         self._mark_down_locked(replica_id, reason)
         if replica.engine is not None:
@@ -255,13 +256,13 @@ class Cluster:
 
     def _mark_down_locked(self, replica_id: int, reason: str) -> None:
         replica = self.replicas.get(replica_id)
-        if replica is None or replica.state == "down":
+        if replica is None or replica.state == ReplicaState.DOWN:
             return
         log.warning("replica %d down: %s", replica_id, reason)
-        replica.state = "down"
+        replica.state = ReplicaState.DOWN
         # The surviving ranks learn it from their next heartbeat and register again.
         for record in replica.workers:
-            record.state = "down"
+            record.state = WorkerState.DOWN
         if replica.engine is None:
             self._retire_locked(replica_id)
 
@@ -269,9 +270,8 @@ class Cluster:
         """A down replica's output socket closes; only the last MAX_DOWN_REPLICAS down ones
         (and their workers) stay listed: churn must not grow sockets and memory unbounded."""
         self.replicas[replica_id].outputs.close()
-        down = [r for r in self.replicas.values() if r.state == "down"]
-        for old in down[:max(0, len(down) - MAX_DOWN_REPLICAS)]:
-            old.outputs.close()
+        down = [r for r in self.replicas.values() if r.state == ReplicaState.DOWN]
+        for old in down[:max(0, len(down) - MAX_DOWN_REPLICAS)]:   # closed when they retired
             del self.replicas[old.replica_id]
             for record in old.workers:
                 if self.workers.get(record.worker_id) is record:
@@ -279,7 +279,7 @@ class Cluster:
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas.values()
-                if r.state == "ready" and r.engine is not None and r.engine.kv_ok]
+                if r.state == ReplicaState.READY and r.engine is not None and r.engine.kv_ok]
 
     def is_ready(self) -> bool:
         """Readiness: a replica can serve and kvcache_svc answers."""
@@ -400,7 +400,7 @@ class Cluster:
         lost = False
         with self._lock:
             for record in list(self.workers.values()):
-                if record.state != "down" and now - record.last_heartbeat > timeout:
+                if record.state != WorkerState.DOWN and now - record.last_heartbeat > timeout:
                     log.warning("worker %s (replica %d) missed heartbeats for %.1fs",
                                 record.worker_id, record.replica_id, now - record.last_heartbeat)
                     self._replica_lost_locked(

@@ -108,10 +108,10 @@ class ReplicaEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, config.replica_id)
-        self.scheduler.ship_sampled_tokens = config.ship_sampled_tokens
-        self.scheduler.num_batches = config.max_batches_in_flight
-        self.scheduler.async_scheduling = config.async_scheduling
+        self.scheduler = Scheduler(config.scheduler, config.replica_id,
+                                   ship_sampled_tokens=config.ship_sampled_tokens,
+                                   num_batches=config.max_batches_in_flight,
+                                   async_scheduling=config.async_scheduling)
         self._depth = 2 if config.async_scheduling else config.max_batches_in_flight
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
         self.scheduler.set_capacity(config.num_kv_blocks)

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 TOKENIZER_THREADS = 2
 
 
-class NoReplica(RuntimeError):
+class Draining(RuntimeError):
     """The server takes no new requests (draining): UNAVAILABLE."""
 
 
@@ -181,7 +181,7 @@ class Frontend:
         `time_remaining`: seconds to the client's deadline, if it set one. Raises
         InvalidRequest if the replica refuses it (it can never run there)."""
         if self.draining:
-            raise NoReplica("the server is draining; send new requests elsewhere")
+            raise Draining("the server is draining; send new requests elsewhere")
         if len(self._live) >= self.max_live_requests:
             raise QueueFull(f"{len(self._live)} requests are live; try again later")
         loop = asyncio.get_running_loop()

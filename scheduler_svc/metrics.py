@@ -28,6 +28,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler_svc.placement import ReplicaState
+
 if TYPE_CHECKING:
     from scheduler_svc.cluster import Cluster
 
@@ -153,7 +155,7 @@ class _ClusterCollector(Collector):
             preemptions += sched.num_preemptions
             queries += sched.num_prompt_tokens_admitted
             hits += sched.num_cached_tokens_admitted
-            if replica.state != "ready":
+            if replica.state != ReplicaState.READY:
                 continue
             replicas_up += 1
             running += len(sched.running)

@@ -7,14 +7,38 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from scheduler_svc.engine import ReplicaEngine
 from services.channels import Receiver
 from services.wire import FromWorker
+
+if TYPE_CHECKING:   # plain data: the engine is only named here, never imported at run time
+    from scheduler_svc.engine import ReplicaEngine
 
 
 class RegistrationError(ValueError):
     """A registration the cluster refuses (wrong model, stale epoch, unknown worker)."""
+
+
+class WorkerState(StrEnum):
+    """A registered worker: loading its shard, ready (capacity reported), or down."""
+    LOADING = "loading"
+    READY = "ready"
+    DOWN = "down"
+
+
+class ReplicaState(StrEnum):
+    """forming -> starting -> ready -> down; or forming -> refused (its workers cannot hold
+    the KV pool: no engine, the ranks stay idle until one registers again)."""
+    FORMING = "forming"
+    STARTING = "starting"
+    READY = "ready"
+    DOWN = "down"
+    REFUSED = "refused"
+
+
+GONE_STATES = (ReplicaState.DOWN, ReplicaState.REFUSED)   # replicas that serve no more
 
 
 @dataclass(slots=True)
@@ -28,7 +52,7 @@ class WorkerRecord:
     pp_rank: int
     tp_rank: int
     num_kv_blocks: int | None = None
-    state: str = "loading"              # loading -> ready -> down
+    state: WorkerState = WorkerState.LOADING
     cpu_level: str = ""                 # the kernel level it reported ("" for a GPU)
     device_uuid: str = ""               # its GPU's CUDA uuid ("" on the CPU)
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -124,9 +148,7 @@ class Replica:
         self.dist_init_method = ""      # set when rank 0 registers (multi-rank replicas)
         self.dtype = ""                 # set when its first rank registers
         self.engine: ReplicaEngine | None = None
-        # forming -> starting -> ready -> down; or forming -> refused (its workers cannot
-        # hold the KV pool: no engine, the ranks stay idle until one registers again)
-        self.state = "forming"
+        self.state = ReplicaState.FORMING
 
     @property
     def workers(self) -> list[WorkerRecord]:
@@ -150,7 +172,7 @@ def gpu_holder(workers: Iterable[WorkerRecord], device_uuid: str,
         return None
     for record in workers:
         if (record.device_uuid == device_uuid and record.worker_id != worker_id
-                and record.state != "down"):
+                and record.state != WorkerState.DOWN):
             return record
     return None
 

@@ -12,11 +12,10 @@ A step has three phases, and the scheduler owns the state between them (no netwo
    instead when the worker could not run the step (its requests end with an error).
 
 Finished ids reach the workers with the next step that runs anything; they alone never make
-a step (an idle replica sends nothing once its last frees are planned).
-
-The free-block count is an estimate between plans (blocks shared through the prefix cache free
-nothing when one holder lets go); kvcache_svc is the authority: a grow it refuses simply does
-not run this step, and the next plan starts from its exact count.
+a step (an idle replica sends nothing once its last frees are planned). The free-block count
+is an estimate between plans (blocks shared through the prefix cache free nothing when one
+holder lets go); kvcache_svc is the authority: a grow it refuses simply does not run this
+step, and the next plan starts from its exact count.
 """
 
 from collections import deque
@@ -42,7 +41,6 @@ from services.wire import (
 @dataclass(frozen=True, slots=True)
 class _InStep:
     """One request's share of a step in flight."""
-
     request: Request
     samples: bool        # the step samples a token for it (not a non-final prefill chunk)
     commits: bool        # its plan put block hashes in the prefix index (their KV is this step's)
@@ -51,14 +49,21 @@ class _InStep:
 @dataclass(slots=True)
 class _Draft:
     """What `schedule()` asked kvcache_svc for, kept until the reply comes back."""
-
     plan: PlanRequest
     grow_reqs: list[tuple[Request, int]]   # (request, num_new_tokens) per grow op
     admit_reqs: list[Request]              # per admit op
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, replica_id: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, replica_id: int = 0, *,
+                 ship_sampled_tokens: bool = False, num_batches: int = 1,
+                 async_scheduling: bool = False) -> None:
+        """`ship_sampled_tokens`: PP > 1 (non-last ranks need the sampled tokens). `num_batches`:
+        the PP batch queue's depth (disjoint batches, each at most 1/num_batches of the live
+        requests). `async_scheduling` (PP = 1): a decode may run again while its last token is
+        still being sampled (the worker feeds its own sample in)."""
+        if num_batches < 1:
+            raise ValueError(f"num_batches must be at least 1, got {num_batches}")
         self.config = config
         self.replica_id = replica_id
         self.requests: dict[str, Request] = {}
@@ -69,13 +74,8 @@ class Scheduler:
         self._free_ids: list[str] = []      # requests whose blocks kvcache_svc must release
         self._finished_ids: list[str] = []  # requests whose worker state must be dropped
         self._new_token_ids: dict[str, list[int]] = {}  # sampled since last step (PP > 1)
-        self.ship_sampled_tokens = False   # PP > 1: non-last ranks need sampled tokens
-        # Batches in flight at once (the PP batch queue). Each batch holds disjoint requests,
-        # at most a 1/num_batches share of the live ones so that every stage has work.
-        self.num_batches = 1
-        # Async scheduling (one pipeline stage): a decoding request may be scheduled again
-        # while its last token is still being sampled; the worker feeds its own sample in.
-        self.async_scheduling = False
+        self.ship_sampled_tokens, self.num_batches = ship_sampled_tokens, num_batches
+        self.async_scheduling = async_scheduling
         self._step_requests: dict[int, list[_InStep]] = {}   # step id -> its requests
         self._draft: _Draft | None = None
         self._plan_id = 0

@@ -11,8 +11,8 @@ import grpc
 
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.frontend import (
+    Draining,
     Frontend,
-    NoReplica,
     PromptInput,
     QueueFull,
     RequestFailed,
@@ -128,7 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except NoReplica as exc:
+        except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestFailed as exc:
             code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE

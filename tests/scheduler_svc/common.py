@@ -12,9 +12,11 @@ EOS = 2
 
 def make_scheduler(num_blocks: int = 64, **overrides: object) -> tuple[Scheduler,
                                                                         ReplicaBlockManager]:
+    knobs = {k: overrides.pop(k) for k in ("ship_sampled_tokens", "num_batches",
+                                           "async_scheduling") if k in overrides}
     cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4,
                              "max_model_len": 1024, **overrides})  # type: ignore[arg-type]
-    sched = Scheduler(cfg)
+    sched = Scheduler(cfg, **knobs)  # type: ignore[arg-type]
     sched.set_capacity(num_blocks)
     return sched, ReplicaBlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
 

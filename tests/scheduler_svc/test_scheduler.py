@@ -226,8 +226,7 @@ def test_abort_waiting_and_running() -> None:
 
 def test_new_token_ids_shipped_only_for_pipeline() -> None:
     for ship in (False, True):
-        sched, kv = make_scheduler()
-        sched.ship_sampled_tokens = ship
+        sched, kv = make_scheduler(ship_sampled_tokens=ship)
         add(sched, "a", [1, 2, 3], max_tokens=5)
         s = step(sched, kv)
         sched.update(sample(s, {"a": 42}))
@@ -243,8 +242,7 @@ def test_duplicate_request_id_rejected() -> None:
 
 
 def test_batch_queue_keeps_batches_disjoint_and_balanced() -> None:
-    sched, kv = make_scheduler(max_num_batched_tokens=64)
-    sched.num_batches = 2
+    sched, kv = make_scheduler(max_num_batched_tokens=64, num_batches=2)
     for i in range(4):
         add(sched, f"r{i}", list(range(10 * i, 10 * i + 6)), max_tokens=3)
     s1 = step(sched, kv)
@@ -262,8 +260,8 @@ def test_batch_queue_keeps_batches_disjoint_and_balanced() -> None:
 
 
 def test_in_flight_requests_are_never_preempted() -> None:
-    sched, kv = make_scheduler(num_blocks=6, prefix_caching=False, max_num_batched_tokens=64)
-    sched.num_batches = 2
+    sched, kv = make_scheduler(num_blocks=6, prefix_caching=False, max_num_batched_tokens=64,
+                               num_batches=2)
     a = add(sched, "a", list(range(8)), max_tokens=8)     # 2 blocks each, 5 usable
     b = add(sched, "b", list(range(20, 28)), max_tokens=8)
     s1 = step(sched, kv)
@@ -282,8 +280,7 @@ def test_in_flight_requests_are_never_preempted() -> None:
 
 
 def test_async_scheduling_plans_the_next_decode_before_the_output() -> None:
-    sched, kv = make_scheduler()
-    sched.async_scheduling = True
+    sched, kv = make_scheduler(async_scheduling=True)
     add(sched, "a", list(range(6)), max_tokens=3)
     s1 = step(sched, kv)
     assert scheduled(s1) == {"a": 6}
@@ -302,8 +299,7 @@ def test_async_scheduling_plans_the_next_decode_before_the_output() -> None:
 
 
 def test_async_scheduling_drops_the_token_after_a_stop() -> None:
-    sched, kv = make_scheduler()
-    sched.async_scheduling = True
+    sched, kv = make_scheduler(async_scheduling=True)
     add(sched, "a", [5, 6], max_tokens=10)
     s1 = step(sched, kv)
     s2 = step(sched, kv)

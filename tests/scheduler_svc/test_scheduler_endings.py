@@ -139,8 +139,7 @@ def test_failed_step_poisons_the_prefix_index_only_with_unwritten_commits() -> N
 
 
 def test_failed_step_with_a_later_step_in_flight() -> None:
-    sched, kv = make_scheduler()
-    sched.async_scheduling = True
+    sched, kv = make_scheduler(async_scheduling=True)
     add(sched, "a", list(range(10, 17)), max_tokens=8)
     add(sched, "b", list(range(30, 37)), max_tokens=3)
     s1 = step(sched, kv)

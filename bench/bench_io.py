@@ -8,9 +8,22 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def time_peer_round(generate: Callable[[list[str], int], tuple[int, float]],
+                    prompts: list[str], single: str, max_tokens: int) -> dict[str, float]:
+    """One round of a peer's figures from its `generate(texts, new_tokens) -> (tokens,
+    seconds)`: single TTFT = a 1-token generate of the single prompt; single decode tokens/s
+    = (tokens - 1) / (full generate - TTFT); batch = every prompt in one generate."""
+    _, ttft = generate([single], 1)
+    n, total = generate([single], max_tokens)
+    count, wall = generate(prompts, max_tokens)
+    return {"batch_tok_s": count / wall, "batch_wall_s": wall,
+            "single_ttft_ms": ttft * 1000, "single_decode_tok_s": (n - 1) / (total - ttft)}
 
 
 def load_workload() -> tuple[list[str], str, int]:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_io import time_peer_round
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,12 +90,7 @@ class HfCudaPeer:
                                    do_sample=False, pad_token_id=self.pad_id, **kwargs)
 
     def run(self, prompts: list[str], single: str, max_tokens: int) -> dict[str, float]:
-        _, ttft = self._generate([single], 1)
-        n, total = self._generate([single], max_tokens)
-        single_decode = (n - 1) / (total - ttft)
-        count, wall = self._generate(prompts, max_tokens)
-        return {"batch_tok_s": count / wall, "batch_wall_s": wall,
-                "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode}
+        return time_peer_round(self._generate, prompts, single, max_tokens)
 
     def compile_happened(self) -> bool | None:
         """Whether transformers compiled the decode step (it does only when its criteria

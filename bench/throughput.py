@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # bench_splitserve, load_workload and write_result are imported from here by parallel.py and
 # cpu_kernels.py too.
-from bench_io import load_workload, medians, write_result  # noqa: E402
+from bench_io import load_workload, medians, time_peer_round, write_result  # noqa: E402
 from splitserve_runs import bench_splitserve  # noqa: E402
 from vllm_peer import VllmPeer, save_hf_dir  # noqa: E402
 
@@ -104,12 +104,7 @@ class HfBaseline:
         if not self.warm:
             self._generate(prompts[:8], 8)
             self.warm = True
-        _, ttft = self._generate([single], 1)
-        n, total = self._generate([single], max_tokens)
-        single_decode = (n - 1) / (total - ttft)
-        count, wall = self._generate(prompts, max_tokens)
-        return {"batch_tok_s": count / wall, "batch_wall_s": wall,
-                "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode}
+        return time_peer_round(self._generate, prompts, single, max_tokens)
 
 
 def start_vllm(dtypes: list[str]) -> dict[str, VllmPeer]:

@@ -85,12 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        token = cluster_token.load()
-    except cluster_token.TokenError as exc:
-        log.error("%s", exc)
+    if (token := cluster_token.join(log)) is None:
         return 2
-    cluster_token.install(token)
     return asyncio.run(serve(config, token))
 
 

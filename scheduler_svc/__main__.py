@@ -233,12 +233,8 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
 
 def main(argv: list[str] | None = None) -> int:
     config, sched, drain_timeout = parse_args(argv)
-    try:
-        token = cluster_token.load()
-    except cluster_token.TokenError as exc:
-        log.error("%s", exc)
+    if (token := cluster_token.join(log)) is None:
         return 2
-    cluster_token.install(token)
     config = dataclasses.replace(config, cluster_token=token)
     return asyncio.run(serve(config, sched, drain_timeout))
 

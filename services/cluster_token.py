@@ -82,6 +82,18 @@ def install(token: str) -> None:
     _process_frame_key = frame_key(token)
 
 
+def join(logger: logging.Logger) -> str | None:
+    """A service's start: load the token from the environment and install its frame key; on
+    failure log why and return None (the service exits 2)."""
+    try:
+        token = load()
+    except TokenError as exc:
+        logger.error("%s", exc)
+        return None
+    install(token)
+    return token
+
+
 def installed_frame_key() -> bytes | None:
     return _process_frame_key
 

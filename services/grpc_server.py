@@ -20,6 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.cluster_token import TokenInterceptor
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 << 20  # requests and responses, unless a server sets a smaller bound
@@ -43,8 +45,6 @@ def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
                 cluster_token: str | None = None) -> grpc.aio.Server:
     """`cluster_token`: an internal listener's; every call but health checks must carry it
     (services.cluster_token.TokenInterceptor). None: a public listener."""
-    from services.cluster_token import TokenInterceptor
-
     interceptors: list[grpc.aio.ServerInterceptor] = [ParseErrorInterceptor()]
     if cluster_token is not None:
         interceptors.insert(0, TokenInterceptor(cluster_token))

@@ -118,12 +118,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    try:
-        token = cluster_token.load()
-    except cluster_token.TokenError as exc:
-        log.error("%s", exc)
+    if (token := cluster_token.join(log)) is None:
         return 2
-    cluster_token.install(token)
     config = dataclasses.replace(config, cluster_token=token)
     keep_freed_memory()
     try:

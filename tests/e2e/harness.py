@@ -150,37 +150,46 @@ def stream_tokens(stub: generation_pb2_grpc.GenerationStub,
     return ids, text, last
 
 
-class HFOracle:
-    """HF transformers on the same GGUF, fp32, greedy, one token at a time with its cache.
-    Records each step's top-1/top-2 logit margin for the near-tie rule."""
+class GreedyOracle:
+    """An HF transformers model as the greedy reference: one token at a time with its cache,
+    recording each step's top-1/top-2 logit margin for the near-tie rule; cached per (prompt,
+    max_tokens). `HFOracle` (the GGUF, CPU) and tests/gpu's `CudaOracle` load the model."""
 
-    def __init__(self, model_path: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32)
-        self.model.eval()
+    def __init__(self, model, device: torch.device) -> None:  # type: ignore[no-untyped-def]
+        self.model = model.eval()
+        self.device = device
         self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        """(tokens, top-1 minus top-2 logit at each step)."""
         key = (tuple(prompt), max_tokens)
         if key in self._cache:
             return self._cache[key]
-        ids = torch.tensor([list(prompt)])
+        ids = torch.tensor([list(prompt)], device=self.device)
         out = self.model(input_ids=ids, use_cache=True)
         tokens: list[int] = []
         margins: list[float] = []
         for _ in range(max_tokens):
-            logits = out.logits[0, -1].float()
-            top2 = torch.topk(logits, 2)
+            top2 = torch.topk(out.logits[0, -1].float(), 2)
             tokens.append(int(top2.indices[0]))
             margins.append(float(top2.values[0] - top2.values[1]))
             out = self.model(input_ids=top2.indices[:1].view(1, 1),
                              past_key_values=out.past_key_values, use_cache=True)
         self._cache[key] = (tokens, margins)
         return tokens, margins
+
+
+class HFOracle(GreedyOracle):
+    """HF transformers on the same GGUF, fp32, on the CPU."""
+
+    def __init__(self, model_path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        super().__init__(AutoModelForCausalLM.from_pretrained(
+            str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32),
+            torch.device("cpu"))
 
 
 def assert_matches_reference(ours: Sequence[int], ref: Sequence[int], margins: Sequence[float],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tests.e2e.harness import GreedyOracle
+
 
 def disable_tf32() -> None:
     """fp32 matmuls and convolutions in full fp32 in this process (TF32 keeps 10 mantissa
@@ -19,38 +21,17 @@ def disable_tf32() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-class CudaOracle:
-    """Greedy reference on `device`; results are cached per (prompt, max_tokens)."""
+class CudaOracle(GreedyOracle):
+    """The greedy reference (tests/e2e/harness.py) on `device`, from an HF directory."""
 
     def __init__(self, model_dir: Path, device: str = "cuda") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
+        if torch.device(device).type == "cuda":
             disable_tf32()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation="eager").to(self.device)
-        self.model.eval()
-        self._cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
-
-    @torch.inference_mode()
-    def greedy(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], list[float]]:
-        """(tokens, top-1 minus top-2 logit at each step)."""
-        key = (tuple(prompt), max_tokens)
-        if key in self._cache:
-            return self._cache[key]
-        ids = torch.tensor([list(prompt)], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        tokens: list[int] = []
-        margins: list[float] = []
-        for _ in range(max_tokens):
-            top2 = torch.topk(out.logits[0, -1].float(), 2)
-            tokens.append(int(top2.indices[0]))
-            margins.append(float(top2.values[0] - top2.values[1]))
-            out = self.model(input_ids=top2.indices[:1].view(1, 1),
-                             past_key_values=out.past_key_values, use_cache=True)
-        self._cache[key] = (tokens, margins)
-        return tokens, margins
+        super().__init__(AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="eager").to(device),
+            torch.device(device))
 
     @torch.inference_mode()
     def next_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -112,13 +112,9 @@ class TritonPagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  row_request: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-        """Write k, v into their slots, then attend. q [rows, num_heads, head_dim], one query
-        token per row; k, v [rows, num_kv_heads, head_dim] (rows may be strided; heads and
-        dim contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
-        contiguous; slot_mapping [rows] int64: each row's cache slot (negative: not written);
-        block_tables [requests, max_blocks] int64; row_request [rows] int64: each row's
-        request; kv_lens [rows] int64: the keys each row attends to (its position + 1).
-        Returns [rows, heads * dim]; scale head_dim ** -0.5."""
+        """Write k, v into their slots, then attend: the contract of the C kernel's
+        `PagedAttentionKernel.__call__` (shapes and meaning there), plus: a negative slot is
+        not written. Scale head_dim ** -0.5."""
         num_heads, head_dim = q.shape[1:] if q.dim() == 3 else (0, 0)
         num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
         if (head_dim != self.head_dim or q.dtype != self.dtype

@@ -26,7 +26,8 @@ Failures, and who handles them:
   or a rank of a multi-rank replica fails a step, which may leave its peers stuck in a
   collective): the engine stops, drops its pool in kvcache_svc, and hands every live request
   back to the cluster (`on_down`) with its state reset for recompute, so it continues on
-  another replica from prompt + tokens so far, its stream uninterrupted.
+  another replica from prompt + tokens so far, its stream uninterrupted. Only a step a rank
+  failed by itself (not a lost peer: `WorkerFailure.peer_lost`) fails its own requests first.
 """
 
 import logging
@@ -375,10 +376,11 @@ class ReplicaEngine:
                 continue
             if isinstance(msg, WorkerFailure):
                 reason = f"worker {msg.worker_id} failed step {msg.step_id}: {msg.message}"
-                if msg.step_id == step_id:
+                if msg.step_id == step_id and not msg.peer_lost:
                     # The step's own requests end (INTERNAL), as on a one-rank replica: handed
                     # back, a request that makes every step fail would take each replica it
-                    # lands on down in turn. The rest move on when the replica goes down.
+                    # lands on down in turn. The rest move on when the replica goes down, and
+                    # so do all of them when a peer rank was lost (not the step's fault).
                     self._fail_step(step_id, StepError(reason[:4096], kv_written=False))
                 raise EngineError(reason)
             if isinstance(msg, StepOutput) and msg.step_id == step_id:

@@ -156,11 +156,14 @@ class CacheReady(_Wire):
 
 class WorkerFailure(_Wire):
     """A step a rank of a multi-rank replica could not run: its peers may be stuck in a
-    collective, so the scheduler takes the replica down and moves its requests elsewhere."""
+    collective, so the scheduler takes the replica down. `peer_lost`: a collective with
+    another rank failed (the peer died or the link broke), which is no fault of the step's
+    requests, so they move elsewhere with the rest; otherwise the step's own requests fail."""
 
     worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
     step_id: Count
     message: Annotated[str, Meta(max_length=4096)]
+    peer_lost: bool = False
 
 
 ToWorker = StepInput | InitCache

@@ -28,6 +28,18 @@ class StageFailed(RuntimeError):
     """The previous pipeline stage failed the step this stage was waiting for."""
 
 
+class PeerLost(RuntimeError):
+    """A collective with another rank of the replica failed: the peer is gone (killed, its
+    machine lost) or the connection broke. Not the step's fault: the scheduler moves the
+    step's requests to another replica instead of failing them."""
+
+
+def peer_lost(exc: BaseException, what: str) -> PeerLost:
+    """`exc`, raised by a torch.distributed call, as a PeerLost that says which call."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return PeerLost(f"{what}: {type(exc).__name__}: {first}")
+
+
 FAILED = -1   # the header a stage sends in place of a step's row count when it failed the step
 
 
@@ -72,7 +84,7 @@ class ParallelGroups:
         failed the step (and sent only that)."""
         assert self.prev_rank is not None
         header = torch.empty(1, dtype=torch.int64, device=device)
-        dist.recv(header, src=self.prev_rank)
+        self._recv(header)
         sent = int(header.item())
         if sent == FAILED:
             raise StageFailed(f"pipeline stage {self.pp_rank - 1} failed this step")
@@ -82,23 +94,34 @@ class ParallelGroups:
         tensors = []
         for _ in range(2):
             buf = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
-            dist.recv(buf.view(torch.uint8), src=self.prev_rank)
+            self._recv(buf.view(torch.uint8))
             tensors.append(buf)
         return tensors[0], tensors[1]
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """This step's activations to the next stage: a header (the row count), then both."""
         assert self.next_rank is not None
-        dist.send(torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device),
-                  dst=self.next_rank)
+        self._send(torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device))
         for t in (hidden, residual):
-            dist.send(t.contiguous().view(torch.uint8), dst=self.next_rank)
+            self._send(t.contiguous().view(torch.uint8))
 
     def send_failure(self) -> None:
         """Tell the next stage this step failed here: a header of FAILED and nothing else."""
         assert self.next_rank is not None
         device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-        dist.send(torch.tensor([FAILED], dtype=torch.int64, device=device), dst=self.next_rank)
+        self._send(torch.tensor([FAILED], dtype=torch.int64, device=device))
+
+    def _recv(self, t: torch.Tensor) -> None:
+        try:
+            dist.recv(t, src=self.prev_rank)
+        except RuntimeError as exc:   # gloo/NCCL errors, DistError among them
+            raise peer_lost(exc, f"receive from pipeline rank {self.prev_rank}") from exc
+
+    def _send(self, t: torch.Tensor) -> None:
+        try:
+            dist.send(t, dst=self.next_rank)
+        except RuntimeError as exc:
+            raise peer_lost(exc, f"send to pipeline rank {self.next_rank}") from exc
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -371,8 +371,11 @@ class WorkerServer:
         if link is None:
             outputs.send(runner.failed_output(step, exc))
         else:
+            from worker_svc.parallel import PeerLost
+
             outputs.send(WorkerFailure(worker_id=self.config.worker_id, step_id=step.step_id,
-                                       message=f"{type(exc).__name__}: {exc}"[:4000]))
+                                       message=f"{type(exc).__name__}: {exc}"[:4000],
+                                       peer_lost=isinstance(exc, PeerLost)))
 
     def _finish_step(self, runner: "ModelRunner", launched: "LaunchedStep",  # noqa: F821
                      outputs: Sender, placement: control_pb2.RegisterResponse,
@@ -390,6 +393,7 @@ class WorkerServer:
                      link: "ParallelGroups | None") -> "LaunchedStep | None":  # noqa: F821
         """Launch one step on this stage: activations in from the previous stage; a non-last
         stage sends its activations on to the next and returns None."""
+        from worker_svc.parallel import PeerLost
         from worker_svc.runner import StageActivations
 
         forwards = link is not None and link.next_rank is not None
@@ -411,7 +415,10 @@ class WorkerServer:
             # or it would sit in its receive until the group's timeout.
             if forwards:
                 assert link is not None
-                link.send_failure()
+                try:
+                    link.send_failure()
+                except PeerLost as lost:   # the next stage is the one gone
+                    log.warning("could not tell the next stage: %s", lost)
             raise
         assert link is not None
         link.send(result.hidden_states, result.residual)

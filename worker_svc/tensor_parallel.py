@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from worker_svc.model.weights import QUANT_BLOCK, QuantBlocks
+from worker_svc.parallel import peer_lost
 
 
 def split_sizes(total: int, parts: int, unit: int = 1) -> list[int]:
@@ -139,7 +140,10 @@ class TpGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns `t`."""
-        dist.all_reduce(t, group=self.group)
+        try:
+            dist.all_reduce(t, group=self.group)
+        except RuntimeError as exc:   # gloo/NCCL errors, DistError among them
+            raise peer_lost(exc, "TP all-reduce") from exc
         return t
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -150,6 +154,9 @@ class TpGroup:
         padded = logits.new_zeros(rows, widest)
         padded[:, :logits.shape[1]] = logits
         parts = [torch.empty_like(padded) for _ in self.shard.vocab_sizes]
-        dist.all_gather(parts, padded, group=self.group)
+        try:
+            dist.all_gather(parts, padded, group=self.group)
+        except RuntimeError as exc:
+            raise peer_lost(exc, "TP all-gather") from exc
         return torch.cat([p[:, :n] for p, n in zip(parts, self.shard.vocab_sizes, strict=True)],
                          dim=1)

@@ -1,12 +1,12 @@
 """ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
 one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
-sends nothing, a step the worker fails ends just its requests, and a request longer than
-the pool is refused. Also, with no sockets: `num_live` changes only under its lock."""
+sends nothing, a step the worker fails ends just its requests, a rank that reports a lost
+peer hands every request back instead, and a request longer than the pool is refused. Also, with no sockets: `num_live` changes only under its lock."""
 
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from services.wire import (
     StepOutput,
     StepTimings,
     ToWorker,
+    WorkerFailure,
 )
 from worker_svc.input_batch import InputBatch
 
@@ -47,7 +48,9 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeWorker:
     """A one-rank worker: InputBatch for its state, `token_at` for a model, and the runner's
     failure contract: a step holding a request id starting with "bad" fails, the batch
-    discards the step, and the answer is a StepOutput with the error."""
+    discards the step, and the answer is a StepOutput with the error. A request id starting
+    with "rank" or "peer" makes it answer as a rank of a bigger replica would: WorkerFailure,
+    the step failed here or a collective with a lost peer failed."""
 
     def __init__(self, ctx: zmq.Context, address: str, outputs_address: str) -> None:
         self.kv_written = True           # what a failed step reports
@@ -80,12 +83,17 @@ class FakeWorker:
                 self.num_steps += 1
                 self._outputs.send(self._step(message))
 
-    def _step(self, step: StepInput) -> StepOutput:
+    def _step(self, step: StepInput) -> StepOutput | WorkerFailure:
         assert self.batch is not None
         timings = StepTimings(0.0, 0.0, 0.0, 0)
         try:
             scheduled = self.batch.apply(step)
-            if any(s.state.request_id.startswith("bad") for s in scheduled):
+            ids = [s.state.request_id for s in scheduled]
+            for prefix, peer_lost in (("rank", False), ("peer", True)):
+                if any(i.startswith(prefix) for i in ids):
+                    return WorkerFailure(worker_id="fake", step_id=step.step_id,
+                                         message=f"{prefix} fault", peer_lost=peer_lost)
+            if any(i.startswith("bad") for i in ids):
                 raise RuntimeError("injected fault")
         except Exception as exc:
             self.batch.discard(step)
@@ -106,6 +114,7 @@ class Replica:
     pools: KvCachePools
     worker: FakeWorker
     downs: list[str]
+    orphans: list[str]      # ids of the requests handed back when the replica went down
 
     def submit(self, request_id: str, prompt: list[int], max_tokens: int,
                ) -> "queue.SimpleQueue[RequestOutput]":
@@ -143,6 +152,13 @@ def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[R
     outputs: Receiver[FromWorker] = Receiver(ctx, Codec(FromWorker), "inproc://outputs")
     worker = FakeWorker(ctx, "inproc://steps", "inproc://outputs")
     downs: list[str] = []
+    orphans: list[str] = []
+
+    def on_down(_replica_id: int, reason: str,
+                handed_back: list[tuple[Request, object]]) -> None:
+        downs.append(reason)
+        orphans.extend(request.request_id for request, _ in handed_back)
+
     config = EngineConfig(
         replica_id=0, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                 max_num_batched_tokens=64,
@@ -151,11 +167,11 @@ def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[R
         num_kv_blocks=64, kvcache_address="inproc://kv", kv_timeout_s=2.0, step_timeout_s=10.0,
         ship_sampled_tokens=False, max_batches_in_flight=max_batches_in_flight)
     engine = ReplicaEngine(config, None, (EOS,), ctx, ["inproc://steps"],  # type: ignore[arg-type]
-                           outputs, on_down=lambda _id, reason, _orphans: downs.append(reason))
+                           outputs, on_down=on_down)
     engine.start()
     try:
         assert engine.ready.wait(10), "the engine did not come up"
-        yield Replica(engine, pools, worker, downs)
+        yield Replica(engine, pools, worker, downs, orphans)
     finally:
         engine.stop()
         worker.stop()
@@ -228,6 +244,51 @@ def test_failed_step_without_its_kv_empties_the_prefix_index() -> None:
         # bad's blocks were indexed when planned but never written: nothing may hit them.
         _, last = final(r.submit("ok-2", list(range(30, 39)), max_tokens=1))
         assert last.num_cached_tokens == 0
+
+
+def two_in_one_step(r: Replica, first: str, second: str,
+                    ) -> "tuple[queue.SimpleQueue[RequestOutput], queue.SimpleQueue[RequestOutput]]":
+    """`first` decoding, then `second` joins its next step."""
+    running = r.submit(first, list(range(10, 19)), max_tokens=60)
+    first_output(running)
+    r.worker.gate.clear()
+    joining = r.submit(second, list(range(30, 39)), max_tokens=5)
+    r.worker.gate.set()
+    return running, joining
+
+
+def test_a_rank_that_failed_the_step_fails_its_requests_and_the_replica_goes_down() -> None:
+    with replica() as r:
+        running, failing = two_in_one_step(r, "ok-1", "rank-1")
+        _, last = final(failing)
+        assert last.finish_reason is FinishReason.ABORT and last.server_fault
+        assert last.error is not None and "rank fault" in last.error
+        assert wait_until(lambda: r.downs)
+        # ok-1 shared the failed step: its request failed too; nothing is handed back.
+        _, last = final(running)
+        assert last.error is not None and "rank fault" in last.error
+        assert r.orphans == []
+
+
+def test_a_lost_peer_hands_every_request_back_and_fails_none() -> None:
+    # Before: the survivor of a killed pipeline stage reported its broken send as a step
+    # failure, and the step's requests ended INTERNAL instead of moving to another replica.
+    with replica() as r:
+        running, joining = two_in_one_step(r, "ok-1", "peer-1")
+        assert wait_until(lambda: r.downs)
+        assert "peer fault" in r.downs[0]
+        assert sorted(r.orphans) == ["ok-1", "peer-1"]
+        assert joining.empty()           # no error, no final output: the cluster moves them
+        assert r.engine.num_live == 0
+
+
+def wait_until(condition: "Callable[[], object]", timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 # ---------------------------------------------------------------- num_live under its lock

@@ -151,3 +151,49 @@ def test_tp_ranks_give_the_tokens_of_one(model_path: Path, tmp_path: Path, tp_si
     for rank in range(tp_size):
         tokens = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert tokens == single_rank_tokens, rank
+
+
+# ------------------------------------------------------------------- a peer dies mid-step
+
+
+def _survive_a_lost_peer(rank: int, port: int, result_dir: str, pp_size: int,
+                         tp_size: int) -> None:
+    """Rank 1 leaves as a killed process would (no goodbye); rank 0's next collective with
+    it must raise PeerLost, which the worker reports so the scheduler moves the requests."""
+    from worker_svc.parallel import ParallelGroups, PeerLost
+    from worker_svc.tensor_parallel import TpGroup
+
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    groups = ParallelGroups(f"tcp://127.0.0.1:{port}", pp_rank, pp_size, tp_rank, tp_size,
+                            timeout_s=30)
+    if rank == 1:
+        os._exit(0)
+    try:
+        if tp_size > 1:
+            assert groups.tp_group is not None
+            shard = TpShard.build(0, tp_size, 4, 2, 64, 100)
+            TpGroup(groups.tp_group, shard).all_reduce(torch.ones(8))
+        else:
+            groups.send(torch.ones(4, 8), torch.ones(4, 8))
+            groups.send(torch.ones(4, 8), torch.ones(4, 8))   # a dead peer can buffer one
+        outcome = "no error"
+    except PeerLost as exc:
+        outcome = f"PeerLost: {exc}"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(result_dir, "rank0.txt").write_text(outcome)
+    os._exit(0)     # the group cannot be torn down with a peer gone
+
+
+@pytest.mark.parametrize("pp_size, tp_size", [(2, 1), (1, 2)], ids=["pp-send", "tp-all-reduce"])
+def test_a_collective_with_a_dead_peer_raises_peer_lost(tmp_path: Path, pp_size: int,
+                                                        tp_size: int) -> None:
+    from tests.e2e.harness import free_ports
+
+    port = free_ports(1)[0]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_survive_a_lost_peer, args=(port, str(tmp_path), pp_size, tp_size),
+                       nprocs=2, start_method="spawn")
+    outcome = (tmp_path / "rank0.txt").read_text()
+    assert outcome.startswith("PeerLost: "), outcome
+    assert "pipeline rank 1" in outcome or "TP all-reduce" in outcome, outcome

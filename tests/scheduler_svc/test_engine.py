@@ -1,7 +1,8 @@
 """ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
 one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
 sends nothing, a step the worker fails ends just its requests, a rank that reports a lost
-peer hands every request back instead, and a request longer than the pool is refused. Also, with no sockets: `num_live` changes only under its lock."""
+peer hands every request back instead, and a request longer than the pool is refused.
+Also, with no sockets: `num_live` changes only under its lock."""
 
 import queue
 import threading
@@ -246,8 +247,10 @@ def test_failed_step_without_its_kv_empties_the_prefix_index() -> None:
         assert last.num_cached_tokens == 0
 
 
-def two_in_one_step(r: Replica, first: str, second: str,
-                    ) -> "tuple[queue.SimpleQueue[RequestOutput], queue.SimpleQueue[RequestOutput]]":
+Outputs = queue.SimpleQueue[RequestOutput]
+
+
+def two_in_one_step(r: Replica, first: str, second: str) -> tuple[Outputs, Outputs]:
     """`first` decoding, then `second` joins its next step."""
     running = r.submit(first, list(range(10, 19)), max_tokens=60)
     first_output(running)

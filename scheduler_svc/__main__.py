@@ -18,6 +18,7 @@ import zmq
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.tokenizer import load_tokenizer
@@ -175,12 +176,13 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
         ready = cluster.is_ready() and not frontend.draining
         asyncio.run_coroutine_threadsafe(health.set_ready(ready), loop)
 
-    cluster = Cluster(config, sched, model, tokenizer, ctx, on_change=readiness_changed)
+    live = LiveRequests()
+    cluster = Cluster(config, sched, model, live, ctx, on_change=readiness_changed)
     metrics = SchedulerMetrics(served_name)
     metrics.attach(cluster)
     limits = Limits(served_name, model.vocab_size, max_model_len,
                     max_prompt_bytes=max_prompt_bytes)
-    frontend = Frontend(cluster, tokenizer, limits, max_live_requests=config.max_queue_len,
+    frontend = Frontend(cluster, live, tokenizer, limits, max_live_requests=config.max_queue_len,
                         replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, served_name), server)

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.engine import EngineConfig, OutputSink, ReplicaEngine
+from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.placement import (
     GONE_STATES,
     Placement,
@@ -43,8 +43,7 @@ from scheduler_svc.placement import (
     replica_dtype,
     split_layers,
 )
-from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
-from scheduler_svc.tokenizer import TextTokenizer
+from scheduler_svc.request import Request
 from services.channels import Receiver, RequestClient, tcp_address
 from services.codec import Codec
 from services.model_config import ModelConfig
@@ -60,12 +59,12 @@ ROUTE_QUERY_TIMEOUT_MS = 100  # the prefix query is on the request path: never w
 
 class Cluster:
     def __init__(self, config: ServerConfig, sched_config: SchedulerConfig, model: ModelConfig,
-                 tokenizer: TextTokenizer, ctx: zmq.Context,
+                 live: LiveRequests, ctx: zmq.Context,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.sched_config = sched_config
         self.model = model
-        self.tokenizer = tokenizer
+        self.live = live
         self.ctx = ctx
         self.on_change = on_change      # readiness may have changed (called from any thread)
         self._lock = threading.RLock()
@@ -73,9 +72,6 @@ class Cluster:
         self.workers: dict[str, WorkerRecord] = {}
         self._next_replica_id = 0
         self._layer_ranges = split_layers(model.num_layers, config.pp_size)
-        # Where each live request is: its engine, or None while parked (no ready replica).
-        self._where: dict[str, ReplicaEngine | None] = {}
-        self._parked: dict[str, tuple[Request, OutputSink]] = {}
         self.num_migrations = 0
         self.epoch = time.time_ns()     # this instance; kvcache_svc drops older ones' pools
         self.kv_reachable = False       # set by the monitor's probe
@@ -194,8 +190,8 @@ class Cluster:
             async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch)
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
-        replica.engine = ReplicaEngine(engine_config, self.tokenizer, self.model.eos_token_ids,
-                                       self.ctx, addresses, replica.outputs, self._on_engine_down,
+        replica.engine = ReplicaEngine(engine_config, self.ctx, addresses, replica.outputs,
+                                       self.live.deliver, self._on_engine_down,
                                        on_kv_change=self.on_change)
         replica.state = ReplicaState.STARTING
         replica.engine.start()
@@ -229,21 +225,22 @@ class Cluster:
 
     # ------------------------------------------------------------------ replica life
 
-    def _on_engine_down(self, replica_id: int, reason: str,
-                        orphans: list[tuple[Request, OutputSink]]) -> None:
+    def _on_engine_down(self, replica_id: int, reason: str, orphans: list[Request]) -> None:
         """Called from the engine's thread once it stopped: its live requests move on."""
         with self._lock:
+            engine = self.replicas[replica_id].engine
             self._mark_down_locked(replica_id, reason)
             self._retire_locked(replica_id)       # its engine no longer reads the socket
         self.on_change()
-        for request, sink in orphans:
+        assert engine is not None
+        for request in orphans:
+            if not self.live.unplace(request.request_id, engine):
+                continue   # the client went away meanwhile
             with self._lock:
-                if request.request_id not in self._where:
-                    continue   # the client went away meanwhile
                 self.num_migrations += 1
             log.info("request %s (%d tokens out) moves off replica %d", request.request_id,
                      request.num_output_tokens, replica_id)
-            self.dispatch(request, sink)
+            self.dispatch(request)
 
     def _replica_lost_locked(self, replica_id: int, reason: str) -> None:
         """Take a replica down; its engine (if any) stops and hands its requests back."""
@@ -287,56 +284,18 @@ class Cluster:
 
     # ------------------------------------------------------------------ requests
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams, deadline: float,
-                     cache_salt: bytes = b"") -> Request:
-        sc = self.sched_config
-        request = Request(request_id, prompt_token_ids, sampling, self.model.eos_token_ids,
-                          sc.max_model_len, sc.block_size, hash_blocks=sc.prefix_caching,
-                          cache_salt=cache_salt)
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, sampling.skip_special_tokens, sampling.stop)
-        request.deadline = deadline
-        return request
-
-    def dispatch(self, request: Request, sink: OutputSink) -> None:
-        """Run `request` on the best ready replica, or park it until one is ready."""
+    def dispatch(self, request: Request) -> None:
+        """Run a live request (in `self.live`, parked) on the best ready replica, or leave it
+        parked until one is ready."""
         while True:
             engine = self.route(request)
-            with self._lock:
-                if engine is None:
-                    self._where[request.request_id] = None
-                    self._parked[request.request_id] = (request, sink)
-                    return
-                self._where[request.request_id] = engine
-            if engine.submit(request, sink):
+            if engine is None or not self.live.place(request.request_id, engine):
+                return   # stays parked; or it is gone, or another thread placed it
+            if engine.submit(request):
                 return
-            # That replica went down between routing and submitting: route again.
-
-    def abort(self, request_id: str) -> bool:
-        with self._lock:
-            if request_id not in self._where:
-                return False
-            engine = self._where[request_id]
-            parked = self._parked.pop(request_id, None)
-        if engine is not None:
-            engine.abort(request_id)
-        elif parked is not None:
-            request, sink = parked
-            sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT,
-                               num_prompt_tokens=request.num_prompt_tokens,
-                               num_output_tokens=request.num_output_tokens))
-        return True
-
-    def forget(self, request_id: str) -> None:
-        """The request's stream ended (finished, failed or cancelled)."""
-        with self._lock:
-            self._where.pop(request_id, None)
-            self._parked.pop(request_id, None)
-
-    @property
-    def num_parked(self) -> int:
-        return len(self._parked)
+            # That replica went down between routing and submitting: park, route again.
+            if not self.live.unplace(request.request_id, engine):
+                return
 
     def route(self, request: Request) -> ReplicaEngine | None:
         """The ready replica with the best score = cached prefix tokens there -
@@ -356,7 +315,7 @@ class Cluster:
         def score(r: Replica) -> tuple[float, int]:
             assert r.engine is not None
             hit = min(cached.get(r.replica_id, 0) * block_size, request.num_tokens - 1)
-            return (hit - weight * r.engine.num_live, -r.replica_id)
+            return (hit - weight * self.live.num_on(r.replica_id), -r.replica_id)
 
         return max(ready, key=score).engine
 
@@ -369,13 +328,10 @@ class Cluster:
         return {r.replica_id: r.num_cached_blocks for r in reply.replicas}
 
     def _dispatch_parked(self) -> None:
-        with self._lock:
-            if not self._parked or not self.ready_replicas():
-                return
-            parked = list(self._parked.values())
-            self._parked.clear()
-        for request, sink in parked:
-            self.dispatch(request, sink)
+        if not self.live.num_parked or not self.ready_replicas():
+            return
+        for request in self.live.parked():
+            self.dispatch(request)
 
     # ------------------------------------------------------------------ monitor
 
@@ -419,15 +375,7 @@ class Cluster:
             self.on_change()
 
     def _expire_parked(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            expired = [(r, s) for r, s in self._parked.values()
-                       if r.deadline is not None and now >= r.deadline]
-            for request, _ in expired:
-                del self._parked[request.request_id]
-        for request, sink in expired:
-            sink(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
-                               error="no replica became ready before the request's deadline"))
+        self.live.expire_parked(time.monotonic())
 
     def max_kv_tokens(self) -> int | None:
         """Tokens one request can hold on the smallest replica that served, or that will: with

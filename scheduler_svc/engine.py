@@ -1,8 +1,8 @@
 """One replica's engine loop: plan with kvcache_svc, run the step on the workers, publish.
 
 Runs in its own thread. Everything that touches the replica's `Scheduler` happens in this
-thread; the gRPC side talks to it only through `submit` / `abort` (a command queue) and
-receives results through each request's `OutputSink`.
+thread; the gRPC side talks to it only through `submit` / `abort` (a command queue), and
+outputs go out through `on_outputs` (the live-request registry's `deliver`).
 
     while serving:
         take new requests and aborts
@@ -44,7 +44,6 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.step_window import STEP_LOG_INTERVAL, StepWindow
-from scheduler_svc.tokenizer import TextTokenizer
 from services.channels import Receiver, RequestClient, Sender
 from services.codec import Codec
 from services.wire import (
@@ -64,10 +63,10 @@ from services.wire import (
 
 log = logging.getLogger(__name__)
 
-OutputSink = Callable[[RequestOutput], None]  # thread-safe; called from the engine thread
-# The cluster's callback when the replica goes down: (replica id, reason, live requests with
-# their sinks, ready to run elsewhere).
-OnDown = Callable[[int, str, list[tuple[Request, OutputSink]]], None]
+OnOutputs = Callable[[list[RequestOutput]], None]  # called from the engine thread
+# The router's callback when the replica goes down: (replica id, reason, its live requests,
+# reset to run elsewhere).
+OnDown = Callable[[int, str, list[Request]], None]
 KV_RETRY_S = 0.5          # between attempts to reach a lost kvcache_svc
 POLL_S = 0.2              # how often blocking waits look for a fail-over
 
@@ -93,7 +92,6 @@ class EngineConfig:
 @dataclass(slots=True)
 class _Add:
     request: Request
-    sink: OutputSink
 
 
 @dataclass(slots=True)
@@ -102,13 +100,10 @@ class _Abort:
 
 
 class ReplicaEngine:
-    def __init__(self, config: EngineConfig, tokenizer: TextTokenizer,
-                 eos_token_ids: tuple[int, ...], ctx: zmq.Context,
-                 step_addresses: list[str], outputs: Receiver[FromWorker],
-                 on_down: OnDown, on_kv_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, step_addresses: list[str],
+                 outputs: Receiver[FromWorker], on_outputs: OnOutputs, on_down: OnDown,
+                 on_kv_change: Callable[[], None] = lambda: None) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(config.scheduler, config.replica_id,
                                    ship_sampled_tokens=config.ship_sampled_tokens,
                                    num_batches=config.max_batches_in_flight,
@@ -119,16 +114,15 @@ class ReplicaEngine:
         self._ctx = ctx
         self._step_addresses = step_addresses
         self._outputs = outputs
+        self._on_outputs = on_outputs
         self._on_down = on_down
         self._on_kv_change = on_kv_change
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, OutputSink] = {}
         self._thread = threading.Thread(target=self._run, name=f"replica-{config.replica_id}",
                                         daemon=True)
         self._stopping = False
         self._down_reason: str | None = None  # set by fail_over (any thread)
-        # Guards `_dead` (submit vs. the final hand-over of requests) and every change to
-        # `num_live`: gRPC threads add to it while the engine thread takes away.
+        # Guards `_dead`: submit vs. the final hand-over of requests.
         self._submit_lock = threading.Lock()
         self._dead = False
         self.kv_ok = True                     # kvcache_svc reachable and holding our pool
@@ -136,8 +130,6 @@ class ReplicaEngine:
         self.kv_epoch: int | None = None      # the kvcache_svc instance that holds it
         self.num_kv_recoveries = 0
         self.ready = threading.Event()
-        self.num_live = 0            # requests submitted and not yet finished (any thread reads;
-                                     # changed only under _submit_lock)
         self.num_steps = 0
         self.forward_gap_ms_total = 0.0   # sum of StepTimings.gap_ms (ServerInfo)
         self.num_forward_gaps = 0
@@ -153,14 +145,17 @@ class ReplicaEngine:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, request: Request, sink: OutputSink) -> bool:
+    @property
+    def replica_id(self) -> int:
+        return self.config.replica_id
+
+    def submit(self, request: Request) -> bool:
         """Queues a request (new, or migrated from a lost replica). False if this engine has
         already gone down: the caller must place the request elsewhere."""
         with self._submit_lock:
             if self._dead or self._down_reason is not None:
                 return False
-            self.num_live += 1
-            self._commands.put(_Add(request, sink))
+            self._commands.put(_Add(request))
             return True
 
     def fail_over(self, reason: str) -> None:
@@ -209,21 +204,16 @@ class ReplicaEngine:
         run again from its prompt + tokens so far (nothing is lost silently)."""
         with self._submit_lock:
             self._dead = True
-            self.num_live = 0
-        orphans: list[tuple[Request, OutputSink]] = []
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            sink = self._sinks.pop(request.request_id, None)
-            if sink is not None:
-                request.reset_for_migration()
-                orphans.append((request, sink))
+        orphans = [*self.scheduler.running, *self.scheduler.waiting]
+        for request in orphans:
+            request.reset_for_migration()
         while True:   # requests submitted but not yet taken in
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                orphans.append((command.request, command.sink))
-        self._sinks.clear()
+                orphans.append(command.request)
         if self.kv_ok:
             kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
         self._on_down(self.config.replica_id, reason, orphans)
@@ -278,15 +268,13 @@ class ReplicaEngine:
             try:
                 self.scheduler.add_request(request)
             except ValueError as exc:   # it can never run here (INVALID_ARGUMENT)
-                self._count_ended()
-                command.sink(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
-                                           error=str(exc), invalid=True))
-                return
-            self._sinks[request.request_id] = command.sink
+                self._on_outputs([RequestOutput(request.request_id, [], "", [],
+                                                FinishReason.ABORT, error=str(exc),
+                                                invalid=True)])
         elif isinstance(command, _Abort):
             final = self.scheduler.abort(command.request_id)
             if final is not None:
-                self._publish([final])
+                self._on_outputs([final])
 
     def _step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
         """Sends a new step while the queue has room and something can run; otherwise
@@ -337,7 +325,7 @@ class ReplicaEngine:
         if output.timings.gap_ms > 0:
             self.forward_gap_ms_total += output.timings.gap_ms
             self.num_forward_gaps += 1
-        self._publish(self.scheduler.update(output))
+        self._on_outputs(self.scheduler.update(output))
         self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
                          update_ms=(time.perf_counter() - received) * 1000,
                          forward_ms=output.timings.forward_ms + output.timings.sample_ms,
@@ -353,7 +341,7 @@ class ReplicaEngine:
         log.error("replica %d: the worker failed step %d (%s); failing its %d requests%s",
                   self.config.replica_id, step_id, error.message, len(failed),
                   "; emptying the prefix index" if poisoned else "")
-        self._publish(failed)
+        self._on_outputs(failed)
         if poisoned:
             self._reset_pool = True
 
@@ -386,23 +374,6 @@ class ReplicaEngine:
             if isinstance(msg, StepOutput) and msg.step_id == step_id:
                 return msg
             log.warning("ignoring stale worker message %s", type(msg).__name__)
-
-    def _count_ended(self) -> None:
-        """A live request ended. `-=` on an attribute is a read and a write: unlocked, a
-        `submit` on another thread between them would be lost, and the routing load
-        (`Cluster.route`) would drift for good."""
-        with self._submit_lock:
-            self.num_live -= 1
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            if out.finish_reason is not None:
-                del self._sinks[out.request_id]
-                self._count_ended()
-            sink(out)
 
     # ---------------------------------------------------------------- kvcache_svc recovery
 

@@ -19,8 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from scheduler_svc.cluster import Cluster
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.live_requests import DuplicateRequest, LiveRequests
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
-from scheduler_svc.request import RequestOutput, SamplingParams
+from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from scheduler_svc.tokenizer import ChatMessage, TemplateError, TextTokenizer
 from scheduler_svc.validation import (
     InvalidRequest,
@@ -103,18 +106,18 @@ class LoopPoster:
 
 
 class Frontend:
-    def __init__(self, cluster: Cluster, tokenizer: TextTokenizer, limits: Limits,
-                 max_live_requests: int, replica_wait_s: float = 60.0,
+    def __init__(self, cluster: Cluster, live: LiveRequests, tokenizer: TextTokenizer,
+                 limits: Limits, max_live_requests: int, replica_wait_s: float = 60.0,
                  metrics: SchedulerMetrics | None = None,
                  tokenizer_threads: int = TOKENIZER_THREADS) -> None:
         self.cluster = cluster
+        self.live = live
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_live_requests = max_live_requests
         # How long a request may wait for a ready replica (at start, or after its replica
         # was lost with no other left), unless the client's deadline comes first.
         self.replica_wait_s = replica_wait_s
-        self._live: set[str] = set()
         self._poster: LoopPoster | None = None      # for the loop serving the clients
         self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
                                                  thread_name_prefix="tokenize")
@@ -124,7 +127,7 @@ class Frontend:
 
     @property
     def num_live(self) -> int:
-        return len(self._live)
+        return len(self.live)
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -163,11 +166,11 @@ class Frontend:
         validate_request_id(request_id)
         salt = validate_cache_salt(cache_salt)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._live:
+        if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         _, token_ids = await self.render(prompt)
         # Again: another request may have taken the id while this one was tokenized.
-        if request_id in self._live:
+        if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
         limits = dataclasses.replace(self.limits, max_kv_tokens=self.cluster.max_kv_tokens())
         validate_prompt(token_ids, limits)
@@ -182,8 +185,8 @@ class Frontend:
         InvalidRequest if the replica refuses it (it can never run there)."""
         if self.draining:
             raise Draining("the server is draining; send new requests elsewhere")
-        if len(self._live) >= self.max_live_requests:
-            raise QueueFull(f"{len(self._live)} requests are live; try again later")
+        if len(self.live) >= self.max_live_requests:
+            raise QueueFull(f"{len(self.live)} requests are live; try again later")
         loop = asyncio.get_running_loop()
         if self._poster is None or self._poster.loop is not loop:
             self._poster = LoopPoster(loop)
@@ -197,15 +200,16 @@ class Frontend:
         if time_remaining is not None:   # end before the client's own deadline fires
             wait_s = min(wait_s, max(0.0, time_remaining - 0.5))
         request_id = prepared.request_id
-        request = self.cluster.make_request(request_id, prepared.prompt_token_ids,
-                                            prepared.sampling, time.monotonic() + wait_s,
-                                            prepared.cache_salt)
-        self._live.add(request_id)
+        request = self.make_request(prepared, time.monotonic() + wait_s)
+        try:
+            self.live.add(request, sink)
+        except DuplicateRequest as exc:
+            raise InvalidRequest(str(exc)) from None
         self.num_requests_total += 1
         timer = RequestTimer(self.metrics)
         finished = False
         try:
-            self.cluster.dispatch(request, sink)
+            self.cluster.dispatch(request)
             while True:
                 out = await outputs.get()
                 if out.error is not None:
@@ -222,10 +226,18 @@ class Frontend:
                 if finished:
                     return
         finally:
-            self._live.discard(request_id)
             if not finished:
-                self.cluster.abort(request_id)
-            self.cluster.forget(request_id)
+                self.live.cancel(request_id)
+            self.live.remove(request_id)
 
-    def abort(self, request_id: str) -> bool:
-        return self.cluster.abort(request_id)
+    def make_request(self, prepared: PreparedRequest, deadline: float) -> Request:
+        """The scheduler's state for a prepared request, with its detokenizer."""
+        sc: SchedulerConfig = self.cluster.sched_config
+        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
+                          self.cluster.model.eos_token_ids, sc.max_model_len, sc.block_size,
+                          hash_blocks=sc.prefix_caching, cache_salt=prepared.cache_salt)
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prepared.prompt_token_ids, prepared.sampling.skip_special_tokens,
+            prepared.sampling.stop)
+        request.deadline = deadline
+        return request

@@ -162,7 +162,7 @@ class _ClusterCollector(Collector):
             waiting += len(sched.waiting)
             used += sched.num_total_blocks - sched.num_free_blocks
             total += sched.num_total_blocks
-        waiting += self.cluster.num_parked
+        waiting += self.cluster.live.num_parked
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)

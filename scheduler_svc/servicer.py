@@ -146,7 +146,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(found=self.frontend.abort(request.request_id))
+        return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request.request_id))
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
@@ -195,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 num_cached += sched.num_cached_tokens_admitted
         info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0
         info.num_migrations = cluster.num_migrations
-        info.num_parked = cluster.num_parked
+        info.num_parked = cluster.live.num_parked
         info.kvcache_reachable = cluster.kv_reachable
         return info
 

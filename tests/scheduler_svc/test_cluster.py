@@ -11,8 +11,9 @@ import zmq
 
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.placement import RegistrationError, Replica, rendezvous_address, split_layers
-from scheduler_svc.request import RequestOutput, SamplingParams
+from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from services.model_config import load_model_config
 
 
@@ -40,14 +41,14 @@ def test_rendezvous_on_rank0_host() -> None:
 class FakeEngine:
     """What the cluster reads of a ReplicaEngine, and what it calls."""
 
-    def __init__(self, num_live: int = 0) -> None:
-        self.num_live = num_live
+    def __init__(self, replica_id: int) -> None:
+        self.replica_id = replica_id
         self.kv_ok = True
         self.submitted: list[str] = []
         self.failed_over: str | None = None
         self.accepts = True
 
-    def submit(self, request, sink) -> bool:  # type: ignore[no-untyped-def]
+    def submit(self, request) -> bool:  # type: ignore[no-untyped-def]
         if not self.accepts:
             return False
         self.submitted.append(request.request_id)
@@ -71,76 +72,89 @@ def cluster(model_path: Path, tokenizer) -> Iterator[Cluster]:  # type: ignore[n
     config = ServerConfig(model_path=str(model_path), model_name="",
                           kvcache_address="tcp://127.0.0.1:9", heartbeat_timeout_s=0.5)
     c = Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                tokenizer, ctx)
+                LiveRequests(), ctx)
     c.kv_reachable = True
     yield c
     c.shutdown()
     ctx.destroy(linger=0)
 
 
-def add_replica(cluster: Cluster, replica_id: int, engine: FakeEngine) -> None:
+def add_replica(cluster: Cluster, engine: FakeEngine) -> None:
+    replica_id = engine.replica_id
     replica = Replica(replica_id, 1, NoSocket())  # type: ignore[arg-type]
     replica.engine = engine  # type: ignore[assignment]
     replica.state = "ready"
     cluster.replicas[replica_id] = replica
 
 
-def request(cluster: Cluster, request_id: str, num_tokens: int, deadline: float = 1e12):  # type: ignore[no-untyped-def]
-    return cluster.make_request(request_id, list(range(100, 100 + num_tokens)),
-                                SamplingParams(temperature=0.0, max_tokens=4), deadline)
+def request(request_id: str, num_tokens: int, deadline: float = 1e12) -> Request:
+    r = Request(request_id, list(range(100, 100 + num_tokens)),
+                SamplingParams(temperature=0.0, max_tokens=4), (2,), 4096, 16, hash_blocks=True)
+    r.deadline = deadline
+    return r
+
+
+def submitted(cluster: Cluster, r: Request,
+              outputs: list[RequestOutput] | None = None) -> Request:
+    """`r` live (as the frontend adds it), then dispatched."""
+    cluster.live.add(r, (outputs if outputs is not None else []).append)
+    cluster.dispatch(r)
+    return r
 
 
 def test_route_prefers_the_cached_prefix_unless_much_busier(cluster: Cluster) -> None:
-    a, b = FakeEngine(num_live=3), FakeEngine(num_live=0)
-    add_replica(cluster, 0, a)
-    add_replica(cluster, 1, b)
+    a, b = FakeEngine(0), FakeEngine(1)
+    add_replica(cluster, a)
+    add_replica(cluster, b)
+    load = {0: 3, 1: 0}
+    cluster.live.num_on = load.__getitem__  # type: ignore[method-assign]
     cluster._cached_blocks = lambda hashes: {0: 20}  # type: ignore[method-assign]
     # 320 cached tokens on replica 0 outweigh 3 more live requests (3 x 64 tokens).
-    assert cluster.route(request(cluster, "r1", 400)) is a
-    a.num_live = 6                                    # 6 x 64 > 320: now it is too busy
-    assert cluster.route(request(cluster, "r2", 400)) is b
+    assert cluster.route(request("r1", 400)) is a
+    load[0] = 6                                       # 6 x 64 > 320: now it is too busy
+    assert cluster.route(request("r2", 400)) is b
     cluster._cached_blocks = lambda hashes: {}  # type: ignore[method-assign]
-    a.num_live, b.num_live = 1, 2                     # nothing cached: least loaded
-    assert cluster.route(request(cluster, "r3", 400)) is a
+    load[0], load[1] = 1, 2                           # nothing cached: least loaded
+    assert cluster.route(request("r3", 400)) is a
     a.kv_ok = False                                   # its pool is being re-created
-    assert cluster.route(request(cluster, "r4", 400)) is b
+    assert cluster.route(request("r4", 400)) is b
 
 
 def test_parked_until_a_replica_is_ready_or_the_deadline(cluster: Cluster) -> None:
     outputs: list[RequestOutput] = []
-    late = request(cluster, "late", 8)
-    soon = request(cluster, "soon", 8, deadline=time.monotonic() - 1)
-    cluster.dispatch(late, outputs.append)
-    cluster.dispatch(soon, outputs.append)
-    assert cluster.num_parked == 2
+    submitted(cluster, request("late", 8), outputs)
+    submitted(cluster, request("soon", 8, deadline=time.monotonic() - 1), outputs)
+    assert cluster.live.num_parked == 2
     cluster._expire_parked()
     assert [o.request_id for o in outputs] == ["soon"] and "deadline" in (outputs[0].error or "")
-    engine = FakeEngine()
-    add_replica(cluster, 0, engine)
+    engine = FakeEngine(0)
+    add_replica(cluster, engine)
     cluster._dispatch_parked()
-    assert engine.submitted == ["late"] and cluster.num_parked == 0
+    assert engine.submitted == ["late"] and cluster.live.num_parked == 0
+    assert cluster.live.num_on(0) == 1
 
 
 def test_dispatch_retries_when_the_engine_went_down_meanwhile(cluster: Cluster) -> None:
-    dying, healthy = FakeEngine(num_live=0), FakeEngine(num_live=5)
+    dying, healthy = FakeEngine(0), FakeEngine(1)
     dying.accepts = False
-    add_replica(cluster, 0, dying)
-    add_replica(cluster, 1, healthy)
+    add_replica(cluster, dying)
+    add_replica(cluster, healthy)
 
     def down(*_: object) -> None:   # submit refused: the replica is no longer ready
         cluster.replicas[0].state = "down"
         dying.submitted.append("refused")
 
-    dying.submit = lambda r, s: (down(), False)[1]  # type: ignore[method-assign]
-    cluster.dispatch(request(cluster, "r", 8), lambda out: None)
+    dying.submit = lambda r: (down(), False)[1]  # type: ignore[method-assign]
+    submitted(cluster, request("r", 8))
     assert healthy.submitted == ["r"] and dying.submitted == ["refused"]
+    assert cluster.live.num_on(0) == 0 and cluster.live.num_on(1) == 1
 
 
 def test_silent_worker_takes_its_replica_down(cluster: Cluster) -> None:
     placement = cluster.register("w0", epoch=5, device="cpu", memory_bytes=1,
                                  step_address="tcp://127.0.0.1:9", model="")
     replica = cluster.replicas[placement.replica_id]
-    engine = FakeEngine()
+    engine = FakeEngine(placement.replica_id)
     replica.engine = engine  # type: ignore[assignment]
     replica.state = "ready"
     assert cluster.heartbeat("w0", 5)
@@ -163,7 +177,7 @@ def _cluster_with(model_path: Path, tokenizer, dtype: str, tp: int  # type: igno
     config = ServerConfig(model_path=str(model_path), model_name="", dtype=dtype, tp_size=tp,
                           kvcache_address="tcp://127.0.0.1:9")
     return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                   tokenizer, zmq.Context.instance())
+                   LiveRequests(), zmq.Context.instance())
 
 
 def test_dtype_auto_takes_each_replicas_first_rank_choice(model_path: Path,
@@ -268,7 +282,7 @@ def _sized_cluster(model_path: Path, tokenizer, tp: int,  # type: ignore[no-unty
     config = ServerConfig(model_path=str(model_path), model_name="", tp_size=tp,
                           num_kv_blocks=num_kv_blocks, kvcache_address="tcp://127.0.0.1:9")
     return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                   tokenizer, zmq.Context.instance())
+                   LiveRequests(), zmq.Context.instance())
 
 
 def _report(cluster: Cluster, blocks: dict[str, int]) -> Replica:

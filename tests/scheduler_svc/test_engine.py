@@ -1,8 +1,7 @@
 """ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
 one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
 sends nothing, a step the worker fails ends just its requests, a rank that reports a lost
-peer hands every request back instead, and a request longer than the pool is refused.
-Also, with no sockets: `num_live` changes only under its lock."""
+peer hands every request back instead, and a request longer than the pool is refused."""
 
 import queue
 import threading
@@ -16,6 +15,7 @@ import zmq
 from kvcache_svc.server import KvCachePools, PlanLoop
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
 from services.channels import Receiver, Sender
 from services.codec import Codec
@@ -112,6 +112,7 @@ class FakeWorker:
 @dataclass
 class Replica:
     engine: ReplicaEngine
+    live: LiveRequests
     pools: KvCachePools
     worker: FakeWorker
     downs: list[str]
@@ -122,7 +123,8 @@ class Replica:
         request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), (EOS,),
                           MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        assert self.engine.submit(request, outputs.put)
+        self.live.add(request, outputs.put)
+        assert self.engine.submit(request)
         return outputs
 
     def num_used_blocks(self) -> int:
@@ -155,10 +157,9 @@ def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[R
     downs: list[str] = []
     orphans: list[str] = []
 
-    def on_down(_replica_id: int, reason: str,
-                handed_back: list[tuple[Request, object]]) -> None:
+    def on_down(_replica_id: int, reason: str, handed_back: list[Request]) -> None:
         downs.append(reason)
-        orphans.extend(request.request_id for request, _ in handed_back)
+        orphans.extend(request.request_id for request in handed_back)
 
     config = EngineConfig(
         replica_id=0, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -167,12 +168,12 @@ def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[R
                                                 max_model_len=MAX_MODEL_LEN),
         num_kv_blocks=64, kvcache_address="inproc://kv", kv_timeout_s=2.0, step_timeout_s=10.0,
         ship_sampled_tokens=False, max_batches_in_flight=max_batches_in_flight)
-    engine = ReplicaEngine(config, None, (EOS,), ctx, ["inproc://steps"],  # type: ignore[arg-type]
-                           outputs, on_down=on_down)
+    live = LiveRequests()
+    engine = ReplicaEngine(config, ctx, ["inproc://steps"], outputs, live.deliver, on_down)
     engine.start()
     try:
         assert engine.ready.wait(10), "the engine did not come up"
-        yield Replica(engine, pools, worker, downs, orphans)
+        yield Replica(engine, live, pools, worker, downs, orphans)
     finally:
         engine.stop()
         worker.stop()
@@ -282,7 +283,6 @@ def test_a_lost_peer_hands_every_request_back_and_fails_none() -> None:
         assert "peer fault" in r.downs[0]
         assert sorted(r.orphans) == ["ok-1", "peer-1"]
         assert joining.empty()           # no error, no final output: the cluster moves them
-        assert r.engine.num_live == 0
 
 
 def wait_until(condition: "Callable[[], object]", timeout_s: float = 10.0) -> bool:
@@ -294,87 +294,6 @@ def wait_until(condition: "Callable[[], object]", timeout_s: float = 10.0) -> bo
     return False
 
 
-# ---------------------------------------------------------------- num_live under its lock
-
-
-class OwnedLock:
-    """A lock that knows which thread holds it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-
-    def __enter__(self) -> "OwnedLock":
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def held_here(self) -> bool:
-        return self._owner == threading.get_ident()
-
-
-class CountWatchingEngine(ReplicaEngine):
-    """Records every change to `num_live` and whether the changing thread held the engine's
-    lock. A lost update needs a thread switch inside `num_live -= 1`, too rare to provoke
-    reliably, so the test checks the rule that prevents it: every change is locked."""
-
-    changes: list[tuple[int, bool]]
-
-    @property  # type: ignore[override]
-    def num_live(self) -> int:
-        return self.__dict__["_watched_num_live"]
-
-    @num_live.setter
-    def num_live(self, value: int) -> None:
-        lock = self.__dict__.get("_submit_lock")
-        if isinstance(lock, OwnedLock):
-            self.__dict__.setdefault("changes", []).append((value, lock.held_here()))
-        self.__dict__["_watched_num_live"] = value
-
-
-class NoKv:
-    def call(self, *_: object, **__: object) -> None:
-        return None
-
-
-def test_every_change_to_num_live_holds_the_lock() -> None:
-    config = EngineConfig(
-        replica_id=0, scheduler=SchedulerConfig(block_size=BLOCK_SIZE,
-                                                max_model_len=MAX_MODEL_LEN),
-        num_kv_blocks=64, kvcache_address="inproc://unused", kv_timeout_s=1.0,
-        step_timeout_s=1.0, ship_sampled_tokens=False)
-    # Never started: the test plays the engine thread itself.
-    engine = CountWatchingEngine(config, None, (EOS,), None, [], None,  # type: ignore[arg-type]
-                                 on_down=lambda *_: None)
-    engine._submit_lock = OwnedLock()  # type: ignore[assignment]
-    sink: list[RequestOutput] = []
-
-    def request(request_id: str) -> Request:
-        return Request(request_id, [5, 6, 7], SamplingParams(max_tokens=2), (EOS,),
-                       MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True)
-
-    assert engine.submit(request("a"), sink.append)
-    engine._take_commands(block=False)
-    assert engine.submit(request("a"), sink.append)     # a duplicate: refused when taken in
-    engine._take_commands(block=False)
-    assert sink[-1].error is not None and engine.num_live == 1
-    engine._publish([RequestOutput("a", [9], "", [None], FinishReason.STOP)])
-    assert engine.num_live == 0
-    assert engine.submit(request("b"), sink.append)
-    engine._take_commands(block=False)
-    engine.kv_ok = False
-    engine._go_down(NoKv(), "test")  # type: ignore[arg-type]
-    assert engine.num_live == 0
-    # submit a, submit a, refuse a, finish a, submit b, go down.
-    assert [value for value, _ in engine.changes] == [1, 2, 1, 0, 1, 0]
-    unlocked = [value for value, locked in engine.changes if not locked]
-    assert unlocked == [], f"num_live changed without the lock (to {unlocked})"
-
-
 def test_a_request_longer_than_the_pool_is_refused_and_the_replica_serves_on() -> None:
     # 63 usable blocks of 4 tokens: 252 tokens. Before, this request was admitted, grew to
     # fill the pool, preempted itself, and then waited forever.
@@ -384,4 +303,4 @@ def test_a_request_longer_than_the_pool_is_refused_and_the_replica_serves_on() -
         assert last.error is not None and "pool holds 252 tokens" in last.error
         tokens, last = final(r.submit("short", list(range(10, 20)), max_tokens=3))
         assert last.error is None and tokens == expected_tokens(list(range(10, 20)), 3)
-        assert r.engine.num_live == 0 and r.downs == []
+        assert len(r.live) == 0 and r.downs == []

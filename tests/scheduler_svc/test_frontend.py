@@ -4,18 +4,24 @@ workers' heartbeats for seconds). A request its replica refuses ends as an inval
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.frontend import Frontend, PreparedRequest, PromptInput
-from scheduler_svc.request import FinishReason, RequestOutput, SamplingParams
+from scheduler_svc.live_requests import LiveRequests
+from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
 from scheduler_svc.tokenizer import ChatMessage, TextTokenizer
 from scheduler_svc.validation import InvalidRequest, Limits, RawSampling
 
 
 class NoCluster:
-    """What prepare() reads of the cluster."""
+    """What prepare() and make_request() read of the cluster."""
+
+    sched_config = SchedulerConfig()
+    model = SimpleNamespace(eos_token_ids=(2,))
 
     def max_kv_tokens(self) -> int | None:
         return None
@@ -40,7 +46,8 @@ class CountingTokenizer:
 
 
 def make_frontend(tokenizer: object, limits: Limits) -> Frontend:
-    return Frontend(NoCluster(), tokenizer, limits, max_live_requests=8)  # type: ignore[arg-type]
+    return Frontend(NoCluster(), LiveRequests(), tokenizer, limits,  # type: ignore[arg-type]
+                    max_live_requests=8)
 
 
 def test_oversized_text_is_refused_before_tokenizing() -> None:
@@ -105,24 +112,17 @@ def test_tokenizing_leaves_the_event_loop_free(tokenizer: TextTokenizer) -> None
 class RefusingCluster(NoCluster):
     """A replica took the request and refused it (say, longer than its KV pool)."""
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams, deadline: float,
-                     cache_salt: bytes = b"") -> object:
-        return request_id
+    def __init__(self, live: LiveRequests) -> None:
+        self.live = live
 
-    def dispatch(self, request_id: str, sink: Callable[[RequestOutput], None]) -> None:
-        sink(RequestOutput(request_id, [], "", [], FinishReason.ABORT,
-                           error="the pool holds 16 tokens", invalid=True))
-
-    def abort(self, request_id: str) -> bool:
-        return False
-
-    def forget(self, request_id: str) -> None:
-        pass
+    def dispatch(self, request: Request) -> None:
+        self.live.deliver([RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
+                                         error="the pool holds 16 tokens", invalid=True)])
 
 
 def test_a_request_the_replica_refuses_is_invalid() -> None:
-    frontend = Frontend(RefusingCluster(), CountingTokenizer(),  # type: ignore[arg-type]
+    live = LiveRequests()
+    frontend = Frontend(RefusingCluster(live), live, CountingTokenizer(),  # type: ignore[arg-type]
                         Limits("m", 100, 50), max_live_requests=8)
     prepared = PreparedRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))
 

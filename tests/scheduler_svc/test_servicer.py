@@ -13,6 +13,7 @@ import zmq
 
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.validation import InvalidRequest
@@ -43,7 +44,7 @@ def servicer(model_path: Path, tokenizer) -> Iterator[WorkerControlServicer]:  #
                           kvcache_address="tcp://127.0.0.1:9")
     sched = SchedulerConfig(block_size=16, max_num_seqs=48, max_num_batched_tokens=512,
                             chunked_prefill=False, max_model_len=4096)
-    cluster = Cluster(config, sched, load_model_config(model_path), tokenizer, ctx)
+    cluster = Cluster(config, sched, load_model_config(model_path), LiveRequests(), ctx)
     yield WorkerControlServicer(cluster)
     cluster.shutdown()
     ctx.destroy(linger=0)

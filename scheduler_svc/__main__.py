@@ -15,11 +15,12 @@ import sys
 
 import zmq
 
-from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.live_requests import LiveRequests
+from scheduler_svc.membership import Membership
 from scheduler_svc.metrics import SchedulerMetrics
+from scheduler_svc.router import Router
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
@@ -173,20 +174,23 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
 
     def readiness_changed() -> None:
         # Ready: a replica serves, kvcache_svc answers, and we are not draining.
-        ready = cluster.is_ready() and not frontend.draining
+        ready = membership.is_ready() and not frontend.draining
         asyncio.run_coroutine_threadsafe(health.set_ready(ready), loop)
 
     live = LiveRequests()
-    cluster = Cluster(config, sched, model, live, ctx, on_change=readiness_changed)
+    membership = Membership(config, sched, model, ctx, live.deliver, on_change=readiness_changed)
+    router = Router(membership, live, ctx)
+    membership.listen(router)
     metrics = SchedulerMetrics(served_name)
-    metrics.attach(cluster)
+    metrics.attach(membership, router)
     limits = Limits(served_name, model.vocab_size, max_model_len,
                     max_prompt_bytes=max_prompt_bytes)
-    frontend = Frontend(cluster, live, tokenizer, limits, max_live_requests=config.max_queue_len,
+    frontend = Frontend(router, tokenizer, limits, max_live_requests=config.max_queue_len,
                         replica_wait_s=config.replica_wait_s, metrics=metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, served_name), server)
-    control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(cluster), control)
+    control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(membership),
+                                                         control)
     try:
         port = bind(server, config.host, config.port)
         control_port = bind(control, config.control_host, config.control_port)
@@ -207,7 +211,8 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     await health.set_ready(False)
     await control_health.set_live()
     await control_health.set_ready(True)
-    cluster.start()
+    membership.start()
+    router.start()
     log.info("scheduler_svc serving %s as %r on %s:%d (dtype %s, tp %d, pp %d, prompts up to "
              "%d bytes); workers register on %s:%d", model.name, served_name, config.host,
              port, config.dtype, config.tp_size, config.pp_size, max_prompt_bytes,
@@ -226,7 +231,8 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     await health.shutdown()
     await server.stop(grace=1.0)
     await control.stop(grace=0.5)
-    cluster.shutdown()
+    router.shutdown()
+    membership.shutdown()
     frontend.close()
     ctx.destroy(linger=0)
     log.info("scheduler_svc stopped")

@@ -37,7 +37,7 @@ class ServerConfig:
     advertise_host: str = "127.0.0.1"     # how workers reach this host's ZMQ sockets
     kvcache_address: str = "tcp://127.0.0.1:50053"  # kvcache_svc plan socket
     dtype: str = "auto"                   # "float32", "bfloat16", or "auto": per replica, its
-                                          # first rank's preferred dtype (cluster.py)
+                                          # first rank's preferred dtype (membership.py)
     tp_size: int = 1
     pp_size: int = 1
     num_kv_blocks: int | None = None      # override of the measured block count

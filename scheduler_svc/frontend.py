@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.live_requests import DuplicateRequest, LiveRequests
+from scheduler_svc.live_requests import DuplicateRequest
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, SamplingParams
+from scheduler_svc.router import Router
 from scheduler_svc.tokenizer import ChatMessage, TemplateError, TextTokenizer
 from scheduler_svc.validation import (
     InvalidRequest,
@@ -106,12 +106,13 @@ class LoopPoster:
 
 
 class Frontend:
-    def __init__(self, cluster: Cluster, live: LiveRequests, tokenizer: TextTokenizer,
-                 limits: Limits, max_live_requests: int, replica_wait_s: float = 60.0,
+    def __init__(self, router: Router, tokenizer: TextTokenizer, limits: Limits,
+                 max_live_requests: int, replica_wait_s: float = 60.0,
                  metrics: SchedulerMetrics | None = None,
                  tokenizer_threads: int = TOKENIZER_THREADS) -> None:
-        self.cluster = cluster
-        self.live = live
+        self.router = router
+        self.membership = router.membership
+        self.live = router.live
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_live_requests = max_live_requests
@@ -172,7 +173,7 @@ class Frontend:
         # Again: another request may have taken the id while this one was tokenized.
         if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        limits = dataclasses.replace(self.limits, max_kv_tokens=self.cluster.max_kv_tokens())
+        limits = dataclasses.replace(self.limits, max_kv_tokens=self.membership.max_kv_tokens())
         validate_prompt(token_ids, limits)
         sampling = validate_sampling(raw, len(token_ids), limits)
         return PreparedRequest(request_id, token_ids, sampling, salt)
@@ -209,7 +210,7 @@ class Frontend:
         timer = RequestTimer(self.metrics)
         finished = False
         try:
-            self.cluster.dispatch(request)
+            self.router.dispatch(request)
             while True:
                 out = await outputs.get()
                 if out.error is not None:
@@ -232,9 +233,9 @@ class Frontend:
 
     def make_request(self, prepared: PreparedRequest, deadline: float) -> Request:
         """The scheduler's state for a prepared request, with its detokenizer."""
-        sc: SchedulerConfig = self.cluster.sched_config
+        sc: SchedulerConfig = self.membership.sched_config
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling,
-                          self.cluster.model.eos_token_ids, sc.max_model_len, sc.block_size,
+                          self.membership.model.eos_token_ids, sc.max_model_len, sc.block_size,
                           hash_blocks=sc.prefix_caching, cache_salt=prepared.cache_salt)
         request.detokenizer = IncrementalDetokenizer(
             self.tokenizer, prepared.prompt_token_ids, prepared.sampling.skip_special_tokens,

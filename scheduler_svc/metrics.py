@@ -31,7 +31,8 @@ from prometheus_client.registry import Collector
 from scheduler_svc.placement import ReplicaState
 
 if TYPE_CHECKING:
-    from scheduler_svc.cluster import Cluster
+    from scheduler_svc.membership import Membership
+    from scheduler_svc.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,8 @@ class SchedulerMetrics:
                               "(no replica by their deadline, ...).", labels,
                               registry=r).labels(model_name)
 
-    def attach(self, cluster: "Cluster") -> None:
-        self.registry.register(_ClusterCollector(cluster, self.model_name))
+    def attach(self, cluster: "Membership", router: "Router") -> None:
+        self.registry.register(_ClusterCollector(cluster, router, self.model_name))
 
     def finished(self, reason: str, num_prompt_tokens: int) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -137,8 +138,9 @@ class _ClusterCollector(Collector):
     """State read at scrape time. Engine fields are plain ints written by engine threads;
     a scrape may see one step's values mixed with the next's, which is fine for metrics."""
 
-    def __init__(self, cluster: "Cluster", model_name: str) -> None:
+    def __init__(self, cluster: "Membership", router: "Router", model_name: str) -> None:
         self.cluster = cluster
+        self.router = router
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
@@ -162,7 +164,7 @@ class _ClusterCollector(Collector):
             waiting += len(sched.waiting)
             used += sched.num_total_blocks - sched.num_free_blocks
             total += sched.num_total_blocks
-        waiting += self.cluster.live.num_parked
+        waiting += self.router.live.num_parked
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -185,7 +187,7 @@ class _ClusterCollector(Collector):
                       hits)
         yield counter("vllm:num_preemptions", "Requests preempted (recompute).", preemptions)
         yield counter("splitserve:num_migrations", "Requests moved off a lost replica.",
-                      self.cluster.num_migrations)
+                      self.router.num_migrations)
         yield gauge("splitserve:replicas_up", "Replicas ready to serve.", replicas_up)
         yield gauge("splitserve:kvcache_reachable", "1 if kvcache_svc answered the last probe.",
                     1.0 if self.cluster.kv_reachable else 0.0)

@@ -1,6 +1,6 @@
 """What a replica is made of: worker records, their placement as (pp_rank, tp_rank), the
-stage layer ranges, and the replica's rendezvous. Plain data and arithmetic; `Cluster`
-(cluster.py) decides who goes where and when a replica starts or goes down.
+stage layer ranges, and the replica's rendezvous. Plain data and arithmetic; `Membership`
+(membership.py) decides who goes where and when a replica starts or goes down.
 """
 
 import socket

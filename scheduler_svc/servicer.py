@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from scheduler_svc.cluster import Cluster
 from scheduler_svc.frontend import (
     Draining,
     Frontend,
@@ -17,6 +16,7 @@ from scheduler_svc.frontend import (
     QueueFull,
     RequestFailed,
 )
+from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.tokenizer import ChatMessage
@@ -155,14 +155,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model=self.served_name, architecture=m.architecture, vocab_size=m.vocab_size,
             max_model_len=m.max_model_len, num_layers=m.num_layers, hidden_size=m.hidden_size,
             num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-            dtype=self.frontend.cluster.served_dtype(),
+            dtype=self.frontend.membership.served_dtype(),
             eos_token_ids=list(m.eos_token_ids),
             has_chat_template=self.frontend.tokenizer.chat_template is not None,
             max_prompt_bytes=self.frontend.limits.max_prompt_bytes or 0)
 
     async def ServerInfo(self, request: generation_pb2.ServerInfoRequest,
                          context: grpc.aio.ServicerContext) -> generation_pb2.ServerInfoResponse:
-        cluster = self.frontend.cluster
+        cluster = self.frontend.membership
         sc = cluster.sched_config
         info = generation_pb2.ServerInfoResponse(
             model=self.served_name, max_num_seqs=sc.max_num_seqs,
@@ -194,28 +194,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 num_prompt += sched.num_prompt_tokens_admitted
                 num_cached += sched.num_cached_tokens_admitted
         info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0
-        info.num_migrations = cluster.num_migrations
-        info.num_parked = cluster.live.num_parked
+        info.num_migrations = self.frontend.router.num_migrations
+        info.num_parked = self.frontend.live.num_parked
         info.kvcache_reachable = cluster.kv_reachable
         return info
 
 
 class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
 
     async def Register(self, request: control_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> control_pb2.RegisterResponse:
         if (problem := future_epoch(request.epoch)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker {problem}")
         try:
-            p = self.cluster.register(request.worker_id, request.epoch, request.device,
+            p = self.membership.register(request.worker_id, request.epoch, request.device,
                                       request.memory_bytes, request.step_address, request.model,
                                       request.preferred_dtype, request.cpu_level,
                                       request.device_uuid)
         except RegistrationError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        sc = self.cluster.sched_config
+        sc = self.membership.sched_config
         return control_pb2.RegisterResponse(
             replica_id=p.replica_id, pp_rank=p.pp_rank, tp_rank=p.tp_rank, pp_size=p.pp_size,
             tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
@@ -229,7 +229,7 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
     async def ReportCapacity(self, request: control_pb2.CapacityReport,
                              context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:
         try:
-            self.cluster.report_capacity(request.worker_id, request.epoch, request.num_kv_blocks)
+            self.membership.report_capacity(request.worker_id, request.epoch, request.num_kv_blocks)
         except RegistrationError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return control_pb2.CapacityAck()
@@ -237,4 +237,4 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
     async def Heartbeat(self, request: control_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.HeartbeatResponse:
         return control_pb2.HeartbeatResponse(
-            known=self.cluster.heartbeat(request.worker_id, request.epoch))
+            known=self.membership.heartbeat(request.worker_id, request.epoch))

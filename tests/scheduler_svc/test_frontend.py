@@ -17,14 +17,20 @@ from scheduler_svc.tokenizer import ChatMessage, TextTokenizer
 from scheduler_svc.validation import InvalidRequest, Limits, RawSampling
 
 
-class NoCluster:
-    """What prepare() and make_request() read of the cluster."""
+class NoMembership:
+    """What prepare() and make_request() read of membership."""
 
     sched_config = SchedulerConfig()
     model = SimpleNamespace(eos_token_ids=(2,))
 
     def max_kv_tokens(self) -> int | None:
         return None
+
+
+class NoRouter:
+    def __init__(self) -> None:
+        self.membership = NoMembership()
+        self.live = LiveRequests()
 
 
 class CountingTokenizer:
@@ -46,8 +52,7 @@ class CountingTokenizer:
 
 
 def make_frontend(tokenizer: object, limits: Limits) -> Frontend:
-    return Frontend(NoCluster(), LiveRequests(), tokenizer, limits,  # type: ignore[arg-type]
-                    max_live_requests=8)
+    return Frontend(NoRouter(), tokenizer, limits, max_live_requests=8)  # type: ignore[arg-type]
 
 
 def test_oversized_text_is_refused_before_tokenizing() -> None:
@@ -109,11 +114,8 @@ def test_tokenizing_leaves_the_event_loop_free(tokenizer: TextTokenizer) -> None
     assert max(lags) < took / 4, f"the loop stalled {max(lags):.2f}s of {took:.2f}s"
 
 
-class RefusingCluster(NoCluster):
+class RefusingRouter(NoRouter):
     """A replica took the request and refused it (say, longer than its KV pool)."""
-
-    def __init__(self, live: LiveRequests) -> None:
-        self.live = live
 
     def dispatch(self, request: Request) -> None:
         self.live.deliver([RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
@@ -121,8 +123,7 @@ class RefusingCluster(NoCluster):
 
 
 def test_a_request_the_replica_refuses_is_invalid() -> None:
-    live = LiveRequests()
-    frontend = Frontend(RefusingCluster(live), live, CountingTokenizer(),  # type: ignore[arg-type]
+    frontend = Frontend(RefusingRouter(), CountingTokenizer(),  # type: ignore[arg-type]
                         Limits("m", 100, 50), max_live_requests=8)
     prepared = PreparedRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))
 

@@ -11,9 +11,8 @@ import grpc
 import pytest
 import zmq
 
-from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.live_requests import LiveRequests
+from scheduler_svc.membership import Membership
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.validation import InvalidRequest
@@ -44,7 +43,7 @@ def servicer(model_path: Path, tokenizer) -> Iterator[WorkerControlServicer]:  #
                           kvcache_address="tcp://127.0.0.1:9")
     sched = SchedulerConfig(block_size=16, max_num_seqs=48, max_num_batched_tokens=512,
                             chunked_prefill=False, max_model_len=4096)
-    cluster = Cluster(config, sched, load_model_config(model_path), LiveRequests(), ctx)
+    cluster = Membership(config, sched, load_model_config(model_path), ctx, lambda out: None)
     yield WorkerControlServicer(cluster)
     cluster.shutdown()
     ctx.destroy(linger=0)
@@ -64,7 +63,7 @@ def test_register_answers_the_step_limits(servicer: WorkerControlServicer) -> No
     assert placement.max_num_seqs == 48
     # Chunked prefill is off: a whole prompt up to the context length can be one step.
     assert placement.max_num_batched_tokens == 4096
-    assert servicer.cluster.workers["w0"].device_uuid == GPU
+    assert servicer.membership.workers["w0"].device_uuid == GPU
 
 
 def test_a_gpu_held_by_another_worker_is_a_failed_precondition(
@@ -83,7 +82,7 @@ def test_an_epoch_from_the_far_future_is_refused(servicer: WorkerControlServicer
         register(servicer, "w0", GPU, epoch=2**63 - 1)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than a day ahead" in refused.value.details
-    assert servicer.cluster.workers["w0"].epoch == 1
+    assert servicer.membership.workers["w0"].epoch == 1
 
 
 class RefusingFrontend:

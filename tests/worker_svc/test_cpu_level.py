@@ -49,7 +49,7 @@ def test_native_bf16_only_at_the_bf16_level() -> None:
     ("cuda", CpuLevel.AVX2, "bfloat16"), ("cuda:1", CpuLevel.NONE, "bfloat16"),
 ])
 def test_the_dtype_a_worker_prefers(device: str, level: CpuLevel, preferred: str) -> None:
-    # What --dtype auto becomes: the replica takes its first rank's preference (test_cluster.py;
+    # What --dtype auto becomes: the replica takes its first rank's preference (test_membership.py;
     # end to end in tests/e2e/test_cpu_levels.py at this CPU's level).
     config = WorkerConfig(
         scheduler_address="localhost:1", model_path="m.gguf", host="127.0.0.1",

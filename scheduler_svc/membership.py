@@ -1,33 +1,32 @@
-"""Workers, replicas and routing: who is registered, how ranks form replicas, where a
-request runs, and what happens when a worker or kvcache_svc is lost.
+"""Cluster membership: who is registered, how ranks form replicas, and what happens when a
+worker or kvcache_svc is lost. Where requests run is router.py's job; membership tells it
+about replicas through `ReplicaListener` and never reads a request.
 
 A worker registers (id, epoch, device, memory, step address) and is placed in the replica
 being formed as the next free (pp_rank, tp_rank). After loading its shard it reports how many
 KV blocks fit its own layers; when every rank has reported, the replica uses the minimum (or
 the `--num-kv-blocks` override), and its `ReplicaEngine` brings the pool and caches up.
-(The records and the layer/rendezvous arithmetic live in placement.py.)
-
-Requests are dispatched to a ready replica by a score blending the prefix kvcache_svc holds
-for them there with the replica's load (`route`). With no ready replica they are parked
-and dispatched when one becomes ready, or fail (UNAVAILABLE) at their deadline.
+(The records and the layer/rendezvous arithmetic live in placement.py.) When a replica is
+ready, the listener hears `replica_ready`.
 
 A monitor thread checks heartbeats: a worker silent for `--heartbeat-timeout` takes its
-replica down; the engine hands its live requests back and they are dispatched again
-(migration). A worker registering again with a newer epoch is a new member (its old replica
-goes down); an older or equal epoch is refused. The monitor also probes kvcache_svc, which
-with a ready replica decides readiness. One GPU, one worker: see placement.gpu_holder.
+replica down; its engine stops and the listener gets its live requests (`replica_down`) to
+place again (migration). A worker registering again with a newer epoch is a new member (its
+old replica goes down); an older or equal epoch is refused. The monitor also probes
+kvcache_svc, which with a ready replica decides readiness. One GPU, one worker: see
+placement.gpu_holder.
 """
 
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.engine import EngineConfig, ReplicaEngine
-from scheduler_svc.live_requests import LiveRequests
+from scheduler_svc.engine import EngineConfig, OnOutputs, ReplicaEngine
 from scheduler_svc.placement import (
     GONE_STATES,
     Placement,
@@ -54,33 +53,41 @@ log = logging.getLogger(__name__)
 MAX_DOWN_REPLICAS = 16     # down replicas kept for ServerInfo (their sockets closed)
 MONITOR_INTERVAL_S = 0.5
 KV_PROBE_TIMEOUT_MS = 1000
-ROUTE_QUERY_TIMEOUT_MS = 100  # the prefix query is on the request path: never wait long
 
 
-class Cluster:
+class ReplicaListener(Protocol):
+    """Who places requests (the router): told when replicas come and go."""
+
+    def replica_ready(self) -> None: ...
+
+    def replica_down(self, engine: ReplicaEngine, orphans: list[Request]) -> None: ...
+
+
+class Membership:
     def __init__(self, config: ServerConfig, sched_config: SchedulerConfig, model: ModelConfig,
-                 live: LiveRequests, ctx: zmq.Context,
+                 ctx: zmq.Context, on_outputs: OnOutputs,
                  on_change: Callable[[], None] = lambda: None) -> None:
+        """`on_outputs`: where every engine delivers its requests' outputs."""
         self.config = config
         self.sched_config = sched_config
         self.model = model
-        self.live = live
         self.ctx = ctx
+        self._on_outputs = on_outputs
+        self._listeners: list[ReplicaListener] = []
         self.on_change = on_change      # readiness may have changed (called from any thread)
         self._lock = threading.RLock()
         self.replicas: dict[int, Replica] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self._next_replica_id = 0
         self._layer_ranges = split_layers(model.num_layers, config.pp_size)
-        self.num_migrations = 0
         self.epoch = time.time_ns()     # this instance; kvcache_svc drops older ones' pools
         self.kv_reachable = False       # set by the monitor's probe
-        self._route_lock = threading.Lock()
-        self._route_kv: RequestClient[FromKvCache] = RequestClient(
-            ctx, Codec(FromKvCache), config.kvcache_address)
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="cluster-monitor",
                                          daemon=True)
+
+    def listen(self, listener: ReplicaListener) -> None:
+        self._listeners.append(listener)
 
     def start(self) -> None:
         self._monitor.start()
@@ -191,7 +198,7 @@ class Cluster:
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
         replica.engine = ReplicaEngine(engine_config, self.ctx, addresses, replica.outputs,
-                                       self.live.deliver, self._on_engine_down,
+                                       self._on_outputs, self._on_engine_down,
                                        on_kv_change=self.on_change)
         replica.state = ReplicaState.STARTING
         replica.engine.start()
@@ -207,7 +214,8 @@ class Cluster:
             if replica.state == ReplicaState.STARTING:
                 replica.state = ReplicaState.READY
         self.on_change()
-        self._dispatch_parked()
+        for listener in self._listeners:
+            listener.replica_ready()
 
     def heartbeat(self, worker_id: str, epoch: int) -> bool:
         with self._lock:
@@ -233,14 +241,8 @@ class Cluster:
             self._retire_locked(replica_id)       # its engine no longer reads the socket
         self.on_change()
         assert engine is not None
-        for request in orphans:
-            if not self.live.unplace(request.request_id, engine):
-                continue   # the client went away meanwhile
-            with self._lock:
-                self.num_migrations += 1
-            log.info("request %s (%d tokens out) moves off replica %d", request.request_id,
-                     request.num_output_tokens, replica_id)
-            self.dispatch(request)
+        for listener in self._listeners:
+            listener.replica_down(engine, orphans)
 
     def _replica_lost_locked(self, replica_id: int, reason: str) -> None:
         """Take a replica down; its engine (if any) stops and hands its requests back."""
@@ -282,57 +284,6 @@ class Cluster:
         """Readiness: a replica can serve and kvcache_svc answers."""
         return self.kv_reachable and bool(self.ready_replicas())
 
-    # ------------------------------------------------------------------ requests
-
-    def dispatch(self, request: Request) -> None:
-        """Run a live request (in `self.live`, parked) on the best ready replica, or leave it
-        parked until one is ready."""
-        while True:
-            engine = self.route(request)
-            if engine is None or not self.live.place(request.request_id, engine):
-                return   # stays parked; or it is gone, or another thread placed it
-            if engine.submit(request):
-                return
-            # That replica went down between routing and submitting: park, route again.
-            if not self.live.unplace(request.request_id, engine):
-                return
-
-    def route(self, request: Request) -> ReplicaEngine | None:
-        """The ready replica with the best score = cached prefix tokens there -
-        `route_tokens_per_request` x its live requests. Every live request counts as that
-        many tokens of work, so a prompt goes where its prefix is cached unless that replica
-        is busier by more than (cached tokens / route_tokens_per_request) requests; with no
-        cache anywhere it goes to the least loaded."""
-        ready = self.ready_replicas()
-        if not ready:
-            return None
-        cached: dict[int, int] = {}
-        if len(ready) > 1 and request.block_hashes and self.kv_reachable:
-            cached = self._cached_blocks(request.block_hashes)
-        block_size = self.sched_config.block_size
-        weight = self.config.route_tokens_per_request
-
-        def score(r: Replica) -> tuple[float, int]:
-            assert r.engine is not None
-            hit = min(cached.get(r.replica_id, 0) * block_size, request.num_tokens - 1)
-            return (hit - weight * self.live.num_on(r.replica_id), -r.replica_id)
-
-        return max(ready, key=score).engine
-
-    def _cached_blocks(self, block_hashes: list[bytes]) -> dict[int, int]:
-        with self._route_lock:
-            reply = self._route_kv.call(PrefixQuery(block_hashes=block_hashes),
-                                        timeout_ms=ROUTE_QUERY_TIMEOUT_MS)
-        if not isinstance(reply, PrefixReply):
-            return {}
-        return {r.replica_id: r.num_cached_blocks for r in reply.replicas}
-
-    def _dispatch_parked(self) -> None:
-        if not self.live.num_parked or not self.ready_replicas():
-            return
-        for request in self.live.parked():
-            self.dispatch(request)
-
     # ------------------------------------------------------------------ monitor
 
     def _monitor_loop(self) -> None:
@@ -343,8 +294,6 @@ class Cluster:
                 try:
                     self._check_heartbeats()
                     self._probe_kvcache(probe)
-                    self._expire_parked()
-                    self._dispatch_parked()
                 except Exception:  # never let the monitor die
                     log.exception("cluster monitor pass failed")
         finally:
@@ -374,9 +323,6 @@ class Cluster:
             self.kv_reachable = reachable
             self.on_change()
 
-    def _expire_parked(self) -> None:
-        self.live.expire_parked(time.monotonic())
-
     def max_kv_tokens(self) -> int | None:
         """Tokens one request can hold on the smallest replica that served, or that will: with
         --num-kv-blocks every replica that starts has exactly that many blocks, so requests
@@ -391,7 +337,6 @@ class Cluster:
         self._stop.set()
         if self._monitor.is_alive():
             self._monitor.join(timeout=5)
-        self._route_kv.close()
         for replica in list(self.replicas.values()):
             if replica.engine is not None:
                 replica.engine.stop()

@@ -1,20 +1,18 @@
-"""The cluster: placement (contiguous stage ranges, uneven splits), routing, parking,
-heartbeat loss and epochs, with fake engines (the e2e tests run the real ones); a replica
-whose workers cannot hold its KV pool is refused before it starts."""
+"""Membership: placement (contiguous stage ranges, uneven splits), heartbeat loss and epochs,
+with fake engines (the e2e tests run the real ones); a replica whose workers cannot hold its
+KV pool is refused before it starts. Routing is tests/scheduler_svc/test_router.py."""
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
-from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.live_requests import LiveRequests
+from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError, Replica, rendezvous_address, split_layers
-from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from services.model_config import load_model_config
+from tests.scheduler_svc.fakes import FakeEngine
 
 
 @pytest.mark.parametrize("num_layers, pp, expected", [
@@ -35,122 +33,23 @@ def test_rendezvous_on_rank0_host() -> None:
     assert address.startswith("tcp://10.1.2.3:") and int(address.rsplit(":", 1)[1]) > 0
 
 
-# ---------------------------------------------------------------- routing, parking, liveness
-
-
-class FakeEngine:
-    """What the cluster reads of a ReplicaEngine, and what it calls."""
-
-    def __init__(self, replica_id: int) -> None:
-        self.replica_id = replica_id
-        self.kv_ok = True
-        self.submitted: list[str] = []
-        self.failed_over: str | None = None
-        self.accepts = True
-
-    def submit(self, request) -> bool:  # type: ignore[no-untyped-def]
-        if not self.accepts:
-            return False
-        self.submitted.append(request.request_id)
-        return True
-
-    def fail_over(self, reason: str) -> None:
-        self.failed_over = reason
-
-    def stop(self) -> None:
-        pass
-
-
-class NoSocket:
-    def close(self) -> None:
-        pass
+# ---------------------------------------------------------------- liveness
 
 
 @pytest.fixture
-def cluster(model_path: Path, tokenizer) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+def cluster(model_path: Path, tokenizer) -> Iterator[Membership]:  # type: ignore[no-untyped-def]
     ctx = zmq.Context()
     config = ServerConfig(model_path=str(model_path), model_name="",
                           kvcache_address="tcp://127.0.0.1:9", heartbeat_timeout_s=0.5)
-    c = Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                LiveRequests(), ctx)
+    c = Membership(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                   ctx, lambda outputs: None)
     c.kv_reachable = True
     yield c
     c.shutdown()
     ctx.destroy(linger=0)
 
 
-def add_replica(cluster: Cluster, engine: FakeEngine) -> None:
-    replica_id = engine.replica_id
-    replica = Replica(replica_id, 1, NoSocket())  # type: ignore[arg-type]
-    replica.engine = engine  # type: ignore[assignment]
-    replica.state = "ready"
-    cluster.replicas[replica_id] = replica
-
-
-def request(request_id: str, num_tokens: int, deadline: float = 1e12) -> Request:
-    r = Request(request_id, list(range(100, 100 + num_tokens)),
-                SamplingParams(temperature=0.0, max_tokens=4), (2,), 4096, 16, hash_blocks=True)
-    r.deadline = deadline
-    return r
-
-
-def submitted(cluster: Cluster, r: Request,
-              outputs: list[RequestOutput] | None = None) -> Request:
-    """`r` live (as the frontend adds it), then dispatched."""
-    cluster.live.add(r, (outputs if outputs is not None else []).append)
-    cluster.dispatch(r)
-    return r
-
-
-def test_route_prefers_the_cached_prefix_unless_much_busier(cluster: Cluster) -> None:
-    a, b = FakeEngine(0), FakeEngine(1)
-    add_replica(cluster, a)
-    add_replica(cluster, b)
-    load = {0: 3, 1: 0}
-    cluster.live.num_on = load.__getitem__  # type: ignore[method-assign]
-    cluster._cached_blocks = lambda hashes: {0: 20}  # type: ignore[method-assign]
-    # 320 cached tokens on replica 0 outweigh 3 more live requests (3 x 64 tokens).
-    assert cluster.route(request("r1", 400)) is a
-    load[0] = 6                                       # 6 x 64 > 320: now it is too busy
-    assert cluster.route(request("r2", 400)) is b
-    cluster._cached_blocks = lambda hashes: {}  # type: ignore[method-assign]
-    load[0], load[1] = 1, 2                           # nothing cached: least loaded
-    assert cluster.route(request("r3", 400)) is a
-    a.kv_ok = False                                   # its pool is being re-created
-    assert cluster.route(request("r4", 400)) is b
-
-
-def test_parked_until_a_replica_is_ready_or_the_deadline(cluster: Cluster) -> None:
-    outputs: list[RequestOutput] = []
-    submitted(cluster, request("late", 8), outputs)
-    submitted(cluster, request("soon", 8, deadline=time.monotonic() - 1), outputs)
-    assert cluster.live.num_parked == 2
-    cluster._expire_parked()
-    assert [o.request_id for o in outputs] == ["soon"] and "deadline" in (outputs[0].error or "")
-    engine = FakeEngine(0)
-    add_replica(cluster, engine)
-    cluster._dispatch_parked()
-    assert engine.submitted == ["late"] and cluster.live.num_parked == 0
-    assert cluster.live.num_on(0) == 1
-
-
-def test_dispatch_retries_when_the_engine_went_down_meanwhile(cluster: Cluster) -> None:
-    dying, healthy = FakeEngine(0), FakeEngine(1)
-    dying.accepts = False
-    add_replica(cluster, dying)
-    add_replica(cluster, healthy)
-
-    def down(*_: object) -> None:   # submit refused: the replica is no longer ready
-        cluster.replicas[0].state = "down"
-        dying.submitted.append("refused")
-
-    dying.submit = lambda r: (down(), False)[1]  # type: ignore[method-assign]
-    submitted(cluster, request("r", 8))
-    assert healthy.submitted == ["r"] and dying.submitted == ["refused"]
-    assert cluster.live.num_on(0) == 0 and cluster.live.num_on(1) == 1
-
-
-def test_silent_worker_takes_its_replica_down(cluster: Cluster) -> None:
+def test_silent_worker_takes_its_replica_down(cluster: Membership) -> None:
     placement = cluster.register("w0", epoch=5, device="cpu", memory_bytes=1,
                                  step_address="tcp://127.0.0.1:9", model="")
     replica = cluster.replicas[placement.replica_id]
@@ -173,11 +72,11 @@ def test_silent_worker_takes_its_replica_down(cluster: Cluster) -> None:
 
 
 def _cluster_with(model_path: Path, tokenizer, dtype: str, tp: int  # type: ignore[no-untyped-def]
-                  ) -> Cluster:
+                  ) -> Membership:
     config = ServerConfig(model_path=str(model_path), model_name="", dtype=dtype, tp_size=tp,
                           kvcache_address="tcp://127.0.0.1:9")
-    return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                   LiveRequests(), zmq.Context.instance())
+    return Membership(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                      zmq.Context.instance(), lambda outputs: None)
 
 
 def test_dtype_auto_takes_each_replicas_first_rank_choice(model_path: Path,
@@ -278,14 +177,14 @@ def test_the_gpu_frees_when_its_worker_is_down_or_itself_again(model_path: Path,
 
 
 def _sized_cluster(model_path: Path, tokenizer, tp: int,  # type: ignore[no-untyped-def]
-                   num_kv_blocks: int | None) -> Cluster:
+                   num_kv_blocks: int | None) -> Membership:
     config = ServerConfig(model_path=str(model_path), model_name="", tp_size=tp,
                           num_kv_blocks=num_kv_blocks, kvcache_address="tcp://127.0.0.1:9")
-    return Cluster(config, SchedulerConfig(block_size=16), load_model_config(model_path),
-                   LiveRequests(), zmq.Context.instance())
+    return Membership(config, SchedulerConfig(block_size=16), load_model_config(model_path),
+                      zmq.Context.instance(), lambda outputs: None)
 
 
-def _report(cluster: Cluster, blocks: dict[str, int]) -> Replica:
+def _report(cluster: Membership, blocks: dict[str, int]) -> Replica:
     for worker_id in blocks:
         cluster.register(worker_id, 1, "cpu", 1, "tcp://127.0.0.1:9", "")
     for worker_id, num_blocks in blocks.items():
@@ -328,10 +227,10 @@ def test_a_budget_under_two_blocks_is_refused(
         cluster.shutdown()
 
 
-def test_down_replicas_close_their_sockets_and_are_not_kept_forever(cluster: Cluster) -> None:
+def test_down_replicas_close_their_sockets_and_are_not_kept_forever(cluster: Membership) -> None:
     # 40 one-rank replicas come and go (a stream of registrations, or churn): each down
     # replica's output socket closes at once, and only the last MAX_DOWN_REPLICAS stay listed.
-    from scheduler_svc.cluster import MAX_DOWN_REPLICAS
+    from scheduler_svc.membership import MAX_DOWN_REPLICAS
 
     sockets = []
     for i in range(40):

@@ -22,6 +22,7 @@ from scheduler_svc.membership import Membership
 from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.router import Router
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
+from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
 from services import cluster_token
@@ -182,7 +183,7 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     router = Router(membership, live, ctx)
     membership.listen(router)
     metrics = SchedulerMetrics(served_name)
-    metrics.attach(membership, router)
+    metrics.attach(lambda: cluster_stats(membership, router))
     limits = Limits(served_name, model.vocab_size, max_model_len,
                     max_prompt_bytes=max_prompt_bytes)
     frontend = Frontend(router, tokenizer, limits, max_live_requests=config.max_queue_len,

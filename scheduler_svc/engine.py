@@ -38,26 +38,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine_transport import Connect, EngineTransport
 from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.stats import EngineStats
 from scheduler_svc.step_window import STEP_LOG_INTERVAL, StepWindow
-from services.channels import Receiver, RequestClient, Sender
-from services.codec import Codec
 from services.wire import (
     CacheReady,
     ConfigurePool,
     DropPool,
-    FromKvCache,
-    FromWorker,
     InitCache,
     KvAck,
     PlanReply,
     StepError,
     StepOutput,
-    ToWorker,
     WorkerFailure,
 )
 
@@ -80,7 +75,6 @@ class EngineConfig:
     replica_id: int
     scheduler: SchedulerConfig
     num_kv_blocks: int                 # including the null block 0
-    kvcache_address: str
     kv_timeout_s: float
     step_timeout_s: float
     ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
@@ -100,9 +94,10 @@ class _Abort:
 
 
 class ReplicaEngine:
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, step_addresses: list[str],
-                 outputs: Receiver[FromWorker], on_outputs: OnOutputs, on_down: OnDown,
-                 on_kv_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, config: EngineConfig, connect: Connect, on_outputs: OnOutputs,
+                 on_down: OnDown, on_kv_change: Callable[[], None] = lambda: None) -> None:
+        """`connect` makes the engine's transport (on the engine's thread); `on_outputs`
+        delivers its requests' outputs; `on_down` takes its live requests when it stops."""
         self.config = config
         self.scheduler = Scheduler(config.scheduler, config.replica_id,
                                    ship_sampled_tokens=config.ship_sampled_tokens,
@@ -111,9 +106,7 @@ class ReplicaEngine:
         self._depth = 2 if config.async_scheduling else config.max_batches_in_flight
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
         self.scheduler.set_capacity(config.num_kv_blocks)
-        self._ctx = ctx
-        self._step_addresses = step_addresses
-        self._outputs = outputs
+        self._connect = connect
         self._on_outputs = on_outputs
         self._on_down = on_down
         self._on_kv_change = on_kv_change
@@ -133,6 +126,7 @@ class ReplicaEngine:
         self.num_steps = 0
         self.forward_gap_ms_total = 0.0   # sum of StepTimings.gap_ms (ServerInfo)
         self.num_forward_gaps = 0
+        self._stats = self._snapshot()
         self._window = StepWindow()
 
     # ---------------------------------------------------------------- called from other threads
@@ -158,6 +152,10 @@ class ReplicaEngine:
             self._commands.put(_Add(request))
             return True
 
+    def stats(self) -> EngineStats:
+        """The latest snapshot, published by the engine's thread (any thread may call)."""
+        return self._stats
+
     def fail_over(self, reason: str) -> None:
         """A rank of this replica is gone: stop and hand the live requests back."""
         if self._down_reason is None:
@@ -170,35 +168,45 @@ class ReplicaEngine:
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
-        kv: RequestClient[FromKvCache] = RequestClient(self._ctx, Codec(FromKvCache),
-                                                       self.config.kvcache_address)
-        senders = [Sender(self._ctx, Codec(ToWorker), addr) for addr in self._step_addresses]
+        io = self._connect()
         try:
-            self._bring_up(kv, senders)
+            self._bring_up(io)
             self.ready.set()
             while not self._stopping:
+                self._stats = self._snapshot()
                 self._check_down()
                 if not self.kv_ok or self._reset_pool:
-                    self._recover_kv(kv)
+                    self._recover_kv(io)
                     continue
                 self._take_commands(block=not self.scheduler.has_work() and not self._in_flight)
-                self._step(kv, senders)
+                self._step(io)
         except EngineError as exc:
             log.error("replica %d down: %s", self.config.replica_id, exc)
-            self._go_down(kv, str(exc))
+            self._go_down(io, str(exc))
         except Exception as exc:  # a bug: fail loudly, never leave clients hanging
             log.exception("replica %d engine crashed", self.config.replica_id)
-            self._go_down(kv, f"internal error: {exc}")
+            self._go_down(io, f"internal error: {exc}")
         finally:
-            kv.close()
-            for sender in senders:
-                sender.close()
+            io.close()
+
+    def _snapshot(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            num_kv_blocks=self.config.num_kv_blocks, num_usable_blocks=sched.num_total_blocks,
+            num_free_blocks=sched.num_free_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            num_kv_recoveries=self.num_kv_recoveries, kv_ok=self.kv_ok,
+            forward_gap_ms_total=self.forward_gap_ms_total,
+            num_forward_gaps=self.num_forward_gaps,
+            num_prompt_tokens_admitted=sched.num_prompt_tokens_admitted,
+            num_cached_tokens_admitted=sched.num_cached_tokens_admitted)
 
     def _check_down(self) -> None:
         if self._down_reason is not None:
             raise EngineError(self._down_reason)
 
-    def _go_down(self, kv: RequestClient[FromKvCache], reason: str) -> None:
+    def _go_down(self, io: EngineTransport, reason: str) -> None:
         """Drops the replica's pool and prefix index in kvcache_svc (its blocks describe KV
         that no longer exists) and hands every live request back to the cluster, reset to
         run again from its prompt + tokens so far (nothing is lost silently)."""
@@ -215,7 +223,7 @@ class ReplicaEngine:
             if isinstance(command, _Add):
                 orphans.append(command.request)
         if self.kv_ok:
-            kv.call(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
+            io.call_kv(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
         self._on_down(self.config.replica_id, reason, orphans)
 
     def _configure_pool(self) -> ConfigurePool:
@@ -225,20 +233,19 @@ class ReplicaEngine:
                              enable_prefix_caching=cfg.scheduler.prefix_caching,
                              scheduler_epoch=cfg.scheduler_epoch)
 
-    def _bring_up(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
+    def _bring_up(self, io: EngineTransport) -> None:
         cfg = self.config
-        ack = kv.call(self._configure_pool(), timeout_ms=int(cfg.kv_timeout_s * 1000))
+        ack = io.call_kv(self._configure_pool(), timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
         self.kv_epoch = ack.epoch
-        init = InitCache(num_blocks=cfg.num_kv_blocks, block_size=cfg.scheduler.block_size)
-        for sender in senders:
-            sender.send(init)
+        io.send_to_ranks(InitCache(num_blocks=cfg.num_kv_blocks,
+                                   block_size=cfg.scheduler.block_size))
         ready = 0
         deadline = time.monotonic() + cfg.step_timeout_s
-        while ready < len(senders):
+        while ready < io.num_ranks:
             self._check_down()
-            msg = self._outputs.recv(timeout_ms=int(POLL_S * 1000))
+            msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
             if msg is None:
                 if time.monotonic() > deadline:
                     raise EngineError("workers did not allocate their KV cache in time")
@@ -276,26 +283,26 @@ class ReplicaEngine:
             if final is not None:
                 self._on_outputs([final])
 
-    def _step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> None:
+    def _step(self, io: EngineTransport) -> None:
         """Sends a new step while the queue has room and something can run; otherwise
         applies the oldest step's output (outputs come back in step order)."""
         sent = False
         if len(self._in_flight) < self._depth and self.scheduler.has_schedulable():
-            sent = self._send_step(kv, senders)
+            sent = self._send_step(io)
             if sent and len(self._in_flight) < self._depth:
                 return  # fill the queue before waiting
         if self._in_flight:
-            self._receive_oldest()
+            self._receive_oldest(io)
         elif not sent:
             # Nothing fit (the free-block estimate was off; the next plan starts from
             # kvcache_svc's exact count), or the plan only freed blocks (the scheduler has
             # nothing left to send then, and the run loop blocks): wait briefly for news.
             self._take_commands_timeout(0.002)
 
-    def _send_step(self, kv: RequestClient[FromKvCache], senders: list[Sender]) -> bool:
+    def _send_step(self, io: EngineTransport) -> bool:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        reply = kv.call(plan, timeout_ms=int(self.config.kv_timeout_s * 1000))
+        reply = io.call_kv(plan, timeout_ms=int(self.config.kv_timeout_s * 1000))
         if not isinstance(reply, PlanReply) or reply.epoch != self.kv_epoch:
             # Unreachable, or a restarted instance that does not have our pool: nothing of
             # this plan happened; recover before the next one.
@@ -309,14 +316,13 @@ class ReplicaEngine:
         step = self.scheduler.apply_plan(reply)
         if step is None:
             return False
-        for sender in senders:
-            sender.send(step)
+        io.send_to_ranks(step)
         self._in_flight.append((step.step_id, started, time.perf_counter()))
         return True
 
-    def _receive_oldest(self) -> None:
+    def _receive_oldest(self, io: EngineTransport) -> None:
         step_id, started, sent = self._in_flight.popleft()
-        output = self._wait_output(step_id)
+        output = self._wait_output(io, step_id)
         received = time.perf_counter()
         self.num_steps += 1
         if output.error is not None:
@@ -352,11 +358,11 @@ class ReplicaEngine:
             return
         self._apply_command(command)
 
-    def _wait_output(self, step_id: int) -> StepOutput:
+    def _wait_output(self, io: EngineTransport, step_id: int) -> StepOutput:
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             self._check_down()
-            msg = self._outputs.recv(timeout_ms=int(POLL_S * 1000))
+            msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
             if msg is None:
                 if time.monotonic() > deadline:
                     raise EngineError(f"no output for step {step_id} within "
@@ -382,20 +388,20 @@ class ReplicaEngine:
             self.kv_ok = ok
             self._on_kv_change()
 
-    def _recover_kv(self, kv: RequestClient[FromKvCache]) -> None:
+    def _recover_kv(self, io: EngineTransport) -> None:
         """kvcache_svc lost our pool, or its prefix index may name blocks without KV (a
         failed step): let the steps in flight finish (their KV is on the workers and their
         tokens are good), preempt every request (recompute; the workers drop their state with
         the next step), and re-create the pool once kvcache_svc answers. Requests keep
         arriving meanwhile; none is admitted until then."""
         while self._in_flight:
-            self._receive_oldest()
+            self._receive_oldest(io)
         self.scheduler.preempt_all()
         cfg = self.config
         configure = self._configure_pool()
         while not self._stopping:
             self._check_down()
-            ack = kv.call(configure, timeout_ms=int(KV_RETRY_S * 1000))
+            ack = io.call_kv(configure, timeout_ms=int(KV_RETRY_S * 1000))
             if isinstance(ack, KvAck) and ack.error is None:
                 self.kv_epoch = ack.epoch
                 self.num_kv_recoveries += 1

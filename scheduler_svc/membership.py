@@ -27,6 +27,7 @@ import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.engine import EngineConfig, OnOutputs, ReplicaEngine
+from scheduler_svc.engine_transport import ZmqTransport
 from scheduler_svc.placement import (
     GONE_STATES,
     Placement,
@@ -190,16 +191,20 @@ class Membership:
                  " (--num-kv-blocks)" if self.config.num_kv_blocks else " (minimum)")
         engine_config = EngineConfig(
             replica_id=replica.replica_id, scheduler=self.sched_config, num_kv_blocks=num_blocks,
-            kvcache_address=self.config.kvcache_address, kv_timeout_s=self.config.kv_timeout_s,
+            kv_timeout_s=self.config.kv_timeout_s,
             step_timeout_s=self.config.step_timeout_s,
             ship_sampled_tokens=self.config.pp_size > 1,
             max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size,
             async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch)
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
-        replica.engine = ReplicaEngine(engine_config, self.ctx, addresses, replica.outputs,
-                                       self._on_outputs, self._on_engine_down,
-                                       on_kv_change=self.on_change)
+        outputs, kvcache_address = replica.outputs, self.config.kvcache_address
+
+        def connect() -> ZmqTransport:
+            return ZmqTransport(self.ctx, kvcache_address, addresses, outputs)
+
+        replica.engine = ReplicaEngine(engine_config, connect, self._on_outputs,
+                                       self._on_engine_down, on_kv_change=self.on_change)
         replica.state = ReplicaState.STARTING
         replica.engine.start()
         threading.Thread(target=self._await_ready, args=(replica,), daemon=True).start()
@@ -275,6 +280,10 @@ class Membership:
             for record in old.workers:
                 if self.workers.get(record.worker_id) is record:
                     del self.workers[record.worker_id]
+
+    def replica_list(self) -> list[Replica]:
+        with self._lock:
+            return list(self.replicas.values())
 
     def ready_replicas(self) -> list[Replica]:
         return [r for r in self.replicas.values()

@@ -7,16 +7,16 @@ existing dashboards work; the cluster's own have a `splitserve:` prefix. Two kin
   (`RequestTimer`): time to first token, inter-token latency, end-to-end latency, plus
   finished-request and token counters.
 - Everything that is state (running / waiting requests, KV usage, prefix-cache counters,
-  preemptions, migrations, replicas up) is read from the cluster at scrape time by a
-  collector, so it is never stale and costs nothing between scrapes.
+  preemptions, migrations, replicas up) is read at scrape time from one `ClusterStats`
+  snapshot (stats.py, the same one ServerInfo answers from), so it is never stale and costs
+  nothing between scrapes.
 """
 
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,11 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scheduler_svc.placement import ReplicaState
-
-if TYPE_CHECKING:
-    from scheduler_svc.membership import Membership
-    from scheduler_svc.router import Router
+from scheduler_svc.stats import ClusterStats
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +66,9 @@ class SchedulerMetrics:
                               "(no replica by their deadline, ...).", labels,
                               registry=r).labels(model_name)
 
-    def attach(self, cluster: "Membership", router: "Router") -> None:
-        self.registry.register(_ClusterCollector(cluster, router, self.model_name))
+    def attach(self, snapshot: Callable[[], ClusterStats]) -> None:
+        """`snapshot`: the cluster's state, taken at each scrape."""
+        self.registry.register(_ClusterCollector(snapshot, self.model_name))
 
     def finished(self, reason: str, num_prompt_tokens: int) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -135,36 +132,24 @@ class RequestTimer:
 
 
 class _ClusterCollector(Collector):
-    """State read at scrape time. Engine fields are plain ints written by engine threads;
-    a scrape may see one step's values mixed with the next's, which is fine for metrics."""
+    """State read at scrape time from one snapshot."""
 
-    def __init__(self, cluster: "Membership", router: "Router", model_name: str) -> None:
-        self.cluster = cluster
-        self.router = router
+    def __init__(self, snapshot: Callable[[], ClusterStats], model_name: str) -> None:
+        self.snapshot = snapshot
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name"]
         values = [self.model_name]
-        running = waiting = preemptions = used = total = 0
-        queries = hits = 0
-        replicas_up = 0
-        for replica in list(self.cluster.replicas.values()):
-            engine = replica.engine
-            if engine is None:
-                continue
-            sched = engine.scheduler
-            preemptions += sched.num_preemptions
-            queries += sched.num_prompt_tokens_admitted
-            hits += sched.num_cached_tokens_admitted
-            if replica.state != ReplicaState.READY:
-                continue
-            replicas_up += 1
-            running += len(sched.running)
-            waiting += len(sched.waiting)
-            used += sched.num_total_blocks - sched.num_free_blocks
-            total += sched.num_total_blocks
-        waiting += self.router.live.num_parked
+        stats = self.snapshot()
+        ready, started = stats.ready, stats.started
+        running = sum(e.num_running for e in ready)
+        waiting = sum(e.num_waiting for e in ready) + stats.num_parked
+        used = sum(e.num_usable_blocks - e.num_free_blocks for e in ready)
+        total = sum(e.num_usable_blocks for e in ready)
+        preemptions = sum(e.num_preemptions for e in started)
+        queries = sum(e.num_prompt_tokens_admitted for e in started)
+        hits = sum(e.num_cached_tokens_admitted for e in started)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -187,7 +172,7 @@ class _ClusterCollector(Collector):
                       hits)
         yield counter("vllm:num_preemptions", "Requests preempted (recompute).", preemptions)
         yield counter("splitserve:num_migrations", "Requests moved off a lost replica.",
-                      self.router.num_migrations)
-        yield gauge("splitserve:replicas_up", "Replicas ready to serve.", replicas_up)
+                      stats.num_migrations)
+        yield gauge("splitserve:replicas_up", "Replicas ready to serve.", len(ready))
         yield gauge("splitserve:kvcache_reachable", "1 if kvcache_svc answered the last probe.",
-                    1.0 if self.cluster.kv_reachable else 0.0)
+                    1.0 if stats.kv_reachable else 0.0)

@@ -19,6 +19,7 @@ from scheduler_svc.frontend import (
 from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
+from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import ChatMessage
 from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
 from services.model_config import ModelConfig
@@ -162,41 +163,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ServerInfo(self, request: generation_pb2.ServerInfoRequest,
                          context: grpc.aio.ServicerContext) -> generation_pb2.ServerInfoResponse:
-        cluster = self.frontend.membership
-        sc = cluster.sched_config
+        sc = self.frontend.membership.sched_config
+        stats = cluster_stats(self.frontend.membership, self.frontend.router)
         info = generation_pb2.ServerInfoResponse(
             model=self.served_name, max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=sc.max_num_batched_tokens, chunked_prefill=sc.chunked_prefill,
             prefix_caching=sc.prefix_caching,
-            num_requests_total=self.frontend.num_requests_total)
-        num_prompt = num_cached = 0
-        for replica in list(cluster.replicas.values()):
+            num_requests_total=self.frontend.num_requests_total,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_migrations=stats.num_migrations, num_parked=stats.num_parked,
+            kvcache_reachable=stats.kv_reachable)
+        for replica in stats.replicas:
             r = info.replicas.add(replica_id=replica.replica_id, state=replica.state,
                                   block_size=sc.block_size, dtype=replica.dtype)
             for w in replica.workers:
                 r.workers.add(worker_id=w.worker_id, epoch=w.epoch, pp_rank=w.pp_rank,
-                              tp_rank=w.tp_rank, device=w.device,
-                              num_kv_blocks=w.num_kv_blocks or 0, state=w.state,
-                              cpu_level=w.cpu_level)
-            engine = replica.engine
-            if engine is not None:
-                sched = engine.scheduler
-                r.num_kv_blocks = engine.config.num_kv_blocks
-                r.num_free_blocks = sched.num_free_blocks
-                r.num_running = len(sched.running)
-                r.num_waiting = len(sched.waiting)
-                r.num_preemptions = sched.num_preemptions
-                r.num_steps = engine.num_steps
-                r.num_kv_recoveries = engine.num_kv_recoveries
-                r.kv_ok = engine.kv_ok
-                r.forward_gap_ms_total = engine.forward_gap_ms_total
-                r.num_forward_gaps = engine.num_forward_gaps
-                num_prompt += sched.num_prompt_tokens_admitted
-                num_cached += sched.num_cached_tokens_admitted
-        info.prefix_cache_hit_rate = num_cached / num_prompt if num_prompt else 0.0
-        info.num_migrations = self.frontend.router.num_migrations
-        info.num_parked = self.frontend.live.num_parked
-        info.kvcache_reachable = cluster.kv_reachable
+                              tp_rank=w.tp_rank, device=w.device, num_kv_blocks=w.num_kv_blocks,
+                              state=w.state, cpu_level=w.cpu_level)
+            e = replica.engine
+            if e is not None:
+                r.num_kv_blocks = e.num_kv_blocks
+                r.num_free_blocks = e.num_free_blocks
+                r.num_running = e.num_running
+                r.num_waiting = e.num_waiting
+                r.num_preemptions = e.num_preemptions
+                r.num_steps = e.num_steps
+                r.num_kv_recoveries = e.num_kv_recoveries
+                r.kv_ok = e.kv_ok
+                r.forward_gap_ms_total = e.forward_gap_ms_total
+                r.num_forward_gaps = e.num_forward_gaps
         return info
 
 

@@ -1,32 +1,36 @@
-"""ReplicaEngine on real sockets (inproc ZMQ) with kvcache_svc's real plan loop and a fake
-one-rank worker: no model, no processes. Covers what only the loop shows: an idle replica
-sends nothing, a step the worker fails ends just its requests, a rank that reports a lost
-peer hands every request back instead, and a request longer than the pool is refused."""
+"""ReplicaEngine's step loop driven through a fake transport: kvcache_svc's real pools
+in-process and a fake one-rank worker; no model, no sockets, no processes. Covers what only
+the loop shows: an idle replica sends nothing; the batch queue keeps two steps in flight
+(pipeline parallel and async scheduling); kvcache_svc lost or restarted costs recompute and
+no request; a step the worker fails ends just its requests, a rank that reports a lost peer
+hands every request back instead; and a request longer than the pool is refused."""
 
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-import zmq
+import pytest
 
-from kvcache_svc.server import KvCachePools, PlanLoop
+from kvcache_svc.server import KvCachePools
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
-from services.channels import Receiver, Sender
-from services.codec import Codec
 from services.wire import (
     CacheReady,
+    FromKvCache,
     FromWorker,
     InitCache,
     StepError,
     StepInput,
     StepOutput,
     StepTimings,
+    ToKvCache,
     ToWorker,
     WorkerFailure,
 )
@@ -35,6 +39,7 @@ from worker_svc.input_batch import InputBatch
 EOS = 2
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
+STEP_S = 0.002     # the fake forward: long enough for a test to close the gate mid-stream
 
 
 def token_at(position: int) -> int:
@@ -53,36 +58,19 @@ class FakeWorker:
     with "rank" or "peer" makes it answer as a rank of a bigger replica would: WorkerFailure,
     the step failed here or a collective with a lost peer failed."""
 
-    def __init__(self, ctx: zmq.Context, address: str, outputs_address: str) -> None:
+    def __init__(self) -> None:
         self.kv_written = True           # what a failed step reports
         self.gate = threading.Event()    # cleared: steps wait (the test arranges a batch)
         self.gate.set()
         self.batch: InputBatch | None = None
         self.num_steps = 0
-        self._steps: Receiver[ToWorker] = Receiver(ctx, Codec(ToWorker), address)
-        self._outputs = Sender(ctx, Codec(FromWorker), outputs_address)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        self.gate.set()
-        self._thread.join()
-        self._steps.close()
-        self._outputs.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            message = self._steps.recv(timeout_ms=20)
-            if isinstance(message, InitCache):
-                self.batch = InputBatch(message.num_blocks, message.block_size, 1000,
-                                        MAX_MODEL_LEN)
-                self._outputs.send(CacheReady(worker_id="fake", num_blocks=message.num_blocks))
-            elif isinstance(message, StepInput):
-                self.gate.wait()
-                self.num_steps += 1
-                self._outputs.send(self._step(message))
+    def answer(self, message: ToWorker) -> FromWorker:
+        if isinstance(message, InitCache):
+            self.batch = InputBatch(message.num_blocks, message.block_size, 1000, MAX_MODEL_LEN)
+            return CacheReady(worker_id="fake", num_blocks=message.num_blocks)
+        self.num_steps += 1
+        return self._step(message)
 
     def _step(self, step: StepInput) -> StepOutput | WorkerFailure:
         assert self.batch is not None
@@ -109,11 +97,48 @@ class FakeWorker:
         return StepOutput(step.step_id, "fake", ids, tokens, [None] * len(ids), timings)
 
 
+class FakeTransport:
+    """The engine's transport without sockets: kvcache_svc's real pools in-process (`pools`;
+    None: kvcache_svc does not answer) and the fake worker, which answers a message when the
+    engine waits for it (and its gate is open)."""
+
+    num_ranks = 1
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self.worker = worker
+        self.pools: KvCachePools | None = KvCachePools(epoch=1)
+        self._sent: deque[ToWorker] = deque()
+        self.max_steps_in_flight = 0     # steps sent before the oldest was answered
+        self.closed = False
+
+    def call_kv(self, message: ToKvCache, timeout_ms: int) -> FromKvCache | None:
+        pools = self.pools
+        if pools is None:
+            time.sleep(min(timeout_ms, 20) / 1000)
+            return None
+        return pools.handle(message)
+
+    def send_to_ranks(self, message: ToWorker) -> None:
+        self._sent.append(message)
+        self.max_steps_in_flight = max(self.max_steps_in_flight,
+                                       sum(isinstance(m, StepInput) for m in self._sent))
+
+    def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
+        if not self._sent or not self.worker.gate.is_set():
+            time.sleep(min(timeout_ms, 5) / 1000)
+            return None
+        time.sleep(STEP_S)
+        return self.worker.answer(self._sent.popleft())
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @dataclass
 class Replica:
     engine: ReplicaEngine
     live: LiveRequests
-    pools: KvCachePools
+    transport: FakeTransport
     worker: FakeWorker
     downs: list[str]
     orphans: list[str]      # ids of the requests handed back when the replica went down
@@ -128,7 +153,8 @@ class Replica:
         return outputs
 
     def num_used_blocks(self) -> int:
-        pools, _ = self.pools.stats()
+        assert self.transport.pools is not None
+        pools, _ = self.transport.pools.stats()
         return pools[0].num_used_blocks
 
 
@@ -147,13 +173,10 @@ def final(outputs: "queue.SimpleQueue[RequestOutput]") -> tuple[list[int], Reque
 
 
 @contextmanager
-def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[Replica]:
-    ctx = zmq.Context()
-    pools = KvCachePools(epoch=1)
-    plan_loop = PlanLoop(ctx, pools, "inproc://kv", on_fatal=lambda: None)
-    plan_loop.start()
-    outputs: Receiver[FromWorker] = Receiver(ctx, Codec(FromWorker), "inproc://outputs")
-    worker = FakeWorker(ctx, "inproc://steps", "inproc://outputs")
+def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1,
+            async_scheduling: bool = False) -> Iterator[Replica]:
+    worker = FakeWorker()
+    transport = FakeTransport(worker)
     downs: list[str] = []
     orphans: list[str] = []
 
@@ -166,20 +189,19 @@ def replica(max_num_seqs: int = 8, max_batches_in_flight: int = 1) -> Iterator[R
                                                 max_num_batched_tokens=64,
                                                 block_size=BLOCK_SIZE,
                                                 max_model_len=MAX_MODEL_LEN),
-        num_kv_blocks=64, kvcache_address="inproc://kv", kv_timeout_s=2.0, step_timeout_s=10.0,
-        ship_sampled_tokens=False, max_batches_in_flight=max_batches_in_flight)
+        num_kv_blocks=64, kv_timeout_s=2.0, step_timeout_s=10.0,
+        ship_sampled_tokens=max_batches_in_flight > 1,
+        max_batches_in_flight=max_batches_in_flight, async_scheduling=async_scheduling)
     live = LiveRequests()
-    engine = ReplicaEngine(config, ctx, ["inproc://steps"], outputs, live.deliver, on_down)
+    engine = ReplicaEngine(config, lambda: transport, live.deliver, on_down)
     engine.start()
     try:
         assert engine.ready.wait(10), "the engine did not come up"
-        yield Replica(engine, live, pools, worker, downs, orphans)
+        yield Replica(engine, live, transport, worker, downs, orphans)
     finally:
+        worker.gate.set()
         engine.stop()
-        worker.stop()
-        plan_loop.stop()
-        outputs.close()
-        ctx.term()
+    assert transport.closed
 
 
 def test_idle_replica_sends_nothing() -> None:
@@ -188,16 +210,69 @@ def test_idle_replica_sends_nothing() -> None:
         assert tokens == expected_tokens(list(range(10, 20)), 3)
         time.sleep(0.2)                  # the plan that frees a's blocks
         assert r.num_used_blocks() == 0
-        _, num_plans = r.pools.stats()
+        assert r.transport.pools is not None
+        _, num_plans = r.transport.pools.stats()
         num_steps = r.worker.num_steps
         time.sleep(0.5)
         # Before: an empty plan every ~2 ms (a's finished id waiting for a step to carry it).
-        assert r.pools.stats()[1] == num_plans
+        assert r.transport.pools.stats()[1] == num_plans
         assert r.worker.num_steps == num_steps
         # The worker drops a's state with the next step.
         assert r.worker.batch is not None and "a" in r.worker.batch.requests
         final(r.submit("b", [1, 2, 3], max_tokens=1))
         assert set(r.worker.batch.requests) == {"b"}
+
+
+@pytest.mark.parametrize("depth", [
+    {"max_batches_in_flight": 2},          # pp=2: a step per stage
+    {"async_scheduling": True},            # pp=1: plan step N+1 while step N runs
+], ids=["pp-batch-queue", "async-scheduling"])
+def test_two_steps_in_flight_give_the_tokens_of_one(depth: dict[str, Any]) -> None:
+    with replica(**depth) as r:
+        streams = {f"r{i}": r.submit(f"r{i}", list(range(10 + i, 20 + i)), max_tokens=12)
+                   for i in range(4)}
+        for i, (request_id, outputs) in enumerate(streams.items()):
+            tokens, last = final(outputs)
+            assert last.error is None, request_id
+            assert tokens == expected_tokens(list(range(10 + i, 20 + i)), 12), request_id
+        assert r.transport.max_steps_in_flight == 2
+
+
+def test_one_step_in_flight_by_default_and_the_stats_snapshot() -> None:
+    with replica() as r:
+        before = r.engine.stats()
+        assert before.num_steps == 0 and before.num_free_blocks == before.num_usable_blocks == 63
+        outputs = r.submit("a", list(range(10, 20)), max_tokens=6)
+        first_output(outputs)
+        r.worker.gate.clear()
+        assert wait_until(lambda: r.engine.stats().num_running == 1)
+        during = r.engine.stats()
+        assert during.num_free_blocks < 63 and during.num_prompt_tokens_admitted == 10
+        r.worker.gate.set()
+        final(outputs)
+        assert r.transport.max_steps_in_flight == 1
+        assert wait_until(lambda: r.engine.stats().num_free_blocks == 63)
+        after = r.engine.stats()
+        assert after.num_running == after.num_waiting == 0 and after.num_steps >= 6
+        assert before.num_steps == 0     # a snapshot never changes once taken
+
+
+def test_kvcache_lost_then_restarted_costs_recompute_not_requests() -> None:
+    with replica() as r:
+        running = r.submit("a", list(range(10, 19)), max_tokens=40)
+        streamed = first_output(running).new_token_ids
+        r.transport.pools = None         # kvcache_svc stops answering
+        assert wait_until(lambda: not r.engine.kv_ok)
+        waiting = r.submit("b", list(range(30, 39)), max_tokens=5)
+        time.sleep(0.1)
+        assert waiting.empty()           # nothing is admitted meanwhile
+        r.transport.pools = KvCachePools(epoch=2)   # back, as a new instance without our pool
+        tokens, last = final(running)
+        assert last.error is None
+        assert streamed + tokens == expected_tokens(list(range(10, 19)), 40)
+        tokens, last = final(waiting)
+        assert last.error is None and tokens == expected_tokens(list(range(30, 39)), 5)
+        assert r.engine.kv_ok and r.engine.num_kv_recoveries == 1 and r.downs == []
 
 
 def test_failed_step_fails_its_requests_and_the_replica_serves_on() -> None:

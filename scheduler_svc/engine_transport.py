@@ -1,0 +1,63 @@
+"""What a replica's engine says to the rest of the cluster, as one small interface: the plan
+call to kvcache_svc, a step (or InitCache) to every rank, and the next message from the
+ranks. `ZmqTransport` is the real one; the engine's unit tests hand it fakes instead.
+
+A transport is created on the engine's own thread (`connect`) and used only there: ZMQ
+sockets belong to one thread.
+"""
+
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq
+
+from services.channels import Receiver, RequestClient, Sender
+from services.codec import Codec
+from services.wire import FromKvCache, FromWorker, ToKvCache, ToWorker
+
+
+class EngineTransport(Protocol):
+    num_ranks: int      # the replica's ranks: each answers InitCache
+
+    def call_kv(self, message: ToKvCache, timeout_ms: int) -> FromKvCache | None:
+        """kvcache_svc's reply, or None when it did not answer in time."""
+
+    def send_to_ranks(self, message: ToWorker) -> None:
+        """To every rank of the replica, in rank order."""
+
+    def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
+        """The next message any rank sent, or None after `timeout_ms`."""
+
+    def close(self) -> None: ...
+
+
+Connect = Callable[[], EngineTransport]
+
+
+class ZmqTransport:
+    """A DEALER to kvcache_svc's plan socket, a PUSH per rank, and the replica's PULL socket
+    for the ranks' outputs (bound by membership, so workers learn its address when they
+    register; closed by membership when the replica retires)."""
+
+    def __init__(self, ctx: zmq.Context, kvcache_address: str, step_addresses: list[str],
+                 outputs: Receiver[FromWorker]) -> None:
+        self.num_ranks = len(step_addresses)
+        self._kv: RequestClient[FromKvCache] = RequestClient(ctx, Codec(FromKvCache),
+                                                             kvcache_address)
+        self._ranks = [Sender(ctx, Codec(ToWorker), address) for address in step_addresses]
+        self._outputs = outputs
+
+    def call_kv(self, message: ToKvCache, timeout_ms: int) -> FromKvCache | None:
+        return self._kv.call(message, timeout_ms=timeout_ms)
+
+    def send_to_ranks(self, message: ToWorker) -> None:
+        for rank in self._ranks:
+            rank.send(message)
+
+    def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
+        return self._outputs.recv(timeout_ms=timeout_ms)
+
+    def close(self) -> None:
+        self._kv.close()
+        for rank in self._ranks:
+            rank.close()

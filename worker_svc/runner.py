@@ -56,9 +56,9 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
+from worker_svc.model.tensor_parallel import TpGroup, TpShard
 from worker_svc.model.weights import load_weights
 from worker_svc.sampler import is_greedy, sample
-from worker_svc.tensor_parallel import TpGroup, TpShard
 
 log = logging.getLogger(__name__)
 

@@ -230,8 +230,8 @@ class WorkerServer:
 
     def _load(self, placement: control_pb2.RegisterResponse,
               link: "ParallelGroups | None") -> "ModelRunner | None":  # noqa: F821
+        from worker_svc.model.tensor_parallel import TpGroup, TpShard
         from worker_svc.runner import ModelRunner
-        from worker_svc.tensor_parallel import TpGroup, TpShard
 
         cfg = self.config
         model = load_model_config(cfg.model_path)

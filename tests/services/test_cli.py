@@ -1,7 +1,8 @@
 """`splitserve up`'s flags as the processes it would start, without starting any: the device
 each worker gets, the GPU flags passed through, and a refusal before anything starts when the
 workers outnumber the GPUs; the control port the workers are sent to, and what `up` says about
-the cluster token (that a chosen one is used, never its value). (tests/e2e/test_cli.py runs the
+the cluster token (that a chosen one is used, never its value); the service flags `up` passes
+on to the service that defines them, and the ones it refuses. (tests/e2e/test_cli.py runs the
 real thing.)"""
 
 import subprocess
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def up_args(*flags: str):  # type: ignore[no-untyped-def]
-    return cli.build_parser().parse_args(["up", *flags])
+    return cli.parse_args(["up", *flags])
 
 
 def test_cpu_by_default_without_a_gpu() -> None:
@@ -54,7 +55,8 @@ def test_gpu_memory_utilization_must_be_a_fraction(capsys: pytest.CaptureFixture
         with pytest.raises(SystemExit):
             up_args("--gpu-memory-utilization", bad)
         assert "is not in (0, 1]" in capsys.readouterr().err
-    assert up_args("--gpu-memory-utilization", "1").gpu_memory_utilization == 1.0
+    assert up_args("--gpu-memory-utilization", "1").worker_args == [
+        "--gpu-memory-utilization", "1"]
 
 
 def test_up_refuses_more_workers_than_gpus_before_starting_anything(
@@ -118,3 +120,87 @@ def test_up_refuses_a_short_token_before_starting_anything(
     assert cli.main(["up", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert cluster_token.ENV in err and "shorter than" in err and "tiny-secret" not in err
+
+
+# ---------------------------------------------------------- flags passed on to the services
+
+
+def test_up_passes_a_scheduler_flag_to_the_scheduler_and_a_worker_flag_to_the_workers() -> None:
+    spec = cli.cluster_spec(up_args("--max-num-seqs", "8", "--replicas", "2",
+                                    "--kv-cache-memory-gib=0.25", "--no-prefix-caching",
+                                    "--enforce-eager"), num_gpus=0)
+    assert spec.scheduler_args == ("--max-num-seqs", "8", "--no-prefix-caching")
+    assert spec.worker_args == ("--kv-cache-memory-gib=0.25", "--enforce-eager")
+    procs = ServiceProcesses(spec)
+    assert procs.scheduler_args()[-3:] == ["--max-num-seqs", "8", "--no-prefix-caching"]
+    for i in range(2):
+        assert procs.worker_args(i)[-2:] == ["--kv-cache-memory-gib=0.25", "--enforce-eager"]
+    # Nothing given: nothing passed on, so each service keeps its own default.
+    spec = cli.cluster_spec(up_args(), num_gpus=0)
+    assert spec.scheduler_args == spec.worker_args == () and spec.dtype is None
+    assert "--dtype" not in ServiceProcesses(spec).scheduler_args()
+
+
+def test_every_up_flag_the_docs_and_tests_use_still_parses() -> None:
+    a = up_args("--model", "m.gguf", "--port", "6000", "--dtype", "float32", "--max-num-seqs",
+                "4", "--max-num-batched-tokens", "512", "--num-kv-blocks", "64",
+                "--block-size", "32", "--no-chunked-prefill", "--no-prefix-caching",
+                "--kv-cache-memory-gib", "0.5", "--tp", "2", "--pp", "2", "--replicas", "1",
+                "--no-async-scheduling", "--no-quant-kernels", "--metrics-port", "-1",
+                "--control-port", "6100", "--cpu-level", "avx2", "--threads", "1",
+                "--log-dir", "/tmp/x", "--device", "cpu", "--gpu-memory-utilization", "0.8",
+                "--enforce-eager", "--no-int4-kernels", "--startup-timeout", "5")
+    assert a.scheduler_args == ["--dtype", "float32", "--max-num-seqs", "4",
+                                "--max-num-batched-tokens", "512", "--num-kv-blocks", "64",
+                                "--block-size", "32", "--no-chunked-prefill",
+                                "--no-prefix-caching", "--no-async-scheduling"]
+    assert a.worker_args == ["--kv-cache-memory-gib", "0.5", "--no-quant-kernels",
+                             "--cpu-level", "avx2", "--gpu-memory-utilization", "0.8",
+                             "--enforce-eager", "--no-int4-kernels"]
+    assert (a.model, a.port, a.tp, a.pp, a.metrics_port, a.control_port, a.threads) == (
+        "m.gguf", 6000, 2, 2, -1, 6100, 1)
+
+
+def test_a_flag_several_services_define_goes_to_each() -> None:
+    parsers = cli.service_parsers()
+    for p in parsers.values():
+        p.add_flag("--shared-knob", type=int)
+    forwarded = cli.forward_flags(["--shared-knob", "3", "--max-num-seqs", "2"], parsers)
+    assert forwarded == {"scheduler_svc": ["--shared-knob", "3", "--max-num-seqs", "2"],
+                         "worker_svc": ["--shared-knob", "3"]}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-such-flag"], "'--no-such-flag' is no flag of splitserve up, scheduler_svc or "
+                         "worker_svc (see splitserve up --help)"),
+    (["--max-num-seqs", "4", "stray"], "'stray' is no flag of splitserve up"),
+    (["--kvcache", "tcp://elsewhere:1"], "--kvcache: splitserve up sets it itself"),
+    (["--worker-id=w"], "--worker-id: splitserve up sets it itself"),
+    (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value: 'many'"),
+])
+def test_up_refuses_a_flag_it_cannot_pass_on_before_starting_anything(
+        flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(ServiceProcesses, "start", lambda self: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["up", "--device", "cpu", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "splitserve up: error: " in err and message in err
+
+
+def test_generate_still_refuses_an_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["generate", "hi", "--max-num-seqs", "4"])
+    assert "unrecognized arguments: --max-num-seqs 4" in capsys.readouterr().err
+
+
+def test_up_help_names_the_flags_it_passes_on(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["up", "--help"])
+    out = capsys.readouterr().out
+    assert "python -m scheduler_svc --help" in out and "python -m worker_svc --help" in out
+    scheduler, worker = out.split("scheduler_svc: ")[1].split("worker_svc: ")
+    assert "--max-num-seqs" in scheduler and "--no-chunked-prefill" in scheduler
+    assert "--gpu-memory-utilization" in worker and "--enforce-eager" in worker
+    assert "--kvcache" not in out and "--worker-id" not in out   # the launcher's own

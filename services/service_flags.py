@@ -51,13 +51,13 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="requests running at once in a replica")
     p.add_flag("--max-num-batched-tokens", env="MAX_NUM_BATCHED_TOKENS", type=int,
                default=2048, help="tokens computed per step (the token budget)")
-    p.add_flag("--long-prefill-token-threshold", type=int, default=0,
-               help=">0: cap one request's prefill chunk per step")
+    p.add_flag("--long-prefill-token-threshold", env="LONG_PREFILL_TOKEN_THRESHOLD", type=int,
+               default=0, help=">0: cap one request's prefill chunk per step")
     p.add_flag("--block-size", env="BLOCK_SIZE", type=int, default=16,
                help="tokens per KV block")
     p.add_flag("--num-kv-blocks", env="NUM_KV_BLOCKS", type=int,
                help="KV blocks per replica (default: what the workers measured)")
-    p.add_flag("--max-model-len", type=int,
+    p.add_flag("--max-model-len", env="MAX_MODEL_LEN", type=int,
                help="context length in tokens (default and cap: the model's)")
     p.add_flag("--max-prompt-bytes", env="MAX_PROMPT_BYTES", type=int,
                help="longest text prompt (or rendered chat) in UTF-8 bytes, refused before "
@@ -66,13 +66,13 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--no-chunked-prefill", env="NO_CHUNKED_PREFILL", action="store_true",
                help="schedule a prompt whole or not at all")
     p.add_flag("--no-prefix-caching", env="NO_PREFIX_CACHING", action="store_true")
-    p.add_flag("--max-batches-in-flight", type=int, default=0,
+    p.add_flag("--max-batches-in-flight", env="MAX_BATCHES_IN_FLIGHT", type=int, default=0,
                help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
     p.add_flag("--async-scheduling", env="ASYNC_SCHEDULING",
                action=argparse.BooleanOptionalAction,
                help="plan step N+1 while step N runs (default: on with one pipeline stage; "
                     "pipeline stages use the batch queue instead)")
-    p.add_flag("--step-timeout", type=float, default=120.0,
+    p.add_flag("--step-timeout", env="STEP_TIMEOUT", type=float, default=120.0,
                help="seconds a step may take before its workers count as lost")
     p.add_flag("--heartbeat-timeout", env="HEARTBEAT_TIMEOUT", type=float, default=3.0,
                help="seconds without a heartbeat before a worker counts as lost")
@@ -84,7 +84,7 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                                   "outweigh one more live request on a replica")
     p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=8000,
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
-    p.add_flag("--drain-timeout", type=float, default=30.0,
+    p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds live requests may take to finish after SIGTERM")
     p.add_flag("--log-level", env="LOG_LEVEL", default="info")
     return p
@@ -123,7 +123,7 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
                help="instruction set of the C kernels and matmul paths: auto (the best this "
                     "CPU has), avx512_bf16, avx512, avx2 or none (torch only); a level above "
                     "the CPU's is refused")
-    p.add_flag("--register-timeout", type=float, default=60.0,
+    p.add_flag("--register-timeout", env="REGISTER_TIMEOUT", type=float, default=60.0,
                help="seconds to reach the scheduler at start (and for the replica's ranks to "
                     "meet); after the first registration it retries forever")
     p.add_flag("--health-file", env="HEALTH_FILE",
@@ -141,5 +141,6 @@ def add_kvcache_flags(p: FlagParser) -> FlagParser:
                help="gRPC admin port")
     p.add_flag("--events-port", env="KV_EVENTS_PORT", type=int, default=50055,
                help="ZMQ PUB port of the KV events, 0 = any free port")
-    p.add_flag("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_flag("--log-level", env="KV_LOG_LEVEL", default="info",
+               choices=["debug", "info", "warning", "error"])
     return p

@@ -400,7 +400,7 @@ class SaveChunks(_Wire):
 
 
 class SaveReply(_Wire):
-    num_stored_chunks: Count            # newly stored
+    num_stored_chunks: Count            # newly stored (the rest fit no tier or were held)
     num_held_chunks: Count              # already held, skipped
 
 

@@ -89,26 +89,30 @@ class KvStore:
         return KvChunk(header, data)
 
     def save(self, chunks: Sequence[tuple[ChunkHeader, bytes | memoryview]]) -> tuple[int, int]:
-        """Stores every chunk not held yet: (number stored, number already held). All or
-        nothing: raises ChunkRejected, storing none, when any chunk fails `check`."""
+        """Stores every chunk not held yet: (number stored, number already held); the two
+        add up to fewer than `chunks` when one fit no tier. All or nothing: raises
+        ChunkRejected, storing none, when any chunk fails `check`."""
         checked = []
         for index, (header, data) in enumerate(chunks):
             try:
                 checked.append(self.check(header, data))
             except ChunkRejected as exc:
                 raise ChunkRejected(f"chunk {index}: {exc}") from exc
-        num_stored = 0
+        num_stored = num_held = 0
         with self._lock:
             for chunk in checked:
                 if self._holds(chunk.key):
+                    num_held += 1
                     self._num_skipped_tokens += chunk.key.num_tokens
                     continue
                 self._place(chunk)
+                if not self._holds(chunk.key):      # larger than every tier's budget
+                    continue
                 num_stored += 1
                 self._num_stored_chunks += 1
                 self._num_stored_tokens += chunk.key.num_tokens
                 self._num_stored_bytes += chunk.num_bytes
-        return num_stored, len(checked) - num_stored
+        return num_stored, num_held
 
     def put(self, header: ChunkHeader, data: bytes | memoryview) -> bool:
         """Stores one chunk; False when it was already held. Raises ChunkRejected."""

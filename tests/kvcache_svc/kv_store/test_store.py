@@ -113,6 +113,12 @@ def test_memory_evictions_spill_to_disk_and_disk_hits_come_back_up(tmp_path: Pat
     store.close()
 
 
+def test_a_chunk_no_tier_can_hold_is_not_counted_as_stored() -> None:
+    store = memory_store(capacity_bytes=1000)
+    assert save(store, [chunk(0, num_elements=400), chunk(1)]) == (1, 0)
+    assert store.stats().num_stored_chunks == 1 and store.lookup([key(1)]) == 0
+
+
 def test_chunks_larger_than_memory_go_straight_to_disk(tmp_path: Path) -> None:
     store = KvStore([MemoryTier(0), DiskTier(tmp_path, 1 << 20)], chunk_tokens=CHUNK_TOKENS)
     save(store, [chunk(0)])

@@ -1,10 +1,11 @@
 """`python -m kvcache_svc`: parse the config once, serve until SIGTERM/SIGINT.
 
 Three sockets: plan calls (ZMQ ROUTER), the admin API (gRPC) and KV events (ZMQ PUB; port 0
-picks a free one, logged as "KV events on tcp://HOST:PORT"). The flags
+picks a free one, logged as "KV events on tcp://HOST:PORT"); a fourth for the KV store (ZMQ
+ROUTER, logged as "KV store on tcp://HOST:PORT"; `--no-kv-store`: none). The flags
 (services.service_flags) fall back to SPLITSERVE_KV_* environment variables for containers.
 
-Exit codes: 0 after a signal, 1 when a port cannot be bound or the plan loop fails.
+Exit codes: 0 after a signal, 1 when a port cannot be bound or the plan or store loop fails.
 """
 
 import asyncio
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcache_svc.kv_store.config import KvStoreConfig, store_config
 from kvcache_svc.server import KvCacheServer
 from services import cluster_token
 from services.flags import FlagParser
@@ -29,6 +31,7 @@ class KvCacheConfig:
     admin_port: int     # gRPC KvCacheAdmin + health + reflection
     events_port: int    # ZMQ PUB of KvEventBatch; 0 = any free port
     log_level: str
+    store: KvStoreConfig | None = None  # the KV store (None: --no-kv-store)
 
 
 def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
@@ -41,7 +44,7 @@ def parse_config(argv: Sequence[str] | None = None) -> KvCacheConfig:
     if not 0 <= args.events_port <= 65535:
         parser.error("--events-port must be in [0, 65535]")
     return KvCacheConfig(args.host, args.plan_port, args.admin_port, args.events_port,
-                         args.log_level)
+                         args.log_level, store_config(args, parser))
 
 
 async def serve(config: KvCacheConfig, token: str | None = None) -> int:
@@ -49,7 +52,7 @@ async def serve(config: KvCacheConfig, token: str | None = None) -> int:
     stop = asyncio.Event()
     server = KvCacheServer(config.host, config.plan_port, config.admin_port, config.events_port,
                            on_fatal=lambda: loop.call_soon_threadsafe(stop.set),
-                           cluster_token=token)
+                           cluster_token=token, store_config=config.store)
     try:
         await server.start()
     except OSError as exc:
@@ -58,6 +61,8 @@ async def serve(config: KvCacheConfig, token: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("KV events on %s", server.events_address)
+    if server.store_address is not None:
+        log.info("KV store on %s", server.store_address)
     log.info("kvcache_svc ready: plan=%s admin=%s:%d epoch=%d",
              server.plan_address, config.host, server.admin_port, server.pools.epoch)
     await stop.wait()

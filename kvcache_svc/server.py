@@ -5,8 +5,8 @@
 It also owns the instance epoch, stamped on every reply so the scheduler notices a restart,
 and turns each operation's prefix-index changes into one `KvEventBatch` for a publish callback.
 `PlanLoop` answers plan-channel calls on a thread of its own; `KvCacheAdminServicer` converts
-Stats/Clear between proto and core types; `KvCacheServer` binds the three sockets and owns
-their lifetimes. Started by `kvcache_svc.__main__`.
+Stats/Clear between proto and core types; `KvCacheServer` binds the three sockets (four with
+the KV store's, `kv_store.server`) and owns their lifetimes. Started by `kvcache_svc.__main__`.
 """
 
 import logging
@@ -19,6 +19,9 @@ import zmq
 
 from kvcache_svc.block_manager import PoolStats, ReplicaBlockManager
 from kvcache_svc.events import EventPublisher
+from kvcache_svc.kv_store.config import KvStoreConfig, build_store
+from kvcache_svc.kv_store.server import KvStoreLoop
+from kvcache_svc.kv_store.store import KvStore
 from services.channels import ReplyServer, tcp_address
 from services.codec import Codec
 from services.grpc_server import Health, bind, make_server
@@ -271,10 +274,11 @@ class KvCacheServer:
     """Binds the plan socket, the events socket and the admin server; starts and stops them."""
 
     def __init__(self, host: str, plan_port: int, admin_port: int, events_port: int,
-                 on_fatal: Callable[[], None], cluster_token: str | None = None) -> None:
+                 on_fatal: Callable[[], None], cluster_token: str | None = None,
+                 store_config: KvStoreConfig | None = None) -> None:
         """`cluster_token`: what admin calls must carry (services.cluster_token; None: none,
         for tests that drive the server alone). ZMQ frames follow the process's installed
-        frame key."""
+        frame key. `store_config`: the KV store's (None: no store)."""
         self.host = host
         self.cluster_token = cluster_token
         self.plan_port = plan_port
@@ -287,6 +291,9 @@ class KvCacheServer:
         self._events: EventPublisher | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Health | None = None
+        self.store_config = store_config
+        self.store: KvStore | None = None
+        self._store_loop: KvStoreLoop | None = None
 
     @property
     def plan_address(self) -> str:
@@ -297,8 +304,13 @@ class KvCacheServer:
         return tcp_address(self.host, self.events_port)
 
     @property
+    def store_address(self) -> str | None:
+        return None if self._store_loop is None else self._store_loop.address
+
+    @property
     def failed(self) -> bool:
-        return self._plan_loop is not None and self._plan_loop.failed
+        return any(loop is not None and loop.failed
+                   for loop in (self._plan_loop, self._store_loop))
 
     def _publish(self, batch: KvEventBatch) -> None:
         # Nothing can change a pool before start() binds the socket (no message is served
@@ -323,6 +335,13 @@ class KvCacheServer:
             ctx.destroy(linger=0)
             raise OSError(f"cannot bind events socket {self.events_address}: {exc}") from exc
         self.events_port = events.port
+        try:
+            self._start_store(ctx)
+        except OSError:
+            plan_loop.stop()
+            events.close()
+            ctx.destroy(linger=0)
+            raise
 
         server = make_server(cluster_token=self.cluster_token)
         kvcache_pb2_grpc.add_KvCacheAdminServicer_to_server(KvCacheAdminServicer(self.pools),
@@ -333,6 +352,7 @@ class KvCacheServer:
         except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError for a taken port
             plan_loop.stop()
             events.close()
+            self._stop_store()
             ctx.term()
             raise OSError(f"cannot bind admin port {self.host}:{self.admin_port}: "
                           f"{exc}") from exc
@@ -341,7 +361,30 @@ class KvCacheServer:
         await self._grpc.start()
         await self._health.set_live()
         self._plan_loop.start()
+        if self._store_loop is not None:
+            self._store_loop.start()
         await self._health.set_ready(True)
+
+    def _start_store(self, ctx: zmq.Context) -> None:
+        """Builds the store and binds its socket (not yet served); OSError, with nothing left
+        open, when its directory or port cannot be had."""
+        if self.store_config is None:
+            return
+        store = build_store(self.store_config)
+        try:
+            self._store_loop = KvStoreLoop(ctx, store, self.host, self.store_config.port,
+                                           self._on_fatal)
+        except zmq.ZMQError as exc:
+            store.close()
+            raise OSError(f"cannot bind KV store socket "
+                          f"{tcp_address(self.host, self.store_config.port)}: {exc}") from exc
+        self.store = store
+
+    def _stop_store(self) -> None:
+        if self._store_loop is not None:
+            self._store_loop.stop()
+        if self.store is not None:
+            self.store.close()
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._health is not None:
@@ -352,5 +395,6 @@ class KvCacheServer:
             self._plan_loop.stop()
         if self._events is not None:
             self._events.close()
+        self._stop_store()
         if self._ctx is not None:
             self._ctx.term()

@@ -53,7 +53,8 @@ def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
     control_port = a.port + 1 if a.control_port is None else a.control_port
     return ClusterSpec(model=a.model, host=a.host, port=a.port, control_port=control_port,
                        kv_plan_port=a.port + 2, kv_admin_port=a.port + 3,
-                       kv_events_port=a.port + 4, metrics_port=metrics_port, tp=a.tp, pp=a.pp,
+                       kv_events_port=a.port + 4, kv_store_port=a.port + 6,
+                       metrics_port=metrics_port, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(a.scheduler_args),
                        worker_args=tuple(a.worker_args), threads_per_worker=a.threads,
                        worker_devices=devices, log_level=a.log_level)
@@ -212,7 +213,7 @@ def add_up_flags(up: FlagParser) -> FlagParser:
                 help="interface of the client and metrics ports (the services' internal "
                      "sockets stay on 127.0.0.1)")
     up.add_flag("--port", type=int, default=50051, help="client gRPC port; kvcache_svc takes "
-                "PORT+2 (plan), +3 (admin gRPC), +4 (KV events)")
+                "PORT+2 (plan), +3 (admin gRPC), +4 (KV events), +6 (KV store)")
     up.add_flag("--control-port", type=int, default=None,
                 help="scheduler's control listener on 127.0.0.1, where workers register "
                      "(default PORT+1: 50052)")

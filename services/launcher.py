@@ -57,6 +57,7 @@ class ClusterSpec:
     kv_plan_port: int = 50053
     kv_admin_port: int = 50054
     kv_events_port: int = 50055             # KV events PUB (0: any free port)
+    kv_store_port: int = 50057              # KV store ROUTER (0: any free port)
     metrics_port: int = 8000                # scheduler Prometheus /metrics (-1: off, 0: any)
     dtype: str | None = None                # None: the scheduler's own default (--dtype)
     tp: int = 1
@@ -205,6 +206,7 @@ class ServiceProcesses:
         self._spawn("kvcache", "kvcache_svc", [
             "--host", INTERNAL_HOST, "--plan-port", str(s.kv_plan_port), "--admin-port",
             str(s.kv_admin_port), "--events-port", str(s.kv_events_port),
+            "--kv-store-port", str(s.kv_store_port),
             "--log-level", s.log_level])
 
     def add_worker(self, name: str, extra: Sequence[str] = ()) -> None:

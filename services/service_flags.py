@@ -10,10 +10,14 @@ flags) stays in each service's `__main__`.
 """
 
 import argparse
+from pathlib import Path
 
 from services.flags import FlagParser
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# kvcache_svc's KV store: `splitserve up`'s --port + 6, after kvcache_svc's plan, admin and
+# events ports and the scheduler's metrics port (port + 2 .. port + 5).
+KV_STORE_PORT = 50057
 
 
 def fraction(text: str) -> float:
@@ -133,7 +137,7 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
 
 
 def add_kvcache_flags(p: FlagParser) -> FlagParser:
-    """kvcache_svc's flags: the interface and its three sockets' ports."""
+    """kvcache_svc's flags: the interface, its sockets' ports, the KV store's tiers."""
     p.add_flag("--host", env="KV_HOST", default="127.0.0.1", help="interface to bind")
     p.add_flag("--plan-port", env="KV_PLAN_PORT", type=int, default=50053,
                help="ZMQ plan port")
@@ -143,4 +147,18 @@ def add_kvcache_flags(p: FlagParser) -> FlagParser:
                help="ZMQ PUB port of the KV events, 0 = any free port")
     p.add_flag("--log-level", env="KV_LOG_LEVEL", default="info",
                choices=["debug", "info", "warning", "error"])
+    # The KV store: computed KV kept in chunks for any replica (kvcache_svc/kv_store).
+    p.add_flag("--no-kv-store", env="KV_NO_STORE", action="store_true",
+               help="no KV store, no store socket")
+    p.add_flag("--kv-store-port", env="KV_STORE_PORT", type=int, default=KV_STORE_PORT,
+               help="ZMQ port of the KV store, 0 = any free port (`up`: its --port + 6)")
+    p.add_flag("--kv-chunk-tokens", env="KV_CHUNK_TOKENS", type=int, default=256,
+               help="tokens per stored chunk, a multiple of the block size")
+    p.add_flag("--kv-store-memory-gib", env="KV_STORE_MEMORY_GIB", type=float, default=2.0,
+               help="host memory for stored chunks")
+    p.add_flag("--kv-store-dir", env="KV_STORE_DIR", type=Path,
+               help="directory of a disk tier that survives restarts; one kvcache_svc per "
+                    "directory")
+    p.add_flag("--kv-store-disk-gib", env="KV_STORE_DISK_GIB", type=float, default=16.0,
+               help="disk tier budget")
     return p

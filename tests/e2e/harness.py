@@ -42,7 +42,7 @@ def free_ports(n: int) -> list[int]:
     rng = random.Random()
     ports: list[int] = []
     while len(ports) < n:
-        port = rng.randrange(10000, max(10001, low - 8))   # the CLI also takes port+1..+5
+        port = rng.randrange(10000, max(10001, low - 8))   # the CLI also takes port+1..+6
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -93,9 +93,11 @@ def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
                 worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
                 pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
                 ready_timeout_s: float = 180.0) -> Iterator[RunningCluster]:
-    port, control_port, plan_port, admin_port, events_port, metrics_port = free_ports(6)
+    port, control_port, plan_port, admin_port, events_port, metrics_port, store_port = \
+        free_ports(7)
     spec = ClusterSpec(port=port, control_port=control_port, kv_plan_port=plan_port,
                        kv_admin_port=admin_port, kv_events_port=events_port,
+                       kv_store_port=store_port,
                        metrics_port=metrics_port,
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,
                        scheduler_args=tuple(scheduler_args),

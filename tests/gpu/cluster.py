@@ -37,9 +37,9 @@ def gpu_cluster(log_dir: Path, model_dir: Path, *, dtype: str = "float32",
     """kvcache_svc + scheduler_svc + one worker on the device under test (cuda: the first
     visible GPU) serving `model_dir` in `dtype`, checked once it is ready. Worker start-up on
     a GPU includes memory profiling and CUDA-graph capture, hence the long timeout."""
-    port, control_port, plan_port, admin_port, events_port = free_ports(5)
+    port, control_port, plan_port, admin_port, events_port, store_port = free_ports(6)
     spec = ClusterSpec(model=str(model_dir), port=port, control_port=control_port,
-                       kv_plan_port=plan_port,
+                       kv_plan_port=plan_port, kv_store_port=store_port,
                        kv_admin_port=admin_port, kv_events_port=events_port, metrics_port=-1,
                        dtype=dtype, scheduler_args=tuple(scheduler_args),
                        worker_args=("--device", device_under_test(), "--gpu-memory-utilization",

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,12 +86,15 @@ class Service:
             raise
 
 
-def start_service(plan_port: int, admin_port: int, events_port: int = 0) -> Service:
+def start_service(plan_port: int, admin_port: int, events_port: int = 0,
+                  store_port: int | None = None, args: Sequence[str] = ()) -> Service:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), cluster_token.ENV: TOKEN,
            "SPLITSERVE_KV_ADMIN_PORT": str(admin_port),      # exercises the env fallback
-           "SPLITSERVE_KV_EVENTS_PORT": str(events_port)}
+           "SPLITSERVE_KV_EVENTS_PORT": str(events_port),
+           "SPLITSERVE_KV_STORE_PORT": str(free_port() if store_port is None else store_port)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcache_svc", "--host", HOST, "--plan-port", str(plan_port)],
+        [sys.executable, "-m", "kvcache_svc", "--host", HOST, "--plan-port", str(plan_port),
+         *args],
         cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -302,14 +305,15 @@ def test_sigterm_exits_cleanly() -> None:
         assert svc.stop() == 0
 
 
-@pytest.mark.parametrize("which", ["plan", "admin", "events"])
+@pytest.mark.parametrize("which", ["plan", "admin", "events", "KV store"])
 def test_a_taken_port_exits_with_code_1(which: str) -> None:
     with socket.socket() as taken:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        ports = {"plan": free_port(), "admin": free_port(), "events": free_port(), which: port}
-        svc = start_service(ports["plan"], ports["admin"], ports["events"])
+        ports = {"plan": free_port(), "admin": free_port(), "events": free_port(),
+                 "KV store": free_port(), which: port}
+        svc = start_service(ports["plan"], ports["admin"], ports["events"], ports["KV store"])
         try:
             svc.wait_for(f"cannot bind {which}")
             assert svc.proc.wait(timeout=10) == 1

@@ -1,0 +1,63 @@
+"""The interface every KV store tier implements, and its stats.
+
+`KvStore` (store.py) layers tiers, fastest first: what one tier pushes out to make room goes to
+the next. A new tier (a remote object store, another node's memory) is a new `StoreTier`;
+nothing above it changes. Tiers are not thread-safe: `KvStore` serialises every call.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from services.kv_chunks import KvChunk
+from services.wire import ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: str                   # "memory", "disk", ...
+    capacity_bytes: int         # the tier's byte budget
+    num_chunks: int             # chunks held now
+    num_bytes: int              # bytes used now (on disk: whole files)
+    num_evicted_chunks: int     # pushed out to make room, since start
+    num_dropped_chunks: int     # found corrupt or truncated and deleted, since start
+
+
+class StoreTier(ABC):
+    """One level of the store: a byte budget, least recently used chunks leave first."""
+
+    name: str
+
+    @abstractmethod
+    def contains(self, key: ChunkKey) -> bool:
+        """Held here? Touches nothing (no LRU update, no read)."""
+
+    @abstractmethod
+    def keys(self) -> list[ChunkKey]:
+        """Every key held, least recently used first."""
+
+    @abstractmethod
+    def get(self, key: ChunkKey) -> KvChunk | None:
+        """The chunk, made most recently used; None when not held. A tier that can find a
+        chunk damaged (a file) checks it first, and deletes and counts one that fails: a
+        damaged chunk is a miss, never returned."""
+
+    @abstractmethod
+    def put(self, chunk: KvChunk, want_evicted: bool) -> list[KvChunk]:
+        """Holds `chunk` (already held: only made most recently used), evicting least recently
+        used chunks to fit it. Returns what left the tier (the chunk itself when it is larger
+        than the whole budget), for the next tier; `want_evicted` False when there is none,
+        so a tier need not read back what it deletes."""
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> bool:
+        """Forgets one chunk; False when it was not held."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Forgets every chunk; returns how many."""
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:  # noqa: B027  (a tier with nothing open needs no close)
+        """Releases what the tier holds open (files, locks, connections)."""

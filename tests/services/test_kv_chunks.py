@@ -1,0 +1,96 @@
+"""Chunk boundaries and keys, the data checks, and the worker's "stored KV" line."""
+
+import logging
+
+import msgspec
+import pytest
+
+from services import cluster_token
+from services.block_hash import hash_full_blocks
+from services.codec import Codec, DecodeError
+from services.kv_chunks import (
+    KvSlice,
+    chunk_keys,
+    chunk_problem,
+    chunk_token_ends,
+    log_stored,
+    make_chunk,
+    skip_leading_tokens,
+)
+from services.wire import KV_DTYPE_BYTES, ChunkKey, KvDtype, LookupChunks, ToKvStore
+
+SLICE = KvSlice("m", "bfloat16", layer_start=4, layer_end=8, head_start=2, head_end=4)
+
+
+def test_chunks_end_every_chunk_tokens_over_full_blocks() -> None:
+    assert chunk_token_ends(10, block_size=16, chunk_tokens=64) == [64, 128]
+    assert chunk_token_ends(10, 16, 64, with_partial_tail=True) == [64, 128, 160]
+    assert chunk_token_ends(8, 16, 64, with_partial_tail=True) == [64, 128]
+    assert chunk_token_ends(3, 16, 64) == []
+    for chunk_tokens in (0, 8, 24):
+        with pytest.raises(ValueError, match="multiple of block_size"):
+            chunk_token_ends(10, 16, chunk_tokens)
+
+
+def test_a_chunk_is_keyed_by_its_last_blocks_hash_and_the_ranks_slice() -> None:
+    hashes = hash_full_blocks(list(range(100)), block_size=4)         # 25 blocks
+    keys = chunk_keys(hashes, block_size=4, chunk_tokens=32, kv_slice=SLICE)
+    assert [(k.block_hash, k.num_tokens) for k in keys] == [(hashes[7], 32), (hashes[15], 32),
+                                                            (hashes[23], 32)]
+    assert all((k.model, k.dtype, k.layer_start, k.layer_end, k.head_start, k.head_end)
+               == ("m", "bfloat16", 4, 8, 2, 4) for k in keys)
+    tail = chunk_keys(hashes, 4, 32, SLICE, with_partial_tail=True)[-1]
+    assert (tail.block_hash, tail.num_tokens) == (hashes[24], 4)
+    # A longer prompt with the same start shares the leading keys; its chunk past the
+    # shorter prompt's tail ends elsewhere, so it never matches that tail.
+    longer = chunk_keys(hash_full_blocks(list(range(200)), 4), 4, 32, SLICE)
+    assert longer[:3] == keys and tail not in longer
+    other_rank = KvSlice("m", "bfloat16", 4, 8, 0, 2)
+    assert chunk_keys(hashes, 4, 32, other_rank)[0] != keys[0]
+
+
+def test_skip_leading_tokens_and_the_stored_line(caplog: pytest.LogCaptureFixture) -> None:
+    keys = chunk_keys(hash_full_blocks(list(range(100)), 4), 4, 32, SLICE,
+                      with_partial_tail=True)
+    assert skip_leading_tokens(keys, 0) == 0
+    assert skip_leading_tokens(keys, 2) == 64 and skip_leading_tokens(keys, 4) == 100
+    with caplog.at_level(logging.INFO):
+        log_stored(logging.getLogger("worker"), 36, 100, 64)
+    assert "stored KV for 36 of 100 tokens (skip_leading_tokens=64)" in caplog.text
+
+
+def test_make_chunk_and_chunk_problem() -> None:
+    key = SLICE.key(bytes(32), 16)
+    chunk = make_chunk(key, (2, 3), bytes(range(12)))
+    assert chunk.num_bytes == 12 and chunk_problem(chunk.header, chunk.data) is None
+    assert "data of 11 bytes" in (chunk_problem(chunk.header, bytes(range(11))) or "")
+    assert chunk_problem(chunk.header, bytes(range(1, 13))) == "checksum mismatch"
+    with pytest.raises(ValueError, match="11 bytes of data"):
+        make_chunk(key, (2, 3), bytes(11))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        make_chunk(key, (), b"")
+    with pytest.raises(ValueError, match="at least one dimension"):
+        make_chunk(key, (0, 3), b"")
+
+
+def test_the_dtype_list_and_its_sizes_agree() -> None:
+    assert set(KvDtype.__args__) == set(KV_DTYPE_BYTES)  # type: ignore[attr-defined]
+
+
+def test_keys_are_validated_when_decoded_and_built() -> None:
+    codec: Codec[ToKvStore] = Codec(ToKvStore, key=b"k" * 32)
+    good = SLICE.key(bytes(32), 16)
+    assert codec.decode(codec.encode(LookupChunks([[good]]))) == LookupChunks([[good]])
+    fields = ["ChunkKey", bytes(32), 16, "m", "bfloat16", 4, 8, 2, 4]
+    for index, value in [(6, 4),               # empty layer range
+                         (7, 4),               # empty head range
+                         (4, "int4"),          # not an allowed dtype
+                         (1, bytes(31)),       # not a SHA-256 hash
+                         (2, 0)]:              # no tokens
+        bad = [*fields[:index], value, *fields[index + 1:]]
+        payload = msgspec.msgpack.encode(["LookupChunks", [[bad]]])
+        with pytest.raises(DecodeError):
+            codec.decode(payload + cluster_token.frame_tag(b"k" * 32, payload))
+    with pytest.raises(ValueError, match="empty slice"):
+        KvSlice("m", "bfloat16", 4, 4, 0, 1).key(bytes(32), 16)
+    assert isinstance(good, ChunkKey) and hash(good) == hash(SLICE.key(bytes(32), 16))

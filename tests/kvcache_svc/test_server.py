@@ -351,3 +351,44 @@ def test_strangers_cannot_act_on_the_pools(service: Service, ctx: zmq.Context,
     pool = next(p for p in stub.Stats(kvcache_pb2.StatsRequest(), timeout=5,
                                       metadata=AUTH).pools if p.replica_id == 9)
     assert pool.num_cached_blocks == 3                   # nothing was cleared
+
+
+@pytest.mark.parametrize("store_on", [True, False], ids=["store", "no-store"])
+def test_admin_stats_report_the_kv_store(ctx: zmq.Context, store_on: bool) -> None:
+    """Admin Stats carries the store's counters and tiers (unset with --no-kv-store)."""
+    from services.kv_chunks import KvSlice, make_chunk
+    from services.kv_store_client import KvStoreClient
+    from services.wire import MAX_STORE_HEADER_BYTES, FromKvStore
+
+    store_port = free_port()
+    svc = start_service(free_port(), free_port(), store_port=store_port,
+                        args=() if store_on else ("--no-kv-store",))
+    try:
+        svc.wait_for("kvcache_svc ready")
+        with grpc.insecure_channel(f"{HOST}:{svc.admin_port}") as channel:
+            stub = kvcache_pb2_grpc.KvCacheAdminStub(channel)
+            if not store_on:
+                stats = stub.Stats(kvcache_pb2.StatsRequest(), timeout=5, metadata=AUTH)
+                assert not stats.HasField("store")
+                return
+            client = KvStoreClient(ctx, tcp_address(HOST, store_port), timeout_ms=5000,
+                                   codec=Codec(FromKvStore, MAX_STORE_HEADER_BYTES, key=KEY))
+            try:
+                kv_slice = KvSlice("m", "float32", 0, 2, 0, 1)
+                keys = [kv_slice.key(bytes([i]) * 32, 256) for i in range(3)]
+                chunks = [make_chunk(k, (2, 2, 256, 1, 4), bytes(2 * 2 * 256 * 4 * 4))
+                          for k in keys[:2]]
+                assert client.save(chunks).num_stored_chunks == 2
+                assert client.lookup(keys) == 2
+            finally:
+                client.close()
+            stats = stub.Stats(kvcache_pb2.StatsRequest(), timeout=5, metadata=AUTH)
+    finally:
+        svc.stop()
+    store = stats.store
+    assert (store.chunk_tokens, store.num_stored_chunks, store.num_stored_tokens) == (256, 2, 512)
+    assert store.num_stored_bytes == 2 * 16384
+    assert (store.num_hit_tokens, store.num_miss_tokens) == (512, 256)
+    memory = next(t for t in store.tiers if t.name == "memory")
+    assert memory.num_chunks == 2 and memory.num_bytes >= 2 * 16384
+    assert memory.capacity_bytes == 2 << 30

@@ -34,13 +34,59 @@ class PoolStats(_message.Message):
     num_requests: int
     def __init__(self, replica_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_queries: _Optional[int] = ..., num_hits: _Optional[int] = ..., hit_rate: _Optional[float] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
+class StoreTierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "num_chunks", "num_bytes", "num_evicted_chunks", "num_dropped_chunks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    num_chunks: int
+    num_bytes: int
+    num_evicted_chunks: int
+    num_dropped_chunks: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_evicted_chunks: _Optional[int] = ..., num_dropped_chunks: _Optional[int] = ...) -> None: ...
+
+class StoreStats(_message.Message):
+    __slots__ = ("chunk_tokens", "num_hit_tokens", "num_miss_tokens", "num_stored_chunks", "num_stored_tokens", "num_stored_bytes", "num_skipped_tokens", "num_loaded_chunks", "num_loaded_tokens", "num_loaded_bytes", "num_load_miss_tokens", "tiers")
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOAD_MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    chunk_tokens: int
+    num_hit_tokens: int
+    num_miss_tokens: int
+    num_stored_chunks: int
+    num_stored_tokens: int
+    num_stored_bytes: int
+    num_skipped_tokens: int
+    num_loaded_chunks: int
+    num_loaded_tokens: int
+    num_loaded_bytes: int
+    num_load_miss_tokens: int
+    tiers: _containers.RepeatedCompositeFieldContainer[StoreTierStats]
+    def __init__(self, chunk_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_miss_tokens: _Optional[int] = ..., num_stored_chunks: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_stored_bytes: _Optional[int] = ..., num_skipped_tokens: _Optional[int] = ..., num_loaded_chunks: _Optional[int] = ..., num_loaded_tokens: _Optional[int] = ..., num_loaded_bytes: _Optional[int] = ..., num_load_miss_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[StoreTierStats, _Mapping]]] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("pools", "num_plans")
+    __slots__ = ("pools", "num_plans", "store")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_PLANS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     num_plans: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_plans: _Optional[int] = ...) -> None: ...
+    store: StoreStats
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_plans: _Optional[int] = ..., store: _Optional[_Union[StoreStats, _Mapping]] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("replica_id",)

@@ -319,7 +319,7 @@ class Scheduler:
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling=request.sampling.to_spec(), block_ids=list(result.block_ids),
                 num_computed_tokens=result.num_cached_tokens,
-                num_new_tokens=result.num_new_tokens))
+                num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt))
             request.on_worker = True
             request.num_computed_tokens += result.num_new_tokens
 

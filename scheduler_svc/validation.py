@@ -13,14 +13,11 @@ from dataclasses import dataclass
 
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import ChatMessage
-from services.wire import MAX_ID_LEN, MAX_TOP_LOGPROBS
+from services.wire import MAX_CACHE_SALT_BYTES, MAX_ID_LEN, MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-# UTF-8 bytes of a cache salt: room for a tenant id or a random 256-bit secret in any encoding,
-# while bounding what is hashed and kept per request.
-MAX_CACHE_SALT_BYTES = 256
 # Below this a temperature is greedy: logits / 1e-45 overflow to inf and softmax gives NaN.
 # The same floor as vLLM's; the worker's sampler applies it again.
 MIN_TEMPERATURE = 1e-5

@@ -174,7 +174,13 @@ class ServiceProcesses:
         device = ["--device", s.worker_devices[i]] if s.worker_devices else []
         return [*model, "--scheduler", self.control_address, "--host", INTERNAL_HOST,
                 "--threads", str(self.threads_per_worker), "--worker-id", f"worker{i}",
-                *device, "--log-level", s.log_level, *s.worker_args]
+                *device, "--log-level", s.log_level, *self.kv_store_args(), *s.worker_args]
+
+    def kv_store_args(self) -> list[str]:
+        """Workers save their KV to kvcache_svc's store, on by default (a later `--kv-store ""`
+        in worker_args turns it off); a store on "any free port" has no address to give."""
+        port = self.spec.kv_store_port
+        return ["--kv-store", f"tcp://{INTERNAL_HOST}:{port}"] if port else []
 
     @property
     def threads_per_worker(self) -> int:
@@ -216,7 +222,7 @@ class ServiceProcesses:
                                          "--host", INTERNAL_HOST,
                                          "--threads", str(self.threads_per_worker),
                                          "--worker-id", name, "--log-level", s.log_level,
-                                         *s.worker_args, *extra])
+                                         *self.kv_store_args(), *s.worker_args, *extra])
 
     def dead(self) -> dict[str, int]:
         """Children that exited, with their exit codes."""

@@ -132,6 +132,9 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
                     "meet); after the first registration it retries forever")
     p.add_flag("--health-file", env="HEALTH_FILE",
                help="touched on every acknowledged heartbeat (container healthcheck)")
+    p.add_flag("--kv-store", env="KV_STORE", default="",
+               help="kvcache_svc's KV store (tcp://HOST:PORT, its --kv-store-port): save each "
+                    "completed chunk of computed KV there (empty: off; splitserve up sets it)")
     p.add_flag("--log-level", env="LOG_LEVEL", default="info")
     return p
 

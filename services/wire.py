@@ -31,6 +31,7 @@ MAX_BLOCKS_PER_REQUEST = MAX_TOKENS_PER_REQUEST  # block ids held by one request
 MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
 MAX_ID_LEN = 256                   # characters of a request or worker id
 MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
+MAX_CACHE_SALT_BYTES = 256         # UTF-8 bytes of a request's cache salt (a tenant id or secret)
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -71,6 +72,7 @@ class NewRequest(_Wire):
     block_ids: BlockIds                 # all KV blocks the request holds, in order
     num_computed_tokens: Count          # tokens whose KV is already in the cache (prefix hit)
     num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # tokens to compute this step
+    cache_salt: Annotated[bytes, Meta(max_length=MAX_CACHE_SALT_BYTES)] = b""  # in block 0's hash
 
 
 class RunningRequest(_Wire):

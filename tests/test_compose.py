@@ -274,6 +274,7 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
                          (server.metrics_port, str(server.metrics_port))}
     assert kv.events_port == 50055
     assert kv.store is not None and kv.store.port == 50057
+    assert worker.kv_store == f"tcp://kvcache:{kv.store.port}"   # workers save KV there
     assert probe_args(services["kvcache"]) == [f"127.0.0.1:{kv.admin_port}"]
     assert probe_args(services["scheduler"]) == [f"127.0.0.1:{server.port}"]
 

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,
         quant_kernels=not a.no_quant_kernels, cpu_level=cpu_level,
         register_timeout_s=a.register_timeout, health_file=a.health_file,
-        enforce_eager=a.enforce_eager, overlap_steps=overlap,
+        enforce_eager=a.enforce_eager, overlap_steps=overlap, kv_store=a.kv_store,
         # End-to-end tests only (tests/e2e/test_step_path.py): no flag, so no user meets it.
         fail_request_prefix=p.env("TEST_FAIL_REQUEST_PREFIX", str, None))
 

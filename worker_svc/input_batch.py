@@ -25,11 +25,12 @@ class RequestState:
     """What the worker knows about one request between steps."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
-                 "num_computed_tokens", "sampling", "generator")
+                 "num_computed_tokens", "sampling", "generator", "cache_salt",
+                 "num_saved_chunks", "block_hashes")
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, sampling: SamplingSpec,
-                 generator: SeededUniforms | None):
+                 generator: SeededUniforms | None, cache_salt: bytes = b""):
         self.request_id = request_id
         self.token_ids = token_ids                    # prompt + outputs known to this worker
         self.num_prompt_tokens = num_prompt_tokens
@@ -38,6 +39,12 @@ class RequestState:
         self.num_computed_tokens = num_computed_tokens
         self.sampling = sampling
         self.generator = generator                    # seeded requests that sample (not greedy)
+        self.cache_salt = cache_salt                  # enters block 0's hash (block_hash.py)
+        # KV store saving (worker_svc.kv_saver): chunks handed to the saver (copied or
+        # skipped; -1 until its first step with a saver), and the chained hashes of the
+        # leading full blocks keyed so far.
+        self.num_saved_chunks = -1
+        self.block_hashes: list[bytes] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +143,7 @@ class InputBatch:
             generator = new_generator(sampling.seed, num_tokens - request.num_prompt_tokens)
         return RequestState(rid, list(request.token_ids), request.num_prompt_tokens,
                             list(request.block_ids), request.num_computed_tokens, sampling,
-                            generator)
+                            generator, request.cache_salt)
 
     def _check_running(self, request: RunningRequest, held: set[str],
                        seen: set[str]) -> _RunningUpdate:

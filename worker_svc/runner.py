@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
 from services.wire import (
     IDLE_GAP_S,
@@ -54,6 +55,7 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
+from worker_svc.kv_saver import KvSaver, PendingSave
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.tensor_parallel import TpGroup, TpShard
@@ -96,6 +98,7 @@ class LaunchedStep:
     sample_ms: float = 0.0
     launched_at: float = 0.0                           # perf_counter() after the launch
     gap_ms: float = 0.0
+    saves: list[PendingSave] = field(default_factory=list)  # KV chunks copied out, to queue
 
     def ready(self) -> bool:
         """Whether `finish` would return without waiting for the device."""
@@ -164,6 +167,14 @@ class ModelRunner:
         # Test-only fault injection (worker_svc.server, from the environment): a step holding
         # a request whose id starts with this raises before its forward.
         self.fail_request_prefix: str | None = None
+        # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off.
+        self.kv_saver: KvSaver | None = None
+
+    def kv_slice(self) -> KvSlice:
+        """This rank's part of the model's KV: what its KV store chunks hold."""
+        shard = self.model.shard
+        return KvSlice(self.config.name, str(self.dtype).removeprefix("torch."),
+                       self.model.first_layer, self.model.end_layer, *shard.kv_heads)
 
     # -------------------------------------------------------------------------------- KV cache
 
@@ -240,14 +251,19 @@ class ModelRunner:
 
     def finish(self, launched: LaunchedStep) -> StepOutput | StageActivations:
         """Wait for a launched step and return its result; steps finish in launch order."""
-        if launched.activations is not None:
-            return launched.activations
-        try:
-            return self._finish(launched)
-        except Exception:
-            if self.input_batch is not None:
-                self.input_batch.discard(launched.step)
-            raise
+        result: StepOutput | StageActivations | None = launched.activations
+        if result is None:
+            try:
+                result = self._finish(launched)
+            except Exception:
+                if self.input_batch is not None:
+                    self.input_batch.discard(launched.step)
+                if launched.saves and self.kv_saver is not None:
+                    self.kv_saver.drop(launched.saves)
+                raise
+        if launched.saves and self.kv_saver is not None and self.input_batch is not None:
+            self.kv_saver.submit(launched.saves, self.input_batch.block_size)
+        return result
 
     def failed_output(self, step: StepInput, exc: Exception) -> StepOutput:
         """The answer to `step` after `launch` or `finish` raised `exc` (one-rank replicas)."""
@@ -307,6 +323,9 @@ class ModelRunner:
                 launched.activations = StageActivations(hidden, residual)
             else:
                 self._sample(launched, layout, hidden, residual)
+            if self.kv_saver is not None:     # last to raise: copied before any later step
+                launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
+                                                        input_batch.block_size)
             if on_gpu:
                 launched.gpu_end = torch.cuda.Event(enable_timing=True)
                 launched.gpu_end.record()

@@ -36,20 +36,8 @@ from services.cpus import available_cpus
 from services.grpc_server import CHANNEL_OPTIONS
 from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import control_pb2, control_pb2_grpc
-from services.wire import (
-    CacheReady,
-    FromWorker,
-    InitCache,
-    StepInput,
-    ToWorker,
-    WorkerFailure,
-)
-from worker_svc.device import (
-    DeviceError,
-    device_label,
-    device_uuid,
-    dtype_for,
-)
+from services.wire import CacheReady, FromWorker, InitCache, StepInput, ToWorker, WorkerFailure
+from worker_svc.device import DeviceError, device_label, device_uuid, dtype_for
 from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
 from worker_svc.runner import LaunchedStep
@@ -82,6 +70,7 @@ class WorkerConfig:
     # Launch the next step before reading the last one's tokens (None: on CUDA only).
     overlap_steps: bool | None = None
     fail_request_prefix: str | None = None  # tests only: steps with such a request raise
+    kv_store: str = ""              # kvcache_svc's KV store, tcp://HOST:PORT ("": no saving)
 
 
 class WorkerServer:
@@ -142,6 +131,8 @@ class WorkerServer:
             # raises ValueError in that thread (seen once in CI as a stray traceback on exit).
             self._stop.set()
             heartbeat.join(timeout=HEARTBEAT_RPC_TIMEOUT_S + 1)
+            if runner is not None and runner.kv_saver is not None:
+                runner.kv_saver.close()
             steps.close()
             channel.close()
             ctx.destroy(linger=0)
@@ -230,6 +221,7 @@ class WorkerServer:
 
     def _load(self, placement: control_pb2.RegisterResponse,
               link: "ParallelGroups | None") -> "ModelRunner | None":  # noqa: F821
+        from worker_svc.kv_saver import KvSaver
         from worker_svc.model.tensor_parallel import TpGroup, TpShard
         from worker_svc.runner import ModelRunner
 
@@ -266,6 +258,8 @@ class WorkerServer:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)
             runner.fail_request_prefix = cfg.fail_request_prefix
+        if cfg.kv_store:
+            runner.kv_saver = KvSaver(cfg.kv_store, runner.kv_slice())
         log.info("loaded layers [%d, %d) in %.1fs (%.2f GiB of weights)", placement.first_layer,
                  placement.end_layer, time.monotonic() - started,
                  runner.weight_bytes / (1 << 30))

@@ -122,13 +122,6 @@ def service() -> Iterator[Service]:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def client(service: Service, ctx: zmq.Context) -> Iterator[RequestClient[FromKvCache]]:
     rpc: RequestClient[FromKvCache] = RequestClient(
         ctx, Codec(FromKvCache, key=KEY), tcp_address(HOST, service.plan_port))

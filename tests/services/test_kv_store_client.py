@@ -20,13 +20,6 @@ from tests.kvcache_svc.kv_store.serving import HOST, client_codec, server_codec,
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def store() -> KvStore:
     return KvStore([MemoryTier(1 << 20)], chunk_tokens=CHUNK_TOKENS)
 

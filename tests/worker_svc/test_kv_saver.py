@@ -38,13 +38,6 @@ def runner(model_path: Path, model_config: ModelConfig) -> ModelRunner:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def address(ctx: zmq.Context) -> Iterator[str]:
     with serving(ctx, KvStore([MemoryTier(256 << 20)], chunk_tokens=CHUNK_TOKENS)) as loop:
         yield loop.address

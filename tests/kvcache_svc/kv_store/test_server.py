@@ -33,13 +33,6 @@ TIMEOUT_MS = 5000
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.term()
-
-
-@pytest.fixture
 def store() -> KvStore:
     return KvStore([MemoryTier(1 << 20)], chunk_tokens=CHUNK_TOKENS)
 

@@ -46,7 +46,7 @@ class ServerConfig:
     heartbeat_timeout_s: float = 3.0      # workers beat every second
     replica_wait_s: float = 60.0          # how long a request may wait for a ready replica
     route_tokens_per_request: float = 64.0  # routing: one live request weighs this many
-                                            # cached prefix tokens (see Cluster.route)
+                                            # cached prefix tokens (see Router.route)
     metrics_port: int | None = 8000       # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size

@@ -22,10 +22,10 @@ Failures, and who handles them:
   explicit error to each client, blocks freed) and serves on. If the failed step may have
   left blocks without KV in the prefix index, the engine first empties the index as above
   (every running request recomputes; none fails).
-- A worker is lost (the cluster's heartbeat monitor calls `fail_over`, or a step times out,
+- A worker is lost (membership's heartbeat monitor calls `fail_over`, or a step times out,
   or a rank of a multi-rank replica fails a step, which may leave its peers stuck in a
   collective): the engine stops, drops its pool in kvcache_svc, and hands every live request
-  back to the cluster (`on_down`) with its state reset for recompute, so it continues on
+  back to the router (`on_down`) with its state reset for recompute, so it continues on
   another replica from prompt + tokens so far, its stream uninterrupted. Only a step a rank
   failed by itself (not a lost peer: `WorkerFailure.peer_lost`) fails its own requests first.
 """
@@ -208,7 +208,7 @@ class ReplicaEngine:
 
     def _go_down(self, io: EngineTransport, reason: str) -> None:
         """Drops the replica's pool and prefix index in kvcache_svc (its blocks describe KV
-        that no longer exists) and hands every live request back to the cluster, reset to
+        that no longer exists) and hands every live request back to the router, reset to
         run again from its prompt + tokens so far (nothing is lost silently)."""
         with self._submit_lock:
             self._dead = True

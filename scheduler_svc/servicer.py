@@ -1,7 +1,7 @@
 """gRPC adapters of scheduler_svc: `Generation` (public) and `WorkerControl` (workers).
 
 Thin by design: convert protobuf to core types (`from_pb`), call the core, convert back
-(`to_pb`), and map core exceptions to status codes. Policy lives in Frontend and Cluster.
+(`to_pb`), and map core exceptions to status codes. Policy lives in Frontend, Membership and Router.
 """
 
 import logging

@@ -18,7 +18,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.wire import CHUNK_CHECKSUM_BYTES, KV_DTYPE_BYTES, ChunkHeader, ChunkKey
+from services.kv_store_wire import (
+    CHUNK_CHECKSUM_BYTES,
+    KV_DTYPE_BYTES,
+    ChunkHeader,
+    ChunkKey,
+    KvSlice,
+)
 
 
 def chunk_checksum(data: bytes | memoryview) -> bytes:
@@ -71,22 +77,6 @@ def chunk_problem(header: ChunkHeader, data: bytes | memoryview) -> str | None:
     if chunk_checksum(data) != header.checksum:
         return "checksum mismatch"
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class KvSlice:
-    """The part of a model's KV one rank holds: what every one of its chunk keys shares."""
-
-    model: str          # names the weights (two models must never share a name)
-    dtype: str          # KV element type, a services.wire.KvDtype
-    layer_start: int    # first layer of the rank (pipeline stage)
-    layer_end: int      # one past its last layer
-    head_start: int     # first KV head of the rank (tensor-parallel slice)
-    head_end: int       # one past its last KV head
-
-    def key(self, block_hash: bytes, num_tokens: int) -> ChunkKey:
-        return ChunkKey(block_hash, num_tokens, self.model, self.dtype,  # type: ignore[arg-type]
-                        self.layer_start, self.layer_end, self.head_start, self.head_end)
 
 
 def chunk_token_ends(num_full_blocks: int, block_size: int, chunk_tokens: int,

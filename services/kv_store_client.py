@@ -21,7 +21,7 @@ import zmq
 from services import cluster_token
 from services.codec import Codec, DecodeError
 from services.kv_chunks import KvChunk, chunk_problem
-from services.wire import (
+from services.kv_store_wire import (
     MAX_CHUNK_BYTES,
     MAX_CHUNKS_PER_MESSAGE,
     MAX_KEY_LISTS,

@@ -12,7 +12,7 @@ import torch
 
 from services.kv_chunks import KvChunk, make_chunk
 from services.kv_store_client import KvStoreClient, SaveResult
-from services.wire import KV_DTYPE_BYTES, ChunkKey
+from services.kv_store_wire import KV_DTYPE_BYTES, ChunkKey
 
 log = logging.getLogger(__name__)
 

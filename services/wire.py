@@ -9,9 +9,8 @@ Scheduler -> worker: `StepInput`, `InitCache`.        Worker -> scheduler: `Step
 `CacheReady`, `WorkerFailure`.   Scheduler -> kvcache_svc: `PlanRequest`, `ConfigurePool`,
 `DropPool`, `PrefixQuery`; kvcache_svc answers `PlanReply`, `KvAck` or `PrefixReply`, and
 publishes every prefix-index change as a `KvEventBatch` (PUB/SUB, any number of subscribers).
-Worker or scheduler -> kvcache_svc's KV store: `SaveChunks`, `LookupChunks`, `LoadChunks`,
-`DescribeStore`; answered by `SaveReply`, `LookupReply`, `LoadReply`, `StoreInfo` or
-`StoreRefused`. `SaveChunks` and `LoadReply` are followed by raw data frames (see below).
+The KV store's own messages (chunks of KV and their raw data frames) are in
+`services.kv_store_wire`.
 
 Step messages are diffs (shared/DESIGN.md section 2): a request travels in full once as a
 `NewRequest` (again after preemption, since preemption drops the worker's state); afterwards
@@ -19,7 +18,7 @@ only what changed travels as a `RunningRequest`.
 """
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -340,108 +339,3 @@ class KvEventBatch(_Wire):
     seq: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # from 0 per epoch, +1 per batch published
     replica_id: Count
     events: Annotated[list[KvEvent], Meta(max_length=MAX_EVENTS_PER_BATCH)]
-
-# -------------------------------------------------------------- KV store: worker <-> kvcache_svc
-# Computed KV kept by kvcache_svc in chunks (a rank's slice of the KV of `num_tokens` tokens;
-# services.kv_chunks cuts and keys them). A message is a ZMQ multipart: one header frame through
-# the Codec (so the cluster-token HMAC covers it), then one raw data frame per ChunkHeader, in
-# order. The header's checksum (BLAKE2b-256 of the data frame) is verified before data is stored
-# or taken, so the authenticated header vouches for the data. Data frames are never msgpack.
-
-KvDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]  # torch names
-KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-                  "float8_e5m2": 1}
-MAX_CHUNK_TOKENS = 1 << 16          # tokens in one chunk
-MAX_CHUNK_BYTES = 1 << 29           # one data frame; receiving sockets refuse a larger frame
-MAX_CHUNKS_PER_MESSAGE = 1 << 16    # headers or keys in one message (or one key list)
-MAX_KEY_LISTS = 1 << 10             # key lists in one LookupChunks
-MAX_STORE_DATA_BYTES = 1 << 30      # data frames of one message together (senders split above)
-MAX_STORE_HEADER_BYTES = 16 << 20   # one header frame (before its HMAC tag)
-CHUNK_CHECKSUM_BYTES = 32           # BLAKE2b-256
-SliceIndex = Annotated[int, Meta(ge=0, le=1 << 16)]
-
-
-class ChunkKey(_Wire, frozen=True):
-    """Which stored chunk; equal keys mean equal KV. The chained hash fixes every token up to
-    the chunk's end, so a chunk is only ever found after its exact prefix."""
-
-    block_hash: BlockHash               # chained hash of the chunk's last block (block_hash.py)
-    num_tokens: Annotated[int, Meta(ge=1, le=MAX_CHUNK_TOKENS)]  # tokens of KV, ending there
-    model: Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]  # weights the KV came from
-    dtype: KvDtype                      # element type of the data
-    layer_start: SliceIndex             # first layer of the rank's slice
-    layer_end: SliceIndex               # one past its last layer
-    head_start: SliceIndex              # first KV head of the rank's slice
-    head_end: SliceIndex                # one past its last KV head
-
-    def __post_init__(self) -> None:    # while decoding, msgspec makes this a ValidationError
-        if self.layer_start >= self.layer_end or self.head_start >= self.head_end:
-            raise ValueError(f"empty slice: layers [{self.layer_start}, {self.layer_end}), "
-                             f"KV heads [{self.head_start}, {self.head_end})")
-
-
-class ChunkHeader(_Wire, frozen=True):
-    """One chunk's data frame, described; the frame itself follows the message's header."""
-
-    key: ChunkKey
-    shape: Annotated[tuple[Annotated[int, Meta(ge=1, lt=1 << 31)], ...],
-                     Meta(min_length=1, max_length=8)]   # elements per dimension (layout: caller's)
-    num_bytes: Annotated[int, Meta(ge=1, le=MAX_CHUNK_BYTES)]  # of the data frame
-    checksum: Annotated[bytes, Meta(min_length=CHUNK_CHECKSUM_BYTES,
-                                    max_length=CHUNK_CHECKSUM_BYTES)]  # BLAKE2b-256 of the data
-
-
-ChunkKeys = Annotated[list[ChunkKey], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]
-
-
-class SaveChunks(_Wire):
-    """Store these chunks (one data frame per header follows). One bad frame refuses the whole
-    message; chunks already held are skipped and kept."""
-
-    chunks: Annotated[list[ChunkHeader], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]
-
-
-class SaveReply(_Wire):
-    num_stored_chunks: Count            # newly stored (the rest fit no tier or were held)
-    num_held_chunks: Count              # already held, skipped
-
-
-class LookupChunks(_Wire):
-    """How many leading chunks of each key list are held (a chunk is only useful after every
-    chunk before it). Changes nothing, so the answer may be stale by the time of a load."""
-
-    key_lists: Annotated[list[ChunkKeys], Meta(max_length=MAX_KEY_LISTS)]
-
-
-class LookupReply(_Wire):
-    num_leading_chunks: Annotated[list[Count], Meta(max_length=MAX_KEY_LISTS)]  # per key list
-
-
-class LoadChunks(_Wire):
-    keys: ChunkKeys                     # the chunks to send
-
-
-class LoadReply(_Wire):
-    """Per key, in order: its header, or None for a miss (not held, or dropped as corrupt); one
-    data frame follows per header. Answers a prefix of the keys (at least one) when all would
-    pass MAX_STORE_DATA_BYTES: the caller asks again for the rest."""
-
-    chunks: Annotated[list[ChunkHeader | None], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]
-
-
-class DescribeStore(_Wire):
-    """What the store expects of its callers (answered by StoreInfo)."""
-
-
-class StoreInfo(_Wire):
-    chunk_tokens: Annotated[int, Meta(ge=1, le=MAX_CHUNK_TOKENS)]  # tokens per full chunk
-
-
-class StoreRefused(_Wire):
-    """The request was malformed (frames, sizes, checksums) and changed nothing."""
-
-    error: Annotated[str, Meta(max_length=4096)]
-
-
-ToKvStore = SaveChunks | LookupChunks | LoadChunks | DescribeStore
-FromKvStore = SaveReply | LookupReply | LoadReply | StoreInfo | StoreRefused

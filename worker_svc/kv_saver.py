@@ -35,8 +35,8 @@ from services.block_hash import NONE_HASH, hash_full_blocks
 from services.codec import Codec
 from services.kv_chunks import KvSlice, chunk_keys, log_stored, skip_leading_tokens
 from services.kv_store_client import KvStoreClient
+from services.kv_store_wire import ChunkKey, FromKvStore
 from services.kv_tensors import save_tensors
-from services.wire import ChunkKey, FromKvStore
 from worker_svc.input_batch import RequestState, ScheduledRequest
 
 log = logging.getLogger(__name__)

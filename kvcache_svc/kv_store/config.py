@@ -14,7 +14,7 @@ from kvcache_svc.kv_store.disk_tier import DiskTier
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from kvcache_svc.kv_store.tier import StoreTier
-from services.wire import MAX_CHUNK_TOKENS
+from services.kv_store_wire import MAX_CHUNK_TOKENS
 
 GIB = 1 << 30
 

@@ -26,7 +26,7 @@ import msgspec
 
 from kvcache_svc.kv_store.tier import StoreTier, TierStats
 from services.kv_chunks import KvChunk, chunk_problem
-from services.wire import ChunkHeader, ChunkKey
+from services.kv_store_wire import ChunkHeader, ChunkKey
 
 log = logging.getLogger(__name__)
 

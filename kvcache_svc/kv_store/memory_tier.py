@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 from kvcache_svc.kv_store.tier import StoreTier, TierStats
 from services.kv_chunks import KvChunk
-from services.wire import ChunkKey
+from services.kv_store_wire import ChunkKey
 
 
 class MemoryTier(StoreTier):

@@ -22,7 +22,7 @@ import zmq
 from kvcache_svc.kv_store.store import ChunkRejected, KvStore
 from services import cluster_token
 from services.codec import Codec, DecodeError
-from services.wire import (
+from services.kv_store_wire import (
     MAX_CHUNK_BYTES,
     MAX_STORE_DATA_BYTES,
     MAX_STORE_HEADER_BYTES,

@@ -14,35 +14,15 @@ Called by `kvcache_svc.kv_store.server` (the store's socket) and, for stats, by 
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from kvcache_svc.kv_store.tier import StoreTier, TierStats
+from kvcache_svc.kv_store.tier import StoreTier
 from services.kv_chunks import KvChunk, chunk_problem
-from services.wire import ChunkHeader, ChunkKey
+from services.kv_store_wire import ChunkHeader, ChunkKey, StoreStats
 
 
 class ChunkRejected(ValueError):
     """A chunk the store will not take: data that does not match its header, or a chunk
     longer than the store's chunk size."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    chunk_tokens: int           # tokens per full chunk
-    num_hit_tokens: int         # looked up: tokens of the leading chunks held
-    num_miss_tokens: int        # looked up: tokens of the chunks after them
-    num_stored_chunks: int      # saved and newly stored
-    num_stored_tokens: int
-    num_stored_bytes: int
-    num_skipped_tokens: int     # saved but already held (a caller that did not look up first)
-    num_loaded_chunks: int      # served by get
-    num_loaded_tokens: int
-    num_loaded_bytes: int
-    num_load_miss_tokens: int   # asked of get but not held (evicted or dropped since a lookup)
-    tiers: tuple[TierStats, ...]  # fastest first
-
-    def tier(self, name: str) -> TierStats | None:
-        return next((tier for tier in self.tiers if tier.name == name), None)
 
 
 class KvStore:

@@ -6,20 +6,9 @@ nothing above it changes. Tiers are not thread-safe: `KvStore` serialises every 
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 from services.kv_chunks import KvChunk
-from services.wire import ChunkKey
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    name: str                   # "memory", "disk", ...
-    capacity_bytes: int         # the tier's byte budget
-    num_chunks: int             # chunks held now
-    num_bytes: int              # bytes used now (on disk: whole files)
-    num_evicted_chunks: int     # pushed out to make room, since start
-    num_dropped_chunks: int     # found corrupt or truncated and deleted, since start
+from services.kv_store_wire import ChunkKey, TierStats
 
 
 class StoreTier(ABC):

@@ -13,8 +13,8 @@ from services.block_hash import hash_full_blocks
 from services.codec import Codec
 from services.kv_chunks import KvSlice, chunk_keys
 from services.kv_store_client import KvStoreClient
+from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore
 from services.model_config import default_model_path, load_model_config
-from services.wire import MAX_STORE_HEADER_BYTES, FromKvStore
 from tests.e2e.harness import RunningCluster, greedy_request, run_cluster, stream_tokens, wait_for
 
 pytestmark = pytest.mark.e2e

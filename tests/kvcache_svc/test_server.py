@@ -351,7 +351,7 @@ def test_admin_stats_report_the_kv_store(ctx: zmq.Context, store_on: bool) -> No
     """Admin Stats carries the store's counters and tiers (unset with --no-kv-store)."""
     from services.kv_chunks import KvSlice, make_chunk
     from services.kv_store_client import KvStoreClient
-    from services.wire import MAX_STORE_HEADER_BYTES, FromKvStore
+    from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore
 
     store_port = free_port()
     svc = start_service(free_port(), free_port(), store_port=store_port,

@@ -17,7 +17,7 @@ from services.kv_chunks import (
     make_chunk,
     skip_leading_tokens,
 )
-from services.wire import KV_DTYPE_BYTES, ChunkKey, KvDtype, LookupChunks, ToKvStore
+from services.kv_store_wire import KV_DTYPE_BYTES, ChunkKey, KvDtype, LookupChunks, ToKvStore
 
 SLICE = KvSlice("m", "bfloat16", layer_start=4, layer_end=8, head_start=2, head_end=4)
 

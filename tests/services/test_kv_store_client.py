@@ -14,7 +14,7 @@ from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from services.kv_chunks import KvChunk, log_stored, skip_leading_tokens
 from services.kv_store_client import KvStoreClient, SaveResult
-from services.wire import LoadReply, StoreInfo
+from services.kv_store_wire import LoadReply, StoreInfo
 from tests.kvcache_svc.kv_store.common import CHUNK_TOKENS, chunk, key
 from tests.kvcache_svc.kv_store.serving import HOST, client_codec, server_codec, serving
 

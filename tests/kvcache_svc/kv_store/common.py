@@ -3,7 +3,7 @@
 import hashlib
 
 from services.kv_chunks import KvChunk, KvSlice, make_chunk
-from services.wire import ChunkKey
+from services.kv_store_wire import ChunkKey
 
 SLICE = KvSlice("test-model", "float16", layer_start=0, layer_end=2, head_start=0, head_end=4)
 CHUNK_TOKENS = 16

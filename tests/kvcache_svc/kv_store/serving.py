@@ -10,7 +10,7 @@ from kvcache_svc.kv_store.server import KvStoreLoop
 from kvcache_svc.kv_store.store import KvStore
 from services import cluster_token
 from services.codec import Codec
-from services.wire import MAX_STORE_HEADER_BYTES, FromKvStore, ToKvStore
+from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore, ToKvStore
 
 HOST = "127.0.0.1"
 TOKEN = "kv-store-test-token-0123456789"

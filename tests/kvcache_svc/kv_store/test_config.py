@@ -10,7 +10,7 @@ from kvcache_svc.__main__ import parse_config
 from kvcache_svc.kv_store.config import GIB, KvStoreConfig, build_store
 from services.codec import Codec
 from services.kv_store_client import KvStoreClient, SaveResult
-from services.wire import MAX_STORE_HEADER_BYTES, FromKvStore
+from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore
 from tests.kvcache_svc.kv_store.common import chunk, key
 from tests.kvcache_svc.test_server import KEY, free_port, start_service
 

@@ -12,7 +12,7 @@ from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from services import cluster_token
 from services.codec import Codec
-from services.wire import (
+from services.kv_store_wire import (
     MAX_CHUNK_BYTES,
     DescribeStore,
     FromKvStore,

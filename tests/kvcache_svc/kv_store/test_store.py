@@ -1,7 +1,6 @@
 """KvStore: leading-prefix lookups, all-or-nothing saves, counters, and the tiers layered
 (memory spills to disk, disk hits come back up, a damaged disk chunk is a miss)."""
 
-import dataclasses
 import threading
 from pathlib import Path
 
@@ -170,7 +169,7 @@ def test_stats_are_a_frozen_snapshot() -> None:
     before = store.stats()
     save(store, [chunk(0)])
     assert before.num_stored_chunks == 0 and store.stats().num_stored_chunks == 1
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):   # a frozen struct
         before.num_stored_chunks = 5  # type: ignore[misc]
 
 

@@ -13,6 +13,7 @@ hands out the prefix-index changes of each operation as wire KV events (`drain_e
 from dataclasses import dataclass
 
 from kvcache_svc.block_pool import BlockPool, IndexLog, KVBlock
+from kvcache_svc.kv_store.view import StoreView
 from services.wire import (
     MAX_BLOCKS_PER_REQUEST,
     AdmitOp,
@@ -39,6 +40,7 @@ class PoolStats:
     num_cached_blocks: int      # in the prefix index, referenced or not
     num_queries: int            # tokens of admitted requests looked up in the index
     num_hits: int               # of those, tokens served from cache
+    num_store_hits: int         # of those, tokens loaded from the KV store instead
     num_requests: int           # requests holding blocks
 
     @property
@@ -66,7 +68,9 @@ class ReplicaBlockManager:
     """One replica's pool plus the blocks of each request on it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, *,
-                 epoch: int = 0, record_events: bool = False) -> None:
+                 epoch: int = 0, record_events: bool = False,
+                 store: StoreView | None = None) -> None:
+        """`store`: the KV store as this replica sees it (None: admissions never load)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = BlockPool(num_blocks, IndexLog() if record_events else None)
@@ -74,8 +78,10 @@ class ReplicaBlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.requests: dict[str, RequestBlocks] = {}
+        self.store = store
         self.num_queries = 0
         self.num_hits = 0
+        self.num_store_hits = 0
 
     # ------------------------------------------------------------------------------ the plan
 
@@ -161,12 +167,13 @@ class ReplicaBlockManager:
         """Admits one request, or returns None (and changes nothing) when it does not fit."""
         hit_blocks = self._find_hits(op)
         num_cached = len(hit_blocks) * self.block_size
-        num_new = op.num_tokens - num_cached
+        num_load = self._num_store_tokens(op, len(hit_blocks))
+        num_new = 0 if num_load else op.num_tokens - num_cached
         if num_new > op.max_num_new_tokens:
             if not op.allow_partial:
                 return None
             num_new = op.max_num_new_tokens
-        num_covered = num_cached + num_new
+        num_covered = num_cached + num_load + num_new
         num_new_blocks = cdiv(num_covered, self.block_size) - len(hit_blocks)
         # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
         num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
@@ -177,14 +184,26 @@ class ReplicaBlockManager:
         blocks = hit_blocks + self.pool.get_new_blocks(num_new_blocks)
         num_committed = 0
         if self.enable_prefix_caching:
-            num_committed = min(len(op.block_hashes), num_covered // self.block_size)
+            # Blocks being loaded hold no KV yet: the grow after the load commits them.
+            num_committed = len(hit_blocks) if num_load else min(
+                len(op.block_hashes), num_covered // self.block_size)
             for i in range(len(hit_blocks), num_committed):
                 self.pool.cache_block(blocks[i], op.block_hashes[i])
             self.num_queries += op.num_tokens
             self.num_hits += num_cached
+        self.num_store_hits += num_load
         self.requests[op.request_id] = RequestBlocks(blocks, num_committed)
         return AdmitResult(op.request_id, num_cached, num_new,
-                           [block.block_id for block in blocks], num_committed)
+                           [block.block_id for block in blocks], num_committed, num_load)
+
+    def _num_store_tokens(self, op: AdmitOp, num_hit_blocks: int) -> int:
+        """Tokens after the cached prefix to load from the KV store (0: compute them), leaving
+        at least one token to compute, as a prefix hit does."""
+        if self.store is None or len(op.block_hashes) < self.store.blocks_per_chunk:
+            return 0
+        num_held = self.store.num_held_blocks(op.block_hashes, num_hit_blocks)
+        num_stored = min(num_held * self.block_size, op.num_tokens - 1)
+        return max(0, num_stored - num_hit_blocks * self.block_size)
 
     def _find_hits(self, op: AdmitOp) -> list[KVBlock]:
         """The blocks of the longest cached prefix of `op`, leaving at least one token to
@@ -207,6 +226,13 @@ class ReplicaBlockManager:
         """Leading `block_hashes` in the prefix index; changes nothing (0 with caching off,
         as the index is then always empty)."""
         return self.pool.num_cached_prefix_blocks(block_hashes)
+
+    def num_stored_prefix_blocks(self, block_hashes: list[bytes]) -> int:
+        """Leading `block_hashes` whose KV the store holds for this replica (whole chunks);
+        changes nothing, counts nothing."""
+        if self.store is None:
+            return 0
+        return self.store.num_held_blocks(block_hashes, record=False)
 
     def drain_events(self) -> list[KvEvent]:
         """The prefix-index changes since the last call, in order, as wire events; always empty
@@ -237,6 +263,7 @@ class ReplicaBlockManager:
             num_cached_blocks=self.pool.num_cached_blocks,
             num_queries=self.num_queries,
             num_hits=self.num_hits,
+            num_store_hits=self.num_store_hits,
             num_requests=len(self.requests),
         )
 

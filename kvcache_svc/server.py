@@ -21,10 +21,12 @@ from kvcache_svc.block_manager import PoolStats, ReplicaBlockManager
 from kvcache_svc.events import EventPublisher
 from kvcache_svc.kv_store.config import KvStoreConfig, build_store
 from kvcache_svc.kv_store.server import KvStoreLoop
-from kvcache_svc.kv_store.store import KvStore, StoreStats
+from kvcache_svc.kv_store.store import KvStore
+from kvcache_svc.kv_store.view import StoreView
 from services.channels import ReplyServer, tcp_address
 from services.codec import Codec
 from services.grpc_server import Health, bind, make_server
+from services.kv_store_wire import StoreStats
 from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.wire import (
     MAX_REPLICAS,
@@ -71,6 +73,9 @@ class KvCachePools:
         self._managers: dict[int, ReplicaBlockManager] = {}
         self.scheduler_epoch = 0   # the scheduler instance that owns the pools
         self.num_plans = 0
+        # The KV store (set by KvCacheServer once built): admissions of a pool configured with
+        # its ranks' slices load what it holds past their prefix hit.
+        self.store: KvStore | None = None
 
     def handle(self, message: ToKvCache) -> FromKvCache:
         """The reply to one message. Never raises: a failure becomes an error reply (a
@@ -129,7 +134,8 @@ class KvCachePools:
         try:
             manager = ReplicaBlockManager(message.num_blocks, message.block_size,
                                           message.enable_prefix_caching, epoch=self.epoch,
-                                          record_events=self._publish is not None)
+                                          record_events=self._publish is not None,
+                                          store=self._store_view(message))
         except ValueError as exc:
             return KvAck(str(exc)[:MAX_ERROR_LEN], self.epoch)
         # A restarted scheduler re-uses replica ids from 0: the old pool and its index go.
@@ -137,11 +143,22 @@ class KvCachePools:
         self._managers[message.replica_id] = manager
         if replaced:
             self._publish_events(message.replica_id, [AllBlocksCleared()])
-        log.info("%s pool of replica %d: %d blocks of %d tokens, prefix caching %s",
-                 "re-created" if replaced else "created", message.replica_id,
-                 message.num_blocks, message.block_size,
-                 "on" if message.enable_prefix_caching else "off")
+        log.info("%s pool of replica %d: %d blocks of %d tokens, prefix caching %s, loads "
+                 "from the KV store %s", "re-created" if replaced else "created",
+                 message.replica_id, message.num_blocks, message.block_size,
+                 "on" if message.enable_prefix_caching else "off",
+                 "on" if manager.store is not None else "off")
         return KvAck(None, self.epoch)
+
+    def _store_view(self, message: ConfigurePool) -> StoreView | None:
+        if self.store is None or not message.store_slices:
+            return None
+        try:
+            return StoreView(self.store, message.store_slices, message.block_size)
+        except ValueError as exc:
+            log.warning("replica %d will not load from the KV store: %s", message.replica_id,
+                        exc)
+            return None
 
     def _drop(self, message: DropPool) -> KvAck:
         if self._managers.pop(message.replica_id, None) is not None:
@@ -152,8 +169,10 @@ class KvCachePools:
     def _query(self, query: PrefixQuery) -> PrefixReply:
         """Read-only: O(len(block_hashes)) dict lookups per pool, at most."""
         return PrefixReply(self.epoch, [
-            ReplicaPrefix(replica_id, manager.num_cached_prefix_blocks(query.block_hashes))
-            for replica_id, manager in sorted(self._managers.items())])
+            ReplicaPrefix(replica_id, manager.num_cached_prefix_blocks(query.block_hashes),
+                          manager.num_stored_prefix_blocks(query.block_hashes))
+            for replica_id, manager in sorted(self._managers.items())],
+            None if self.store is None else self.store.stats())
 
     def _publish_events(self, replica_id: int, events: list[KvEvent]) -> None:
         if not events or self._publish is None:
@@ -238,7 +257,7 @@ class KvCacheAdminServicer(kvcache_pb2_grpc.KvCacheAdminServicer):
 
     def __init__(self, pools: KvCachePools, store: KvStore | None = None) -> None:
         self.pools = pools
-        self.store = store
+        self.store = self.pools.store = store
 
     async def Stats(self, request: kvcache_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> kvcache_pb2.StatsResponse:
@@ -281,6 +300,7 @@ def _stats_to_pb(replica_id: int, stats: PoolStats) -> kvcache_pb2.PoolStats:
         num_cached_blocks=stats.num_cached_blocks,
         num_queries=stats.num_queries,
         num_hits=stats.num_hits,
+        num_store_hits=stats.num_store_hits,
         hit_rate=stats.hit_rate,
         num_requests=stats.num_requests,
     )
@@ -394,7 +414,7 @@ class KvCacheServer:
             store.close()
             raise OSError(f"cannot bind KV store socket "
                           f"{tcp_address(self.host, self.store_config.port)}: {exc}") from exc
-        self.store = store
+        self.store = self.pools.store = store
 
     def _stop_store(self) -> None:
         if self._store_loop is not None:

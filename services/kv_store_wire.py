@@ -161,8 +161,8 @@ class StoreStats(_Wire, frozen=True):
     ServerInfo and /metrics through its kvcache_svc probe)."""
 
     chunk_tokens: Annotated[int, Meta(ge=1, le=MAX_CHUNK_TOKENS)]  # tokens per full chunk
-    num_hit_tokens: Count               # looked up: tokens of the leading chunks held
-    num_miss_tokens: Count              # looked up: tokens of the chunks after them
+    num_hit_tokens: Count               # admissions: tokens held past the prefix hit
+    num_miss_tokens: Count              # admissions: tokens of the chunks not held
     num_stored_chunks: Count            # saved and newly stored
     num_stored_tokens: Count
     num_stored_bytes: Count

@@ -24,6 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from services.block_hash import BLOCK_HASH_BYTES
+from services.kv_store_wire import KvSlice, StoreStats
 
 MAX_TOKENS_PER_REQUEST = 1 << 20   # token ids in one request (prompt + output)
 MAX_BLOCKS_PER_REQUEST = MAX_TOKENS_PER_REQUEST  # block ids held by one request (block_size >= 1)
@@ -70,8 +71,12 @@ class NewRequest(_Wire):
     sampling: SamplingSpec
     block_ids: BlockIds                 # all KV blocks the request holds, in order
     num_computed_tokens: Count          # tokens whose KV is already in the cache (prefix hit)
-    num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # tokens to compute this step
+    # Tokens to compute this step; 0 exactly when the step loads KV from the store instead.
+    num_new_tokens: Annotated[int, Meta(ge=0, lt=1 << 31)]
     cache_salt: Annotated[bytes, Meta(max_length=MAX_CACHE_SALT_BYTES)] = b""  # in block 0's hash
+    # Tokens after num_computed_tokens whose KV each rank fetches from the KV store into the
+    # request's blocks this step (its own slice), reporting how many it got in a `KvLoaded`.
+    num_load_tokens: Count = 0
 
 
 class RunningRequest(_Wire):
@@ -171,12 +176,25 @@ class WorkerFailure(_Wire):
     peer_lost: bool = False
 
 
+class KvLoaded(_Wire):
+    """Every rank's answer to a step that loads KV from the store (`NewRequest.
+    num_load_tokens`), sent once its loads are done: per request, how many leading tokens of
+    the load are now in its blocks (the rest failed: gone, damaged, timed out). The scheduler
+    takes the smallest count over the ranks and recomputes from there."""
+
+    worker_id: Annotated[str, Meta(max_length=MAX_ID_LEN)]
+    step_id: Count
+    request_ids: RequestIds
+    num_loaded_tokens: Annotated[list[Count], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+
+
 ToWorker = StepInput | InitCache
-FromWorker = StepOutput | CacheReady | WorkerFailure
+FromWorker = StepOutput | CacheReady | WorkerFailure | KvLoaded
 
 # ---------------------------------------------------------------------- scheduler <-> kvcache_svc
 
 MAX_REPLICAS = 1 << 12              # pools one kvcache_svc holds at once
+MAX_RANKS = 1 << 10                 # ranks of one replica
 # A batch holds at most two runs of events (removed, then stored) per grow or admit op, plus a
 # few more where a run is split at MAX_BLOCKS_PER_REQUEST hashes.
 MAX_EVENTS_PER_BATCH = 1 << 17
@@ -238,9 +256,13 @@ class PlanRequest(_Wire):
 class AdmitResult(_Wire):
     request_id: RequestId
     num_cached_tokens: Count            # prefix served from cache (at most num_tokens - 1)
-    num_new_tokens: Count               # tokens to compute this step
+    num_new_tokens: Count               # tokens to compute this step (0 when loading)
     block_ids: BlockIds                 # every block the request now holds
     num_committed_blocks: Count         # of block_hashes, how many the index now holds
+    # Tokens after the cached prefix that the KV store holds for every rank's slice: the
+    # request loads them this step instead of computing anything (its blocks cover them; they
+    # enter the prefix index only with the step after the load, once their KV is there).
+    num_load_tokens: Count = 0
 
 
 class PlanReply(_Wire):
@@ -266,6 +288,9 @@ class ConfigurePool(_Wire):
     block_size: Annotated[int, Meta(ge=1, le=1024)]
     enable_prefix_caching: bool
     scheduler_epoch: Epoch = 0
+    # Every rank's part of the replica's KV in the store (in rank order), when its workers load
+    # from kvcache_svc's store; empty: admissions never load.
+    store_slices: Annotated[list[KvSlice], Meta(max_length=MAX_RANKS)] = []
 
 
 class DropPool(_Wire):
@@ -293,12 +318,16 @@ class ReplicaPrefix(_Wire):
     # Leading block_hashes found in the replica's prefix index (stops at the first miss). Not
     # capped at num_tokens - 1 tokens as an admission is: the caller applies that cap.
     num_cached_blocks: Count
+    # Leading block_hashes whose KV the store holds for this replica's slices (whole chunks
+    # only): an admission loads them, so every replica of the same layout reaches them.
+    num_stored_blocks: Count = 0
 
 
 class PrefixReply(_Wire):
     epoch: Epoch                        # kvcache_svc instance that answered (see Epoch)
     # One entry per configured pool, by ascending replica_id; 0 blocks when nothing matches.
     replicas: Annotated[list[ReplicaPrefix], Meta(max_length=MAX_REPLICAS)]
+    store: StoreStats | None = None     # the KV store's counters (None: no store)
 
 
 ToKvCache = PlanRequest | ConfigurePool | DropPool | PrefixQuery

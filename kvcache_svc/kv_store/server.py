@@ -80,7 +80,9 @@ class StoreRequestHandler:
                 return self._refuse(f"{type(message).__name__} takes no data frames, got "
                                     f"{len(data)}")
             if isinstance(message, LookupChunks):
-                return self._reply(LookupReply(self.store.lookup_many(message.key_lists)))
+                # A saver's check of what it need not send: not an admission's hit or miss.
+                counts = self.store.lookup_many(message.key_lists, record=False)
+                return self._reply(LookupReply(counts))
             if isinstance(message, LoadChunks):
                 return self._load(message)
             assert isinstance(message, DescribeStore)

@@ -44,17 +44,27 @@ class KvStore:
         """How many leading `keys` are held (chunk i is useless without 0..i-1)."""
         return self.lookup_many([keys])[0]
 
-    def lookup_many(self, key_lists: Sequence[Sequence[ChunkKey]]) -> list[int]:
+    def lookup_many(self, key_lists: Sequence[Sequence[ChunkKey]], record: bool = True
+                    ) -> list[int]:
+        """`lookup` per key list; `record` False: not counted in the hit and miss tokens."""
         with self._lock:
             counts = []
             for keys in key_lists:
                 num_held = 0
                 while num_held < len(keys) and self._holds(keys[num_held]):
                     num_held += 1
-                self._num_hit_tokens += sum(key.num_tokens for key in keys[:num_held])
-                self._num_miss_tokens += sum(key.num_tokens for key in keys[num_held:])
+                if record:
+                    self._num_hit_tokens += sum(key.num_tokens for key in keys[:num_held])
+                    self._num_miss_tokens += sum(key.num_tokens for key in keys[num_held:])
                 counts.append(num_held)
             return counts
+
+    def count_lookup(self, num_hit_tokens: int, num_miss_tokens: int) -> None:
+        """Counts an admission's lookup in the hit and miss tokens (the replica's view asks
+        once per slice, unrecorded, and counts the outcome once)."""
+        with self._lock:
+            self._num_hit_tokens += num_hit_tokens
+            self._num_miss_tokens += num_miss_tokens
 
     def _holds(self, key: ChunkKey) -> bool:
         return any(tier.contains(key) for tier in self.tiers)

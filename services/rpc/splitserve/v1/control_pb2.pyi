@@ -1,6 +1,7 @@
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -57,28 +58,50 @@ class RegisterResponse(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
-    __slots__ = ("worker_id", "epoch", "num_kv_blocks", "kv_bytes_per_block")
+    __slots__ = ("worker_id", "epoch", "num_kv_blocks", "kv_bytes_per_block", "kv_store_slice")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_SLICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     num_kv_blocks: int
     kv_bytes_per_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+    kv_store_slice: KvSlice
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_store_slice: _Optional[_Union[KvSlice, _Mapping]] = ...) -> None: ...
+
+class KvSlice(_message.Message):
+    __slots__ = ("model", "dtype", "layer_start", "layer_end", "head_start", "head_end")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    layer_start: int
+    layer_end: int
+    head_start: int
+    head_end: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ...) -> None: ...
 
 class CapacityAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "epoch")
+    __slots__ = ("worker_id", "epoch", "num_kv_chunks_stored", "num_kv_saves_skipped")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_SAVES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_kv_chunks_stored: int
+    num_kv_saves_skipped: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_kv_chunks_stored: _Optional[int] = ..., num_kv_saves_skipped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/kvcache.proto\x12\rsplitserve.v1\"\x0e\n\x0cStatsRequest\"\xe3\x01\n\tPoolStats\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_queries\x18\x07 \x01(\x04\x12\x10\n\x08num_hits\x18\x08 \x01(\x04\x12\x10\n\x08hit_rate\x18\t \x01(\x01\x12\x14\n\x0cnum_requests\x18\n \x01(\r\"\x95\x01\n\x0eStoreTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12num_evicted_chunks\x18\x05 \x01(\x04\x12\x1a\n\x12num_dropped_chunks\x18\x06 \x01(\x04\"\xdb\x02\n\nStoreStats\x12\x14\n\x0c\x63hunk_tokens\x18\x01 \x01(\r\x12\x16\n\x0enum_hit_tokens\x18\x02 \x01(\x04\x12\x17\n\x0fnum_miss_tokens\x18\x03 \x01(\x04\x12\x19\n\x11num_stored_chunks\x18\x04 \x01(\x04\x12\x19\n\x11num_stored_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_stored_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12num_skipped_tokens\x18\x07 \x01(\x04\x12\x19\n\x11num_loaded_chunks\x18\x08 \x01(\x04\x12\x19\n\x11num_loaded_tokens\x18\t \x01(\x04\x12\x18\n\x10num_loaded_bytes\x18\n \x01(\x04\x12\x1c\n\x14num_load_miss_tokens\x18\x0b \x01(\x04\x12,\n\x05tiers\x18\x0c \x03(\x0b\x32\x1d.splitserve.v1.StoreTierStats\"\x84\x01\n\rStatsResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.PoolStats\x12\x11\n\tnum_plans\x18\x02 \x01(\x04\x12-\n\x05store\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.StoreStatsH\x00\x88\x01\x01\x42\x08\n\x06_store\"6\n\x0c\x43learRequest\x12\x17\n\nreplica_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_replica_id\"$\n\rClearResponse\x12\x13\n\x0bnum_cleared\x18\x01 \x01(\r2\x96\x01\n\x0cKvCacheAdmin\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse\x12\x42\n\x05\x43lear\x12\x1b.splitserve.v1.ClearRequest\x1a\x1c.splitserve.v1.ClearResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/kvcache.proto\x12\rsplitserve.v1\"\x0e\n\x0cStatsRequest\"\xfb\x01\n\tPoolStats\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_queries\x18\x07 \x01(\x04\x12\x10\n\x08num_hits\x18\x08 \x01(\x04\x12\x10\n\x08hit_rate\x18\t \x01(\x01\x12\x14\n\x0cnum_requests\x18\n \x01(\r\x12\x16\n\x0enum_store_hits\x18\x0b \x01(\x04\"\x95\x01\n\x0eStoreTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nnum_chunks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12num_evicted_chunks\x18\x05 \x01(\x04\x12\x1a\n\x12num_dropped_chunks\x18\x06 \x01(\x04\"\xdb\x02\n\nStoreStats\x12\x14\n\x0c\x63hunk_tokens\x18\x01 \x01(\r\x12\x16\n\x0enum_hit_tokens\x18\x02 \x01(\x04\x12\x17\n\x0fnum_miss_tokens\x18\x03 \x01(\x04\x12\x19\n\x11num_stored_chunks\x18\x04 \x01(\x04\x12\x19\n\x11num_stored_tokens\x18\x05 \x01(\x04\x12\x18\n\x10num_stored_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12num_skipped_tokens\x18\x07 \x01(\x04\x12\x19\n\x11num_loaded_chunks\x18\x08 \x01(\x04\x12\x19\n\x11num_loaded_tokens\x18\t \x01(\x04\x12\x18\n\x10num_loaded_bytes\x18\n \x01(\x04\x12\x1c\n\x14num_load_miss_tokens\x18\x0b \x01(\x04\x12,\n\x05tiers\x18\x0c \x03(\x0b\x32\x1d.splitserve.v1.StoreTierStats\"\x84\x01\n\rStatsResponse\x12\'\n\x05pools\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.PoolStats\x12\x11\n\tnum_plans\x18\x02 \x01(\x04\x12-\n\x05store\x18\x03 \x01(\x0b\x32\x19.splitserve.v1.StoreStatsH\x00\x88\x01\x01\x42\x08\n\x06_store\"6\n\x0c\x43learRequest\x12\x17\n\nreplica_id\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_replica_id\"$\n\rClearResponse\x12\x13\n\x0bnum_cleared\x18\x01 \x01(\r2\x96\x01\n\x0cKvCacheAdmin\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse\x12\x42\n\x05\x43lear\x12\x1b.splitserve.v1.ClearRequest\x1a\x1c.splitserve.v1.ClearResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=46
   _globals['_STATSREQUEST']._serialized_end=60
   _globals['_POOLSTATS']._serialized_start=63
-  _globals['_POOLSTATS']._serialized_end=290
-  _globals['_STORETIERSTATS']._serialized_start=293
-  _globals['_STORETIERSTATS']._serialized_end=442
-  _globals['_STORESTATS']._serialized_start=445
-  _globals['_STORESTATS']._serialized_end=792
-  _globals['_STATSRESPONSE']._serialized_start=795
-  _globals['_STATSRESPONSE']._serialized_end=927
-  _globals['_CLEARREQUEST']._serialized_start=929
-  _globals['_CLEARREQUEST']._serialized_end=983
-  _globals['_CLEARRESPONSE']._serialized_start=985
-  _globals['_CLEARRESPONSE']._serialized_end=1021
-  _globals['_KVCACHEADMIN']._serialized_start=1024
-  _globals['_KVCACHEADMIN']._serialized_end=1174
+  _globals['_POOLSTATS']._serialized_end=314
+  _globals['_STORETIERSTATS']._serialized_start=317
+  _globals['_STORETIERSTATS']._serialized_end=466
+  _globals['_STORESTATS']._serialized_start=469
+  _globals['_STORESTATS']._serialized_end=816
+  _globals['_STATSRESPONSE']._serialized_start=819
+  _globals['_STATSRESPONSE']._serialized_end=951
+  _globals['_CLEARREQUEST']._serialized_start=953
+  _globals['_CLEARREQUEST']._serialized_end=1007
+  _globals['_CLEARRESPONSE']._serialized_start=1009
+  _globals['_CLEARRESPONSE']._serialized_end=1045
+  _globals['_KVCACHEADMIN']._serialized_start=1048
+  _globals['_KVCACHEADMIN']._serialized_end=1198
 # @@protoc_insertion_point(module_scope)

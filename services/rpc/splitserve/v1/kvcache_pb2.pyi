@@ -11,7 +11,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("replica_id", "block_size", "num_blocks", "num_used_blocks", "num_free_blocks", "num_cached_blocks", "num_queries", "num_hits", "hit_rate", "num_requests")
+    __slots__ = ("replica_id", "block_size", "num_blocks", "num_used_blocks", "num_free_blocks", "num_cached_blocks", "num_queries", "num_hits", "hit_rate", "num_requests", "num_store_hits")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class PoolStats(_message.Message):
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_HITS_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     block_size: int
     num_blocks: int
@@ -32,7 +33,8 @@ class PoolStats(_message.Message):
     num_hits: int
     hit_rate: float
     num_requests: int
-    def __init__(self, replica_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_queries: _Optional[int] = ..., num_hits: _Optional[int] = ..., hit_rate: _Optional[float] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_store_hits: int
+    def __init__(self, replica_id: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_queries: _Optional[int] = ..., num_hits: _Optional[int] = ..., hit_rate: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_store_hits: _Optional[int] = ...) -> None: ...
 
 class StoreTierStats(_message.Message):
     __slots__ = ("name", "capacity_bytes", "num_chunks", "num_bytes", "num_evicted_chunks", "num_dropped_chunks")

@@ -1,0 +1,49 @@
+"""`StoreView`: what the KV store holds for one replica, asked at admission (issue 15).
+
+A replica's KV is split over its ranks (pipeline stages by layers, tensor-parallel ranks by KV
+heads), and each rank saves and loads its own slice. A chunk is usable by the replica only when
+the store holds it for every slice, and only after every chunk before it (`services.kv_chunks`
+keys a chunk by the chained hash of its last block). The view turns a request's block hashes
+into each slice's chunk keys and answers in blocks, so the block manager can plan a load.
+"""
+
+from collections.abc import Sequence
+
+from kvcache_svc.kv_store.store import KvStore
+from services.kv_chunks import chunk_keys
+from services.kv_store_wire import KvSlice
+
+
+class StoreView:
+    def __init__(self, store: KvStore, slices: Sequence[KvSlice], block_size: int) -> None:
+        """Raises ValueError when the store's chunks are no whole number of blocks."""
+        if not slices:
+            raise ValueError("a store view needs at least one slice")
+        if store.chunk_tokens % block_size:
+            raise ValueError(f"the KV store's chunks of {store.chunk_tokens} tokens are no "
+                             f"multiple of the block size {block_size}")
+        self.store = store
+        self.slices = tuple(slices)
+        self.block_size = block_size
+        self.blocks_per_chunk = store.chunk_tokens // block_size
+
+    def num_held_blocks(self, block_hashes: Sequence[bytes], num_cached_blocks: int = 0,
+                        record: bool = True) -> int:
+        """Leading blocks of `block_hashes` whose KV the store holds for every slice, counting
+        on from the chunk holding block `num_cached_blocks` (blocks before it are the
+        replica's own prefix hit: the store need not hold those), in whole chunks; 0 when it
+        holds nothing past them. `record`: count the lookup in the store's hit/miss tokens
+        (admissions do; routing queries do not)."""
+        first_chunk = num_cached_blocks // self.blocks_per_chunk
+        key_lists = [chunk_keys(block_hashes, self.block_size, self.store.chunk_tokens,
+                                kv_slice)[first_chunk:] for kv_slice in self.slices]
+        if not key_lists[0]:
+            return 0
+        num_chunks = min(self.store.lookup_many(key_lists, record=False))
+        if record:
+            chunk_tokens = self.store.chunk_tokens
+            self.store.count_lookup(num_chunks * chunk_tokens,
+                                    (len(key_lists[0]) - num_chunks) * chunk_tokens)
+        if num_chunks == 0:
+            return 0
+        return (first_chunk + num_chunks) * self.blocks_per_chunk

@@ -18,6 +18,7 @@ also the most a match can reach into text from before the check).
 
 from collections.abc import Sequence
 
+from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.tokenizer import TextTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -76,3 +77,26 @@ class IncrementalDetokenizer:
         delta = self.text[self._num_emitted:end]
         self._num_emitted = end
         return delta
+
+
+def stop_check(request: Request, token_id: int) -> tuple[FinishReason | None, str | int | None]:
+    """Whether `request` ends with `token_id`, just appended: (reason, stop_reason), or
+    (None, None). EOS, a stop token id, a stop string (the detokenizer finds it), the length."""
+    sampling = request.sampling
+    reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    past_min = request.num_output_tokens >= sampling.min_tokens
+    if past_min and not sampling.ignore_eos and token_id in request.eos_token_ids:
+        reason = FinishReason.STOP
+    elif past_min and token_id in sampling.stop_token_ids:
+        reason, stop_reason = FinishReason.STOP, token_id
+    detok = request.detokenizer
+    if isinstance(detok, IncrementalDetokenizer) and reason is None:
+        # Stop strings are not even looked for before min_tokens: a match cuts the text,
+        # which is only right when the request ends with it.
+        matched = detok.update(request.token_ids, check_stop=past_min)
+        if matched is not None:
+            reason, stop_reason = FinishReason.STOP, matched
+    if reason is None and request.num_tokens >= request.max_num_tokens:
+        reason = FinishReason.LENGTH
+    return reason, stop_reason

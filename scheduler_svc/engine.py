@@ -44,12 +44,14 @@ from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import EngineStats
 from scheduler_svc.step_window import STEP_LOG_INTERVAL, StepWindow
+from services.kv_store_wire import KvSlice
 from services.wire import (
     CacheReady,
     ConfigurePool,
     DropPool,
     InitCache,
     KvAck,
+    KvLoaded,
     PlanReply,
     StepError,
     StepOutput,
@@ -81,6 +83,8 @@ class EngineConfig:
     max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
     async_scheduling: bool = False     # PP = 1: plan step N+1 while step N runs
     scheduler_epoch: int = 0           # this scheduler instance (kvcache_svc drops older pools)
+    # Every rank's part of the KV in kvcache_svc's store, in rank order; empty: no loads.
+    store_slices: tuple[KvSlice, ...] = ()
 
 
 @dataclass(slots=True)
@@ -105,6 +109,7 @@ class ReplicaEngine:
                                    async_scheduling=config.async_scheduling)
         self._depth = 2 if config.async_scheduling else config.max_batches_in_flight
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
+        self._loaded: dict[int, list[KvLoaded]] = {}   # step id -> its ranks' load reports
         self.scheduler.set_capacity(config.num_kv_blocks)
         self._connect = connect
         self._on_outputs = on_outputs
@@ -200,7 +205,11 @@ class ReplicaEngine:
             forward_gap_ms_total=self.forward_gap_ms_total,
             num_forward_gaps=self.num_forward_gaps,
             num_prompt_tokens_admitted=sched.num_prompt_tokens_admitted,
-            num_cached_tokens_admitted=sched.num_cached_tokens_admitted)
+            num_cached_tokens_admitted=sched.num_cached_tokens_admitted,
+            num_store_hit_tokens=sched.loads.num_hit_tokens,
+            num_store_miss_tokens=sched.loads.num_miss_tokens,
+            num_store_loaded_tokens=sched.loads.num_loaded_tokens,
+            num_store_load_fallbacks=sched.loads.num_fallbacks)
 
     def _check_down(self) -> None:
         if self._down_reason is not None:
@@ -231,7 +240,8 @@ class ReplicaEngine:
         return ConfigurePool(replica_id=cfg.replica_id, num_blocks=cfg.num_kv_blocks,
                              block_size=cfg.scheduler.block_size,
                              enable_prefix_caching=cfg.scheduler.prefix_caching,
-                             scheduler_epoch=cfg.scheduler_epoch)
+                             scheduler_epoch=cfg.scheduler_epoch,
+                             store_slices=list(cfg.store_slices))
 
     def _bring_up(self, io: EngineTransport) -> None:
         cfg = self.config
@@ -325,6 +335,9 @@ class ReplicaEngine:
         output = self._wait_output(io, step_id)
         received = time.perf_counter()
         self.num_steps += 1
+        reports = self._loaded.pop(step_id, [])
+        for stale in [s for s in self._loaded if s < step_id]:
+            del self._loaded[stale]
         if output.error is not None:
             self._fail_step(output.step_id, output.error)
             return
@@ -332,6 +345,7 @@ class ReplicaEngine:
             self.forward_gap_ms_total += output.timings.gap_ms
             self.num_forward_gaps += 1
         self._on_outputs(self.scheduler.update(output))
+        self.scheduler.loads.finish(step_id, reports, self.scheduler.requests)
         self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
                          update_ms=(time.perf_counter() - received) * 1000,
                          forward_ms=output.timings.forward_ms + output.timings.sample_ms,
@@ -359,8 +373,15 @@ class ReplicaEngine:
         self._apply_command(command)
 
     def _wait_output(self, io: EngineTransport, step_id: int) -> StepOutput:
+        """The step's output; for a step that loads KV, also every rank's KvLoaded (kept in
+        `_loaded`), unless the output is an error (the step's requests end)."""
         deadline = time.monotonic() + self.config.step_timeout_s
+        num_reports = io.num_ranks if self.scheduler.loads.expects_reports(step_id) else 0
+        output: StepOutput | None = None
         while True:
+            if output is not None and (output.error is not None or len(
+                    self._loaded.get(step_id, [])) >= num_reports):
+                return output
             self._check_down()
             msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
             if msg is None:
@@ -378,8 +399,11 @@ class ReplicaEngine:
                     self._fail_step(step_id, StepError(reason[:4096], kv_written=False))
                 raise EngineError(reason)
             if isinstance(msg, StepOutput) and msg.step_id == step_id:
-                return msg
-            log.warning("ignoring stale worker message %s", type(msg).__name__)
+                output = msg
+            elif isinstance(msg, KvLoaded) and msg.step_id >= step_id:
+                self._loaded.setdefault(msg.step_id, []).append(msg)
+            else:
+                log.warning("ignoring stale worker message %s", type(msg).__name__)
 
     # ---------------------------------------------------------------- kvcache_svc recovery
 
@@ -397,6 +421,7 @@ class ReplicaEngine:
         while self._in_flight:
             self._receive_oldest(io)
         self.scheduler.preempt_all()
+        self._loaded.clear()
         cfg = self.config
         configure = self._configure_pool()
         while not self._stopping:

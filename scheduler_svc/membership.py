@@ -46,6 +46,7 @@ from scheduler_svc.placement import (
 from scheduler_svc.request import Request
 from services.channels import Receiver, RequestClient, tcp_address
 from services.codec import Codec
+from services.kv_store_wire import KvSlice, StoreStats
 from services.model_config import ModelConfig
 from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
 
@@ -83,6 +84,7 @@ class Membership:
         self._layer_ranges = split_layers(model.num_layers, config.pp_size)
         self.epoch = time.time_ns()     # this instance; kvcache_svc drops older ones' pools
         self.kv_reachable = False       # set by the monitor's probe
+        self.kv_store_stats: StoreStats | None = None   # the store's, from the same probe
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="cluster-monitor",
                                          daemon=True)
@@ -162,10 +164,13 @@ class Membership:
         self.replicas[replica_id] = replica
         return replica
 
-    def report_capacity(self, worker_id: str, epoch: int, num_kv_blocks: int) -> None:
+    def report_capacity(self, worker_id: str, epoch: int, num_kv_blocks: int,
+                        kv_slice: KvSlice | None = None) -> None:
+        """`kv_slice`: the worker's part of the KV when it uses kvcache_svc's store."""
         with self._lock:
             record = self._known_locked(worker_id, epoch)
             record.num_kv_blocks = num_kv_blocks
+            record.kv_slice = kv_slice
             record.state = WorkerState.READY
             log.info("worker %s fits %d KV blocks for its layers", worker_id, num_kv_blocks)
             replica = self.replicas[record.replica_id]
@@ -195,7 +200,8 @@ class Membership:
             step_timeout_s=self.config.step_timeout_s,
             ship_sampled_tokens=self.config.pp_size > 1,
             max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size,
-            async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch)
+            async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch,
+            store_slices=store_slices(replica.workers))
         # Every rank gets every StepInput, ordered by rank.
         addresses = [w.step_address for w in replica.ranks if w is not None]
         outputs, kvcache_address = replica.outputs, self.config.kvcache_address
@@ -222,12 +228,15 @@ class Membership:
         for listener in self._listeners:
             listener.replica_ready()
 
-    def heartbeat(self, worker_id: str, epoch: int) -> bool:
+    def heartbeat(self, worker_id: str, epoch: int, num_kv_chunks_stored: int = 0,
+                  num_kv_saves_skipped: int = 0) -> bool:
         with self._lock:
             record = self.workers.get(worker_id)
             if record is None or record.epoch != epoch or record.state == WorkerState.DOWN:
                 return False
             record.last_heartbeat = time.monotonic()
+            record.num_kv_chunks_stored = num_kv_chunks_stored
+            record.num_kv_saves_skipped = num_kv_saves_skipped
             return True
 
     def _known_locked(self, worker_id: str, epoch: int) -> WorkerRecord:
@@ -327,6 +336,8 @@ class Membership:
     def _probe_kvcache(self, probe: RequestClient[FromKvCache]) -> None:
         reply = probe.call(PrefixQuery(block_hashes=[]), timeout_ms=KV_PROBE_TIMEOUT_MS)
         reachable = isinstance(reply, PrefixReply)
+        if isinstance(reply, PrefixReply):
+            self.kv_store_stats = reply.store
         if reachable != self.kv_reachable:
             log.warning("kvcache_svc %s", "reachable" if reachable else "unreachable")
             self.kv_reachable = reachable
@@ -350,3 +361,12 @@ class Membership:
             if replica.engine is not None:
                 replica.engine.stop()
             replica.outputs.close()
+
+
+def store_slices(workers: list[WorkerRecord]) -> tuple[KvSlice, ...]:
+    """The replica's slices of its KV in the store, in rank order; empty (no loads) unless
+    every rank uses the store."""
+    slices = [w.kv_slice for w in workers]
+    if any(kv_slice is None for kv_slice in slices):
+        return ()
+    return tuple(kv_slice for kv_slice in slices if kv_slice is not None)

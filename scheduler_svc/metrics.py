@@ -176,3 +176,41 @@ class _ClusterCollector(Collector):
         yield gauge("splitserve:replicas_up", "Replicas ready to serve.", len(ready))
         yield gauge("splitserve:kvcache_reachable", "1 if kvcache_svc answered the last probe.",
                     1.0 if stats.kv_reachable else 0.0)
+        yield from store_metrics(stats, labels, values, counter)
+
+
+def store_metrics(stats: ClusterStats, labels: list[str], values: list[str],
+                  counter: Callable[[str, str, float], CounterMetricFamily]) -> Iterator[Metric]:
+    """The KV store's families: admissions (the engines') and the store's own counters and
+    tiers (as of membership's last kvcache_svc probe; absent when there is no store)."""
+    started = stats.started
+    yield counter("splitserve:kv_store_hit_tokens", "Prompt tokens admitted as loads from the "
+                  "KV store.", sum(e.num_store_hit_tokens for e in started))
+    yield counter("splitserve:kv_store_miss_tokens", "Prompt tokens admitted that neither the "
+                  "prefix cache nor the KV store held.",
+                  sum(e.num_store_miss_tokens for e in started))
+    yield counter("splitserve:kv_store_loaded_tokens", "Tokens every rank loaded from the KV "
+                  "store.", sum(e.num_store_loaded_tokens for e in started))
+    yield counter("splitserve:kv_store_load_fallbacks", "Loads that came back short; the rest "
+                  "was recomputed.", sum(e.num_store_load_fallbacks for e in started))
+    store = stats.kv_store
+    if store is None:
+        return
+    yield counter("splitserve:kv_store_stored_tokens", "Tokens of KV newly stored.",
+                  store.num_stored_tokens)
+    yield counter("splitserve:kv_store_stored_bytes", "Bytes of KV newly stored.",
+                  store.num_stored_bytes)
+    yield counter("splitserve:kv_store_loaded_bytes", "Bytes of KV served to loads.",
+                  store.num_loaded_bytes)
+    yield counter("splitserve:kv_store_saves_skipped", "Chunks workers did not save: their "
+                  "save queue was full.", sum(w.num_kv_saves_skipped for r in stats.replicas
+                                                for w in r.workers))
+    chunks = GaugeMetricFamily("splitserve:kv_store_tier_chunks", "Chunks held per tier.",
+                               labels=[*labels, "tier"])
+    used = GaugeMetricFamily("splitserve:kv_store_tier_bytes", "Bytes used per tier.",
+                             labels=[*labels, "tier"])
+    for tier in store.tiers:
+        chunks.add_metric([*values, tier.name], tier.num_chunks)
+        used.add_metric([*values, tier.name], tier.num_bytes)
+    yield chunks
+    yield used

@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from services.channels import Receiver
+from services.kv_store_wire import KvSlice
 from services.wire import FromWorker
 
 if TYPE_CHECKING:   # plain data: the engine is only named here, never imported at run time
@@ -55,6 +56,9 @@ class WorkerRecord:
     state: WorkerState = WorkerState.LOADING
     cpu_level: str = ""                 # the kernel level it reported ("" for a GPU)
     device_uuid: str = ""               # its GPU's CUDA uuid ("" on the CPU)
+    kv_slice: KvSlice | None = None     # its part of the KV in the store (None: no store)
+    num_kv_chunks_stored: int = 0       # its KV saver's counters, from its heartbeats
+    num_kv_saves_skipped: int = 0
     last_heartbeat: float = field(default_factory=time.monotonic)
 
 

@@ -1,7 +1,8 @@
 """Routing: where each live request runs.
 
 A request is dispatched to a ready replica by a score blending the prefix kvcache_svc holds
-for it there with the replica's load (`route`). With no ready replica it stays parked (in
+for it there (in the replica's blocks, or in the KV store for its ranks) with the replica's
+load (`route`). With no ready replica it stays parked (in
 `LiveRequests`) and is dispatched when membership says one is ready, or ends (UNAVAILABLE)
 at its deadline. When a replica goes down, membership hands its live requests here and they
 are dispatched again (migration), their streams uninterrupted.
@@ -94,7 +95,10 @@ class Router:
                                         timeout_ms=ROUTE_QUERY_TIMEOUT_MS)
         if not isinstance(reply, PrefixReply):
             return {}
-        return {r.replica_id: r.num_cached_blocks for r in reply.replicas}
+        # What the KV store holds is reachable from every replica of the same layout (a load):
+        # it counts as cached there too, so it never pulls a prompt to one replica.
+        return {r.replica_id: max(r.num_cached_blocks, r.num_stored_blocks)
+                for r in reply.replicas}
 
     def dispatch_parked(self) -> None:
         if not self.live.num_parked or not self.membership.ready_replicas():

@@ -22,8 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer, stop_check
 from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_svc.store_loads import StoreLoads
 from services.wire import (
     AdmitOp,
     GrowOp,
@@ -81,6 +82,7 @@ class Scheduler:
         self._plan_id = 0
         self._step_id = 0
         self.num_preemptions = 0
+        self.loads = StoreLoads()           # KV loaded from the store (store_loads.py)
         self.num_prompt_tokens_admitted = 0
         self.num_cached_tokens_admitted = 0
 
@@ -117,8 +119,7 @@ class Scheduler:
         return self._final_output(request, [], [])
 
     # Pending finished ids count for neither: they ride on the next step that runs a request
-    # (the workers' state for a finished request is only dropped later), while counting them
-    # kept an idle replica drafting empty plans forever (none of its steps ever ran).
+    # (counting them kept an idle replica drafting empty plans forever).
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._free_ids)
 
@@ -157,6 +158,7 @@ class Scheduler:
             self._preempt(request, release_blocks=False)
         self.running.clear()
         self._free_ids.clear()
+        self.loads.forget()
         self.num_free_blocks = self.num_total_blocks
 
     # ------------------------------------------------------------------ phase 1: draft a plan
@@ -295,6 +297,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
 
         new_requests: list[NewRequest] = []
+        loading: list[tuple[Request, int]] = []
         for request, result in zip(draft.admit_reqs, reply.admitted):
             if result.request_id != request.request_id:
                 raise RuntimeError("plan reply admitted requests out of order")
@@ -313,13 +316,17 @@ class Scheduler:
                 request.num_cached_tokens = result.num_cached_tokens
                 self.num_prompt_tokens_admitted += request.num_prompt_tokens
                 self.num_cached_tokens_admitted += result.num_cached_tokens
+                self.loads.admitted(request, result.num_cached_tokens, result.num_load_tokens)
             self.running.append(request)
             new_requests.append(NewRequest(
                 request_id=request.request_id, token_ids=list(request.token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
                 sampling=request.sampling.to_spec(), block_ids=list(result.block_ids),
                 num_computed_tokens=result.num_cached_tokens,
-                num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt))
+                num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
+                num_load_tokens=result.num_load_tokens))
+            if result.num_load_tokens:
+                loading.append((request, result.num_load_tokens))
             request.on_worker = True
             request.num_computed_tokens += result.num_new_tokens
 
@@ -338,6 +345,7 @@ class Scheduler:
             request.num_pending_tokens += samples
             entries.append(_InStep(request, samples, request.request_id in committing))
         self._step_requests[self._step_id] = entries
+        self.loads.add(self._step_id, loading)
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
                          finished_ids=self._finished_ids)
         self._finished_ids = []
@@ -375,6 +383,7 @@ class Scheduler:
         blocks back. Returns their final outputs, and whether the prefix index may now hold
         blocks whose KV was never written (the caller must then empty the index)."""
         entries = self._leave_step(step_id)
+        self.loads.forget(step_id)
         failed = {e.request for e in entries}
         # Blocks are committed to the index when planned, before their KV is computed. Bad:
         # this step's commits if it failed before its forward finished, and any commit for a
@@ -403,23 +412,8 @@ class Scheduler:
 
     def _after_token(self, request: Request, token_id: int,
                      logprobs: TokenLogprobs | None) -> RequestOutput:
-        sampling = request.sampling
-        reason: FinishReason | None = None
-        stop_reason: str | int | None = None
-        past_min = request.num_output_tokens >= sampling.min_tokens
-        if past_min and not sampling.ignore_eos and token_id in request.eos_token_ids:
-            reason = FinishReason.STOP
-        elif past_min and token_id in sampling.stop_token_ids:
-            reason, stop_reason = FinishReason.STOP, token_id
+        reason, stop_reason = stop_check(request, token_id)
         detok = request.detokenizer
-        if isinstance(detok, IncrementalDetokenizer) and reason is None:
-            # Stop strings are not even looked for before min_tokens: a match cuts the text,
-            # which is only right when the request ends with it.
-            matched = detok.update(request.token_ids, check_stop=past_min)
-            if matched is not None:
-                reason, stop_reason = FinishReason.STOP, matched
-        if reason is None and request.num_tokens >= request.max_num_tokens:
-            reason = FinishReason.LENGTH
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason, stop_reason)

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import msgspec
 
 from scheduler_svc.frontend import (
     Draining,
@@ -19,9 +20,10 @@ from scheduler_svc.frontend import (
 from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
-from scheduler_svc.stats import cluster_stats
+from scheduler_svc.stats import ClusterStats, cluster_stats
 from scheduler_svc.tokenizer import ChatMessage
 from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
+from services.kv_store_wire import KvSlice
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
     control_pb2,
@@ -192,7 +194,42 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 r.kv_ok = e.kv_ok
                 r.forward_gap_ms_total = e.forward_gap_ms_total
                 r.num_forward_gaps = e.num_forward_gaps
+                r.num_store_miss_tokens = e.num_store_miss_tokens
+                r.num_store_hit_tokens = e.num_store_hit_tokens
+                r.num_store_loaded_tokens = e.num_store_loaded_tokens
+                r.num_store_load_fallbacks = e.num_store_load_fallbacks
+        if stats.kv_store is not None:
+            info.kv_store.CopyFrom(store_info_to_pb(stats))
         return info
+
+
+def store_info_to_pb(stats: ClusterStats) -> generation_pb2.KvStoreInfo:
+    store = stats.kv_store
+    assert store is not None
+    return generation_pb2.KvStoreInfo(
+        chunk_tokens=store.chunk_tokens, num_hit_tokens=store.num_hit_tokens,
+        num_miss_tokens=store.num_miss_tokens, num_stored_chunks=store.num_stored_chunks,
+        num_stored_tokens=store.num_stored_tokens, num_stored_bytes=store.num_stored_bytes,
+        num_loaded_chunks=store.num_loaded_chunks, num_loaded_tokens=store.num_loaded_tokens,
+        num_loaded_bytes=store.num_loaded_bytes, num_load_miss_tokens=store.num_load_miss_tokens,
+        tiers=[generation_pb2.KvStoreTierInfo(
+            name=t.name, capacity_bytes=t.capacity_bytes, num_chunks=t.num_chunks,
+            num_bytes=t.num_bytes, num_evicted_chunks=t.num_evicted_chunks,
+            num_dropped_chunks=t.num_dropped_chunks) for t in store.tiers],
+        num_saves_skipped=sum(w.num_kv_saves_skipped for r in stats.replicas
+                              for w in r.workers))
+
+
+def kv_slice_from_pb(report: control_pb2.CapacityReport) -> KvSlice | None:
+    """The worker's store slice, validated as the wire's (None: it reported none)."""
+    if not report.HasField("kv_store_slice"):
+        return None
+    s = report.kv_store_slice
+    try:
+        return msgspec.convert(["KvSlice", s.model, s.dtype, s.layer_start, s.layer_end,
+                                s.head_start, s.head_end], KvSlice)   # tag, then fields
+    except msgspec.ValidationError as exc:
+        raise RegistrationError(f"bad kv_store_slice: {exc}") from exc
 
 
 class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
@@ -224,7 +261,8 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
     async def ReportCapacity(self, request: control_pb2.CapacityReport,
                              context: grpc.aio.ServicerContext) -> control_pb2.CapacityAck:
         try:
-            self.membership.report_capacity(request.worker_id, request.epoch, request.num_kv_blocks)
+            self.membership.report_capacity(request.worker_id, request.epoch,
+                                            request.num_kv_blocks, kv_slice_from_pb(request))
         except RegistrationError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return control_pb2.CapacityAck()
@@ -232,4 +270,6 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
     async def Heartbeat(self, request: control_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> control_pb2.HeartbeatResponse:
         return control_pb2.HeartbeatResponse(
-            known=self.membership.heartbeat(request.worker_id, request.epoch))
+            known=self.membership.heartbeat(request.worker_id, request.epoch,
+                                            request.num_kv_chunks_stored,
+                                            request.num_kv_saves_skipped))

@@ -8,6 +8,8 @@ immutable object, swapped in whole), so readers on other threads never touch a `
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.kv_store_wire import StoreStats
+
 if TYPE_CHECKING:
     from scheduler_svc.membership import Membership
     from scheduler_svc.router import Router
@@ -28,6 +30,10 @@ class EngineStats:
     num_forward_gaps: int
     num_prompt_tokens_admitted: int      # prefix-cache queries, in tokens
     num_cached_tokens_admitted: int      # prefix-cache hits, in tokens
+    num_store_hit_tokens: int = 0        # admitted as loads from the KV store (store_loads.py)
+    num_store_miss_tokens: int = 0       # admitted prompt tokens in neither cache nor store
+    num_store_loaded_tokens: int = 0     # of the hits, loaded by every rank
+    num_store_load_fallbacks: int = 0    # loads that came back short (the rest recomputed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,8 @@ class WorkerStats:
     num_kv_blocks: int                   # what it measured it fits (0: not reported yet)
     state: str
     cpu_level: str
+    num_kv_chunks_stored: int = 0        # its KV saver's, from its heartbeats
+    num_kv_saves_skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,7 @@ class ClusterStats:
     num_migrations: int
     num_parked: int
     kv_reachable: bool
+    kv_store: StoreStats | None = None   # as of membership's last kvcache_svc probe
 
     @property
     def ready(self) -> list[EngineStats]:
@@ -77,9 +86,10 @@ def cluster_stats(membership: "Membership", router: "Router") -> ClusterStats:
     replicas = tuple(
         ReplicaStats(r.replica_id, str(r.state), r.dtype,
                      tuple(WorkerStats(w.worker_id, w.epoch, w.pp_rank, w.tp_rank, w.device,
-                                       w.num_kv_blocks or 0, str(w.state), w.cpu_level)
+                                       w.num_kv_blocks or 0, str(w.state), w.cpu_level,
+                                       w.num_kv_chunks_stored, w.num_kv_saves_skipped)
                            for w in r.workers),
                      r.engine.stats() if r.engine is not None else None)
         for r in membership.replica_list())
     return ClusterStats(replicas, router.num_migrations, router.live.num_parked,
-                        membership.kv_reachable)
+                        membership.kv_reachable, membership.kv_store_stats)

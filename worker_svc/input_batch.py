@@ -26,7 +26,7 @@ class RequestState:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
                  "num_computed_tokens", "sampling", "generator", "cache_salt",
-                 "num_saved_chunks", "block_hashes")
+                 "num_saved_chunks", "block_hashes", "load_start")
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[int], num_computed_tokens: int, sampling: SamplingSpec,
@@ -45,6 +45,10 @@ class RequestState:
         # leading full blocks keyed so far.
         self.num_saved_chunks = -1
         self.block_hashes: list[bytes] = []
+        # Loading from the KV store (worker_svc.kv_loader): where the load began. Its next
+        # step may resume anywhere from here to the load's end (the scheduler resumes after
+        # what every rank loaded); None once it has.
+        self.load_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,10 @@ class InputBatch:
         scheduled = []
         for request, state in zip(step.new_requests, new_states, strict=True):
             self.requests[request.request_id] = state
+            if request.num_load_tokens:      # computes nothing this step: its KV loads
+                state.load_start = request.num_computed_tokens
+                state.num_computed_tokens += request.num_load_tokens
+                continue
             scheduled.append(self._schedule(state, request.num_computed_tokens,
                                             request.num_new_tokens))
         for update in updates:
@@ -103,6 +111,7 @@ class InputBatch:
             state.block_ids.extend(request.new_block_ids)
             start = request.num_computed_tokens
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
+            state.load_start = None
             scheduled.append(self._schedule(state, start, request.num_new_tokens))
         return scheduled
 
@@ -135,7 +144,12 @@ class InputBatch:
                              f"not in [1, {num_tokens}]")
         self._check_token_ids(rid, request.token_ids)
         self._check_block_ids(rid, request.block_ids)
-        self._check_span(rid, request.num_computed_tokens, request.num_new_tokens, num_tokens,
+        if (request.num_new_tokens == 0) == (request.num_load_tokens == 0):
+            raise ValueError(f"request {rid!r}: a new request either computes tokens or loads "
+                             f"them (num_new_tokens {request.num_new_tokens}, num_load_tokens "
+                             f"{request.num_load_tokens})")
+        self._check_span(rid, request.num_computed_tokens,
+                         request.num_new_tokens + request.num_load_tokens, num_tokens,
                          len(request.block_ids))
         sampling = request.sampling
         generator = None
@@ -153,7 +167,9 @@ class InputBatch:
             raise ValueError(f"running request {rid!r} is not held by this worker")
         state = self.requests[rid]
         start = request.num_computed_tokens
-        if start != state.num_computed_tokens:
+        # After a load, any point of it (what every rank got); otherwise exactly where it is.
+        lowest = state.num_computed_tokens if state.load_start is None else state.load_start
+        if not lowest <= start <= state.num_computed_tokens:
             raise ValueError(f"request {rid!r}: num_computed_tokens {start} but this worker has "
                              f"computed {state.num_computed_tokens}")
         new_tokens = request.new_token_ids

@@ -55,6 +55,7 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
+from worker_svc.kv_loader import KvLoader, LoadTicket
 from worker_svc.kv_saver import KvSaver, PendingSave
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
@@ -99,6 +100,7 @@ class LaunchedStep:
     launched_at: float = 0.0                           # perf_counter() after the launch
     gap_ms: float = 0.0
     saves: list[PendingSave] = field(default_factory=list)  # KV chunks copied out, to queue
+    loads: LoadTicket | None = None                    # KV store loads it started
 
     def ready(self) -> bool:
         """Whether `finish` would return without waiting for the device."""
@@ -169,6 +171,7 @@ class ModelRunner:
         self.fail_request_prefix: str | None = None
         # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off.
         self.kv_saver: KvSaver | None = None
+        self.kv_loader: KvLoader | None = None     # loads from it (set with the saver)
 
     def kv_slice(self) -> KvSlice:
         """This rank's part of the model's KV: what its KV store chunks hold."""
@@ -279,6 +282,9 @@ class ModelRunner:
         start = time.perf_counter()
         scheduled = input_batch.apply(step)
         launched = LaunchedStep(step, scheduled, token_ids=[])
+        if self.kv_loader is not None:   # before the forward: they overlap
+            launched.loads = self.kv_loader.start(step, input_batch.requests, self.kv_caches,
+                                                  input_batch.block_size)
         if not scheduled:
             if not self.is_last_stage:
                 empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype,

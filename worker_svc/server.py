@@ -40,7 +40,10 @@ from services.wire import CacheReady, FromWorker, InitCache, StepInput, ToWorker
 from worker_svc.device import DeviceError, device_label, device_uuid, dtype_for
 from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
+from worker_svc.kv_loader import KvLoader
+from worker_svc.kv_saver import KvSaver
 from worker_svc.runner import LaunchedStep
+from worker_svc.stage_step import launch_stage, report_loads
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class WorkerServer:
         self._lost = threading.Event()   # the scheduler no longer knows this incarnation
         self._registered = False         # heartbeats are sent only while registered
         self._metadata = call_metadata(config.cluster_token)
+        self._saver: KvSaver | None = None   # its counters ride on heartbeats
 
     @property
     def preferred_dtype(self) -> str:
@@ -133,6 +137,8 @@ class WorkerServer:
             heartbeat.join(timeout=HEARTBEAT_RPC_TIMEOUT_S + 1)
             if runner is not None and runner.kv_saver is not None:
                 runner.kv_saver.close()
+            if runner is not None and runner.kv_loader is not None:
+                runner.kv_loader.close()
             steps.close()
             channel.close()
             ctx.destroy(linger=0)
@@ -167,7 +173,8 @@ class WorkerServer:
             try:
                 report = control_pb2.CapacityReport(
                     worker_id=cfg.worker_id, epoch=self.epoch, num_kv_blocks=num_blocks,
-                    kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size))
+                    kv_bytes_per_block=runner.kv_bytes_per_block(placement.block_size),
+                    kv_store_slice=kv_slice_to_pb(runner))
                 control.ReportCapacity(report, timeout=10.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 log.warning("capacity report failed (%s); registering again", exc.code().name)
@@ -221,7 +228,6 @@ class WorkerServer:
 
     def _load(self, placement: control_pb2.RegisterResponse,
               link: "ParallelGroups | None") -> "ModelRunner | None":  # noqa: F821
-        from worker_svc.kv_saver import KvSaver
         from worker_svc.model.tensor_parallel import TpGroup, TpShard
         from worker_svc.runner import ModelRunner
 
@@ -260,6 +266,8 @@ class WorkerServer:
             runner.fail_request_prefix = cfg.fail_request_prefix
         if cfg.kv_store:
             runner.kv_saver = KvSaver(cfg.kv_store, runner.kv_slice())
+            runner.kv_loader = KvLoader(runner.kv_saver)
+            self._saver = runner.kv_saver
         log.info("loaded layers [%d, %d) in %.1fs (%.2f GiB of weights)", placement.first_layer,
                  placement.end_layer, time.monotonic() - started,
                  runner.weight_bytes / (1 << 30))
@@ -309,7 +317,7 @@ class WorkerServer:
                 self._init_cache(runner, message, num_blocks, outputs, placement)
             elif isinstance(message, StepInput):
                 try:
-                    launched = self._launch_step(runner, message, link)
+                    launched = launch_stage(runner, message, link)
                 except Exception as exc:
                     if pending is not None:
                         self._finish_step(runner, pending, outputs, placement, link)
@@ -319,11 +327,12 @@ class WorkerServer:
                 if pending is not None:
                     self._finish_step(runner, pending, outputs, placement, link)
                     pending = None
-                if launched is not None:
-                    if overlap:
-                        pending = launched
-                    else:
-                        self._finish_step(runner, launched, outputs, placement, link)
+                if link is not None and link.next_rank is not None:
+                    report_loads(launched, outputs, cfg.worker_id)   # its step is done
+                elif overlap:
+                    pending = launched
+                else:
+                    self._finish_step(runner, launched, outputs, placement, link)
         if pending is not None:
             self._finish_step(runner, pending, outputs, placement, link)
         log.info("worker %s %s", cfg.worker_id,
@@ -382,41 +391,7 @@ class WorkerServer:
             return
         if placement.tp_rank == 0:
             outputs.send(result)
-
-    def _launch_step(self, runner: "ModelRunner", step: StepInput,  # noqa: F821
-                     link: "ParallelGroups | None") -> "LaunchedStep | None":  # noqa: F821
-        """Launch one step on this stage: activations in from the previous stage; a non-last
-        stage sends its activations on to the next and returns None."""
-        from worker_svc.parallel import PeerLost
-        from worker_svc.runner import StageActivations
-
-        forwards = link is not None and link.next_rank is not None
-        try:
-            stage_input = None
-            if link is not None and link.prev_rank is not None:
-                num_tokens = (sum(r.num_new_tokens for r in step.new_requests)
-                              + sum(r.num_new_tokens for r in step.running))
-                hidden, residual = link.recv(num_tokens, runner.config.hidden_size,
-                                             runner.dtype, runner.device)
-                stage_input = StageActivations(hidden, residual)
-            launched = runner.launch(step, stage_input)
-            if not forwards:
-                return launched
-            result = runner.finish(launched)
-            assert isinstance(result, StageActivations)
-        except Exception:
-            # The next stage is waiting for this step's activations: tell it the step failed,
-            # or it would sit in its receive until the group's timeout.
-            if forwards:
-                assert link is not None
-                try:
-                    link.send_failure()
-                except PeerLost as lost:   # the next stage is the one gone
-                    log.warning("could not tell the next stage: %s", lost)
-            raise
-        assert link is not None
-        link.send(result.hidden_states, result.residual)
-        return None
+        report_loads(launched, outputs, self.config.worker_id)
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
         """Every second while registered; runs for the life of the process."""
@@ -425,7 +400,11 @@ class WorkerServer:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             if not self._registered or self._lost.is_set():
                 continue
-            request = control_pb2.HeartbeatRequest(worker_id=cfg.worker_id, epoch=self.epoch)
+            saver = self._saver
+            request = control_pb2.HeartbeatRequest(
+                worker_id=cfg.worker_id, epoch=self.epoch,
+                num_kv_chunks_stored=0 if saver is None else saver.num_chunks_stored,
+                num_kv_saves_skipped=0 if saver is None else saver.num_saves_skipped)
             try:
                 known = control.Heartbeat(request, timeout=HEARTBEAT_RPC_TIMEOUT_S,
                                           metadata=self._metadata).known
@@ -442,3 +421,13 @@ class WorkerServer:
                 self._lost.set()
             elif cfg.health_file:
                 Path(cfg.health_file).touch()
+
+
+def kv_slice_to_pb(runner: "ModelRunner") -> control_pb2.KvSlice | None:  # noqa: F821
+    """The runner's part of the KV in the store, when it saves and loads there."""
+    if runner.kv_loader is None:
+        return None
+    s = runner.kv_slice()
+    return control_pb2.KvSlice(model=s.model, dtype=s.dtype, layer_start=s.layer_start,
+                               layer_end=s.layer_end, head_start=s.head_start,
+                               head_end=s.head_end)

@@ -1,0 +1,80 @@
+"""KV loads from the store, as the scheduler tracks them (issue 15, loading).
+
+When kvcache_svc admits a request with `num_load_tokens` (tokens past its prefix hit that the
+KV store holds for every rank), the request's step computes nothing for it: every rank fetches
+its slice of those tokens into the request's fresh blocks while the step runs the other
+requests, and answers `KvLoaded`. Once the step's output and every rank's `KvLoaded` are in,
+`StoreLoads.finish` moves the request's `num_computed_tokens` past what every rank loaded (the
+smallest count: a chunk one rank could not get is recomputed by all, from its first token),
+and the request is scheduled on from there as if it had computed them. A load that came back
+short is a fallback, counted; the client never sees it.
+"""
+
+from dataclasses import dataclass
+
+from scheduler_svc.request import Request, RequestStatus
+from services.wire import KvLoaded
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    request: Request
+    start: int              # num_computed_tokens before the load (the prefix hit)
+    num_tokens: int         # tokens asked of each rank
+
+
+class StoreLoads:
+    def __init__(self) -> None:
+        self._by_step: dict[int, list[_Load]] = {}
+        self.num_hit_tokens = 0         # admitted as loads (the store held them)
+        self.num_miss_tokens = 0        # admitted prompt tokens in neither cache nor store
+        self.num_loaded_tokens = 0      # loaded by every rank
+        self.num_fallbacks = 0          # loads that came back short (the rest recomputed)
+
+    def admitted(self, request: Request, num_cached: int, num_load: int) -> None:
+        """Counts an admission's hits and misses (a first admission only: a request admitted
+        again after preemption asks for its own tokens, not the prompt's)."""
+        self.num_hit_tokens += num_load
+        self.num_miss_tokens += max(0, request.num_prompt_tokens - num_cached - num_load)
+
+    def add(self, step_id: int, loads: list[tuple[Request, int]]) -> None:
+        """The loads of step `step_id`: (request, tokens to load after its computed ones)."""
+        if loads:
+            self._by_step[step_id] = [_Load(r, r.num_computed_tokens, n) for r, n in loads]
+
+    def expects_reports(self, step_id: int) -> bool:
+        """Whether the step loads anything (every rank then answers it with a KvLoaded)."""
+        return step_id in self._by_step
+
+    def finish(self, step_id: int, reports: list[KvLoaded],
+               live: dict[str, Request]) -> None:
+        """Applies every rank's report of step `step_id` to its requests still running."""
+        for load in self._by_step.pop(step_id, []):
+            request = load.request
+            if (live.get(request.request_id) is not request
+                    or request.status is not RequestStatus.RUNNING
+                    or request.num_computed_tokens != load.start):
+                continue      # aborted or finished while loading
+            num_loaded = min((_loaded(report, request.request_id) for report in reports),
+                             default=0)
+            num_loaded = max(0, min(num_loaded, load.num_tokens))
+            request.num_computed_tokens += num_loaded
+            if request.num_cached_tokens is not None:
+                request.num_cached_tokens += num_loaded
+            self.num_loaded_tokens += num_loaded
+            self.num_fallbacks += num_loaded < load.num_tokens
+
+    def forget(self, step_id: int | None = None) -> None:
+        """The step failed (its requests end), or (None) every request went back to waiting."""
+        if step_id is None:
+            self._by_step.clear()
+        else:
+            self._by_step.pop(step_id, None)
+
+
+def _loaded(report: KvLoaded, request_id: str) -> int:
+    """What one rank loaded for a request; 0 when it does not name it."""
+    for rid, num in zip(report.request_ids, report.num_loaded_tokens):
+        if rid == request_id:
+            return num
+    return 0

@@ -1,0 +1,76 @@
+"""One step on one pipeline stage, and the load report that follows it: the parts of the
+worker's step loop (worker_svc.server) that talk to the previous and next stage and to the
+scheduler about KV loads.
+
+`launch_stage` receives the previous stage's activations (non-first stages), launches the
+step on the runner and, on a non-last stage, finishes it and sends its activations on. A step
+of no tokens (it only loads KV from the store) sends and receives nothing: every stage sees
+the same StepInput, so all skip alike. `report_loads` sends the scheduler this rank's
+`KvLoaded` for a step that loaded KV (every rank does), once its loads are done.
+"""
+
+import logging
+
+import torch
+
+from services.channels import Sender
+from services.wire import KvLoaded, StepInput
+from worker_svc.parallel import ParallelGroups, PeerLost
+from worker_svc.runner import LaunchedStep, ModelRunner, StageActivations
+
+log = logging.getLogger(__name__)
+
+
+def num_step_tokens(step: StepInput) -> int:
+    return (sum(r.num_new_tokens for r in step.new_requests)
+            + sum(r.num_new_tokens for r in step.running))
+
+
+def launch_stage(runner: ModelRunner, step: StepInput,
+                 link: ParallelGroups | None) -> LaunchedStep:
+    """Launch one step on this stage: activations in from the previous stage; a non-last
+    stage sends its activations on to the next (the returned step is then finished)."""
+    forwards = link is not None and link.next_rank is not None
+    num_tokens = num_step_tokens(step)
+    try:
+        stage_input = None
+        if link is not None and link.prev_rank is not None:
+            if num_tokens == 0:
+                empty = torch.empty(0, runner.config.hidden_size, dtype=runner.dtype,
+                                    device=runner.device)
+                stage_input = StageActivations(empty, empty)
+            else:
+                stage_input = StageActivations(*link.recv(
+                    num_tokens, runner.config.hidden_size, runner.dtype, runner.device))
+        launched = runner.launch(step, stage_input)
+        if not forwards:
+            return launched
+        result = runner.finish(launched)
+        assert isinstance(result, StageActivations)
+    except Exception:
+        # The next stage is waiting for this step's activations: tell it the step failed,
+        # or it would sit in its receive until the group's timeout.
+        if forwards and num_tokens:
+            assert link is not None
+            try:
+                link.send_failure()
+            except PeerLost as lost:   # the next stage is the one gone
+                log.warning("could not tell the next stage: %s", lost)
+        raise
+    assert link is not None
+    if num_tokens:
+        link.send(result.hidden_states, result.residual)
+    return launched
+
+
+def report_loads(launched: LaunchedStep, outputs: Sender, worker_id: str) -> None:
+    """This rank's KvLoaded for a step that loads KV; nothing for any other step. A rank that
+    cannot load (no store) reports nothing loaded, and the scheduler recomputes."""
+    step = launched.step
+    if launched.loads is not None:
+        loaded = launched.loads.wait()
+    else:
+        loaded = {r.request_id: 0 for r in step.new_requests if r.num_load_tokens}
+    if loaded:
+        outputs.send(KvLoaded(worker_id=worker_id, step_id=step.step_id,
+                              request_ids=list(loaded), num_loaded_tokens=list(loaded.values())))

@@ -16,6 +16,7 @@ from scheduler_svc.placement import ReplicaState
 from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from scheduler_svc.router import Router
 from services.model_config import load_model_config
+from services.wire import PrefixReply, ReplicaPrefix
 from tests.scheduler_svc.fakes import FakeEngine, add_replica
 
 
@@ -67,6 +68,33 @@ def test_route_prefers_the_cached_prefix_unless_much_busier(router: Router) -> N
     assert router.route(request("r3", 400)) is a
     a.kv_ok = False                                   # its pool is being re-created
     assert router.route(request("r4", 400)) is b
+
+
+def test_store_hits_count_as_cached_on_every_replica(router: Router) -> None:
+    """A prefix the KV store holds is reachable from both replicas (a load): it no longer
+    pulls the prompt to the replica that computed it, so the less busy replica wins, while
+    the replica's own longer device hit still counts in full."""
+    a, b = FakeEngine(0), FakeEngine(1)
+    add_replica(router.membership, a)
+    add_replica(router.membership, b)
+    router.live.num_on = {0: 1, 1: 0}.__getitem__  # type: ignore[method-assign]
+
+    class Kv:
+        reply = PrefixReply(epoch=1, replicas=[ReplicaPrefix(0, 20, 16), ReplicaPrefix(1, 0, 16)])
+
+        def call(self, message: object, timeout_ms: int) -> PrefixReply:
+            return self.reply
+
+        def close(self) -> None:
+            pass
+
+    router._route_kv = Kv()  # type: ignore[assignment]
+    assert router._cached_blocks([b"x" * 32]) == {0: 20, 1: 16}
+    # 320 tokens on replica 0 vs 256 from the store on replica 1: 64 tokens apart, exactly
+    # the weight of replica 0's one more live request; the tie goes to the lower id.
+    assert router.route(request("r1", 400)) is a
+    Kv.reply = PrefixReply(epoch=1, replicas=[ReplicaPrefix(0, 16, 16), ReplicaPrefix(1, 0, 16)])
+    assert router.route(request("r2", 400)) is b       # only the store: the idle one
 
 
 def test_parked_until_a_replica_is_ready_or_the_deadline(router: Router) -> None:

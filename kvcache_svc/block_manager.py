@@ -192,6 +192,8 @@ class ReplicaBlockManager:
             self.num_queries += op.num_tokens
             self.num_hits += num_cached
         self.num_store_hits += num_load
+        if self.store is not None:
+            self.store.count_last_lookup()
         self.requests[op.request_id] = RequestBlocks(blocks, num_committed)
         return AdmitResult(op.request_id, num_cached, num_new,
                            [block.block_id for block in blocks], num_committed, num_load)
@@ -199,7 +201,10 @@ class ReplicaBlockManager:
     def _num_store_tokens(self, op: AdmitOp, num_hit_blocks: int) -> int:
         """Tokens after the cached prefix to load from the KV store (0: compute them), leaving
         at least one token to compute, as a prefix hit does."""
-        if self.store is None or len(op.block_hashes) < self.store.blocks_per_chunk:
+        if self.store is None:
+            return 0
+        self.store.last_lookup = (0, 0)
+        if len(op.block_hashes) < self.store.blocks_per_chunk:
             return 0
         num_held = self.store.num_held_blocks(op.block_hashes, num_hit_blocks)
         num_stored = min(num_held * self.block_size, op.num_tokens - 1)
@@ -232,7 +237,7 @@ class ReplicaBlockManager:
         changes nothing, counts nothing."""
         if self.store is None:
             return 0
-        return self.store.num_held_blocks(block_hashes, record=False)
+        return self.store.num_held_blocks(block_hashes)
 
     def drain_events(self) -> list[KvEvent]:
         """The prefix-index changes since the last call, in order, as wire events; always empty

@@ -297,7 +297,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
 
         new_requests: list[NewRequest] = []
-        loading: list[tuple[Request, int]] = []
+        loading: list[tuple[Request, int, bool]] = []
         for request, result in zip(draft.admit_reqs, reply.admitted):
             if result.request_id != request.request_id:
                 raise RuntimeError("plan reply admitted requests out of order")
@@ -312,7 +312,8 @@ class Scheduler:
             if result.num_committed_blocks * self.config.block_size > result.num_cached_tokens:
                 committing.add(request.request_id)
             request.num_computed_tokens = result.num_cached_tokens
-            if request.num_cached_tokens is None:
+            first = request.num_cached_tokens is None
+            if first:
                 request.num_cached_tokens = result.num_cached_tokens
                 self.num_prompt_tokens_admitted += request.num_prompt_tokens
                 self.num_cached_tokens_admitted += result.num_cached_tokens
@@ -326,7 +327,7 @@ class Scheduler:
                 num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
                 num_load_tokens=result.num_load_tokens))
             if result.num_load_tokens:
-                loading.append((request, result.num_load_tokens))
+                loading.append((request, result.num_load_tokens, first))
             request.on_worker = True
             request.num_computed_tokens += result.num_new_tokens
 

@@ -21,6 +21,7 @@ class _Load:
     request: Request
     start: int              # num_computed_tokens before the load (the prefix hit)
     num_tokens: int         # tokens asked of each rank
+    first: bool             # the request's first admission (its cached tokens count it)
 
 
 class StoreLoads:
@@ -37,10 +38,12 @@ class StoreLoads:
         self.num_hit_tokens += num_load
         self.num_miss_tokens += max(0, request.num_prompt_tokens - num_cached - num_load)
 
-    def add(self, step_id: int, loads: list[tuple[Request, int]]) -> None:
-        """The loads of step `step_id`: (request, tokens to load after its computed ones)."""
+    def add(self, step_id: int, loads: list[tuple[Request, int, bool]]) -> None:
+        """The loads of step `step_id`: (request, tokens to load after its computed ones,
+        whether this is its first admission)."""
         if loads:
-            self._by_step[step_id] = [_Load(r, r.num_computed_tokens, n) for r, n in loads]
+            self._by_step[step_id] = [_Load(r, r.num_computed_tokens, n, first)
+                                      for r, n, first in loads]
 
     def expects_reports(self, step_id: int) -> bool:
         """Whether the step loads anything (every rank then answers it with a KvLoaded)."""
@@ -59,8 +62,8 @@ class StoreLoads:
                              default=0)
             num_loaded = max(0, min(num_loaded, load.num_tokens))
             request.num_computed_tokens += num_loaded
-            if request.num_cached_tokens is not None:
-                request.num_cached_tokens += num_loaded
+            if load.first and request.num_cached_tokens is not None:
+                request.num_cached_tokens += num_loaded   # what the client's usage reports
             self.num_loaded_tokens += num_loaded
             self.num_fallbacks += num_loaded < load.num_tokens
 

@@ -26,24 +26,30 @@ class StoreView:
         self.slices = tuple(slices)
         self.block_size = block_size
         self.blocks_per_chunk = store.chunk_tokens // block_size
+        self.last_lookup = (0, 0)       # (hit, miss) tokens of the last num_held_blocks
 
-    def num_held_blocks(self, block_hashes: Sequence[bytes], num_cached_blocks: int = 0,
-                        record: bool = True) -> int:
+    def num_held_blocks(self, block_hashes: Sequence[bytes], num_cached_blocks: int = 0) -> int:
         """Leading blocks of `block_hashes` whose KV the store holds for every slice, counting
         on from the chunk holding block `num_cached_blocks` (blocks before it are the
         replica's own prefix hit: the store need not hold those), in whole chunks; 0 when it
-        holds nothing past them. `record`: count the lookup in the store's hit/miss tokens
-        (admissions do; routing queries do not)."""
+        holds nothing past them. Counts nothing: an admission that goes ahead calls
+        `count_last_lookup` (one that does not fit is asked again, and must not count twice;
+        routing queries never count)."""
         first_chunk = num_cached_blocks // self.blocks_per_chunk
         key_lists = [chunk_keys(block_hashes, self.block_size, self.store.chunk_tokens,
                                 kv_slice)[first_chunk:] for kv_slice in self.slices]
+        self.last_lookup = (0, 0)
         if not key_lists[0]:
             return 0
         num_chunks = min(self.store.lookup_many(key_lists, record=False))
-        if record:
-            chunk_tokens = self.store.chunk_tokens
-            self.store.count_lookup(num_chunks * chunk_tokens,
-                                    (len(key_lists[0]) - num_chunks) * chunk_tokens)
+        chunk_tokens = self.store.chunk_tokens
+        self.last_lookup = (num_chunks * chunk_tokens,
+                            (len(key_lists[0]) - num_chunks) * chunk_tokens)
         if num_chunks == 0:
             return 0
         return (first_chunk + num_chunks) * self.blocks_per_chunk
+
+    def count_last_lookup(self) -> None:
+        """Counts the last `num_held_blocks` in the store's hit and miss tokens, once."""
+        self.store.count_lookup(*self.last_lookup)
+        self.last_lookup = (0, 0)

@@ -26,7 +26,7 @@ from kvcache_svc.kv_store.view import StoreView
 from services.channels import ReplyServer, tcp_address
 from services.codec import Codec
 from services.grpc_server import Health, bind, make_server
-from services.kv_store_wire import StoreStats
+from services.kv_store_wire import store_stats_to_pb
 from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.wire import (
     MAX_REPLICAS,
@@ -265,7 +265,7 @@ class KvCacheAdminServicer(kvcache_pb2_grpc.KvCacheAdminServicer):
         return kvcache_pb2.StatsResponse(
             pools=[_stats_to_pb(replica_id, stats) for replica_id, stats in pools.items()],
             num_plans=num_plans,
-            store=None if self.store is None else _store_stats_to_pb(self.store.stats()))
+            store=None if self.store is None else store_stats_to_pb(self.store.stats()))
 
     async def Clear(self, request: kvcache_pb2.ClearRequest,
                     context: grpc.aio.ServicerContext) -> kvcache_pb2.ClearResponse:
@@ -274,20 +274,6 @@ class KvCacheAdminServicer(kvcache_pb2_grpc.KvCacheAdminServicer):
         if num_cleared is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown replica {replica_id}")
         return kvcache_pb2.ClearResponse(num_cleared=num_cleared)
-
-
-def _store_stats_to_pb(stats: StoreStats) -> kvcache_pb2.StoreStats:
-    tiers = [kvcache_pb2.StoreTierStats(
-        name=t.name, capacity_bytes=t.capacity_bytes, num_chunks=t.num_chunks,
-        num_bytes=t.num_bytes, num_evicted_chunks=t.num_evicted_chunks,
-        num_dropped_chunks=t.num_dropped_chunks) for t in stats.tiers]
-    return kvcache_pb2.StoreStats(
-        chunk_tokens=stats.chunk_tokens, num_hit_tokens=stats.num_hit_tokens,
-        num_miss_tokens=stats.num_miss_tokens, num_stored_chunks=stats.num_stored_chunks,
-        num_stored_tokens=stats.num_stored_tokens, num_stored_bytes=stats.num_stored_bytes,
-        num_skipped_tokens=stats.num_skipped_tokens, num_loaded_chunks=stats.num_loaded_chunks,
-        num_loaded_tokens=stats.num_loaded_tokens, num_loaded_bytes=stats.num_loaded_bytes,
-        num_load_miss_tokens=stats.num_load_miss_tokens, tiers=tiers)
 
 
 def _stats_to_pb(replica_id: int, stats: PoolStats) -> kvcache_pb2.PoolStats:

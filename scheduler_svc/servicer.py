@@ -20,10 +20,10 @@ from scheduler_svc.frontend import (
 from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
-from scheduler_svc.stats import ClusterStats, cluster_stats
+from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import ChatMessage
 from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
-from services.kv_store_wire import KvSlice
+from services.kv_store_wire import KvSlice, store_stats_to_pb
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
     control_pb2,
@@ -199,25 +199,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 r.num_store_loaded_tokens = e.num_store_loaded_tokens
                 r.num_store_load_fallbacks = e.num_store_load_fallbacks
         if stats.kv_store is not None:
-            info.kv_store.CopyFrom(store_info_to_pb(stats))
+            info.kv_store.CopyFrom(store_stats_to_pb(stats.kv_store))
+        info.kv_store_saves_skipped = sum(w.num_kv_saves_skipped for r in stats.replicas
+                                          for w in r.workers)
         return info
-
-
-def store_info_to_pb(stats: ClusterStats) -> generation_pb2.KvStoreInfo:
-    store = stats.kv_store
-    assert store is not None
-    return generation_pb2.KvStoreInfo(
-        chunk_tokens=store.chunk_tokens, num_hit_tokens=store.num_hit_tokens,
-        num_miss_tokens=store.num_miss_tokens, num_stored_chunks=store.num_stored_chunks,
-        num_stored_tokens=store.num_stored_tokens, num_stored_bytes=store.num_stored_bytes,
-        num_loaded_chunks=store.num_loaded_chunks, num_loaded_tokens=store.num_loaded_tokens,
-        num_loaded_bytes=store.num_loaded_bytes, num_load_miss_tokens=store.num_load_miss_tokens,
-        tiers=[generation_pb2.KvStoreTierInfo(
-            name=t.name, capacity_bytes=t.capacity_bytes, num_chunks=t.num_chunks,
-            num_bytes=t.num_bytes, num_evicted_chunks=t.num_evicted_chunks,
-            num_dropped_chunks=t.num_dropped_chunks) for t in store.tiers],
-        num_saves_skipped=sum(w.num_kv_saves_skipped for r in stats.replicas
-                              for w in r.workers))
 
 
 def kv_slice_from_pb(report: control_pb2.CapacityReport) -> KvSlice | None:

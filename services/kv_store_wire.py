@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from services.block_hash import BLOCK_HASH_BYTES
+from services.rpc.splitserve.v1 import kvcache_pb2
 
 
 class _Wire(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -179,3 +180,18 @@ class StoreStats(_Wire, frozen=True):
 
 ToKvStore = SaveChunks | LookupChunks | LoadChunks | DescribeStore
 FromKvStore = SaveReply | LookupReply | LoadReply | StoreInfo | StoreRefused
+
+
+def store_stats_to_pb(stats: StoreStats) -> kvcache_pb2.StoreStats:
+    """The stats as the admin API and ServerInfo carry them (one proto message for both)."""
+    tiers = [kvcache_pb2.StoreTierStats(
+        name=t.name, capacity_bytes=t.capacity_bytes, num_chunks=t.num_chunks,
+        num_bytes=t.num_bytes, num_evicted_chunks=t.num_evicted_chunks,
+        num_dropped_chunks=t.num_dropped_chunks) for t in stats.tiers]
+    return kvcache_pb2.StoreStats(
+        chunk_tokens=stats.chunk_tokens, num_hit_tokens=stats.num_hit_tokens,
+        num_miss_tokens=stats.num_miss_tokens, num_stored_chunks=stats.num_stored_chunks,
+        num_stored_tokens=stats.num_stored_tokens, num_stored_bytes=stats.num_stored_bytes,
+        num_skipped_tokens=stats.num_skipped_tokens, num_loaded_chunks=stats.num_loaded_chunks,
+        num_loaded_tokens=stats.num_loaded_tokens, num_loaded_bytes=stats.num_loaded_bytes,
+        num_load_miss_tokens=stats.num_load_miss_tokens, tiers=tiers)

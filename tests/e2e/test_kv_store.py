@@ -3,6 +3,7 @@ launcher gives every worker the store's address, and after a long prompt the sto
 whole chunks under the keys the scheduler will look up (cache salt included)."""
 
 import signal
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,8 +119,28 @@ def test_evicted_prefix_is_loaded_from_the_store(tmp_path: Path, tokenizer, orac
         assert warm == cold
         [replica] = replica_info(cluster)
         assert replica.num_store_loaded_tokens >= 512, replica
+        assert replica.num_store_hit_tokens == replica.num_store_loaded_tokens
         assert replica.num_store_load_fallbacks == 0
         assert cluster.kv_stats().store.num_loaded_chunks >= 2
+        if chunked:   # once: the store's counters in ServerInfo and /metrics
+            def probed() -> generation_pb2.ServerInfoResponse:
+                return cluster.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=5)
+
+            # The scheduler's probe of kvcache_svc brings the store's counters (~1 s old).
+            assert wait_for(lambda: probed().kv_store.num_loaded_chunks >= 2, 10)
+            info = probed()
+            assert info.kv_store.num_stored_chunks >= 3 and info.kv_store.chunk_tokens == 256
+            assert info.kv_store.tiers[0].name == "memory"
+            assert info.kv_store.tiers[0].num_chunks >= 3
+            assert info.kv_store_saves_skipped == 0
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{cluster.procs.spec.metrics_port}/metrics",
+                    timeout=10) as r:
+                text = r.read().decode()
+            loaded = next(line for line in text.splitlines()
+                          if line.startswith("splitserve:kv_store_loaded_tokens_total"))
+            assert float(loaded.split()[-1]) >= 512
+            assert 'splitserve:kv_store_tier_chunks{model_name=' in text
 
 
 def test_second_replica_loads_what_the_first_computed(tmp_path: Path, tokenizer, oracle,  # type: ignore[no-untyped-def]

@@ -1,3 +1,4 @@
+from services.rpc.splitserve.v1 import kvcache_pb2 as _kvcache_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -246,52 +247,8 @@ class ReplicaInfo(_message.Message):
     num_store_load_fallbacks: int
     def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ..., forward_gap_ms_total: _Optional[float] = ..., num_forward_gaps: _Optional[int] = ..., dtype: _Optional[str] = ..., num_store_miss_tokens: _Optional[int] = ..., num_store_hit_tokens: _Optional[int] = ..., num_store_loaded_tokens: _Optional[int] = ..., num_store_load_fallbacks: _Optional[int] = ...) -> None: ...
 
-class KvStoreTierInfo(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "num_chunks", "num_bytes", "num_evicted_chunks", "num_dropped_chunks")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_EVICTED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DROPPED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    capacity_bytes: int
-    num_chunks: int
-    num_bytes: int
-    num_evicted_chunks: int
-    num_dropped_chunks: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_evicted_chunks: _Optional[int] = ..., num_dropped_chunks: _Optional[int] = ...) -> None: ...
-
-class KvStoreInfo(_message.Message):
-    __slots__ = ("chunk_tokens", "num_hit_tokens", "num_miss_tokens", "num_stored_chunks", "num_stored_tokens", "num_stored_bytes", "num_loaded_chunks", "num_loaded_tokens", "num_loaded_bytes", "num_load_miss_tokens", "tiers", "num_saves_skipped")
-    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_STORED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOADED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    NUM_LOAD_MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TIERS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SAVES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
-    chunk_tokens: int
-    num_hit_tokens: int
-    num_miss_tokens: int
-    num_stored_chunks: int
-    num_stored_tokens: int
-    num_stored_bytes: int
-    num_loaded_chunks: int
-    num_loaded_tokens: int
-    num_loaded_bytes: int
-    num_load_miss_tokens: int
-    tiers: _containers.RepeatedCompositeFieldContainer[KvStoreTierInfo]
-    num_saves_skipped: int
-    def __init__(self, chunk_tokens: _Optional[int] = ..., num_hit_tokens: _Optional[int] = ..., num_miss_tokens: _Optional[int] = ..., num_stored_chunks: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_stored_bytes: _Optional[int] = ..., num_loaded_chunks: _Optional[int] = ..., num_loaded_tokens: _Optional[int] = ..., num_loaded_bytes: _Optional[int] = ..., num_load_miss_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[KvStoreTierInfo, _Mapping]]] = ..., num_saves_skipped: _Optional[int] = ...) -> None: ...
-
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable", "kv_store")
+    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable", "kv_store", "kv_store_saves_skipped")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +261,7 @@ class ServerInfoResponse(_message.Message):
     NUM_PARKED_FIELD_NUMBER: _ClassVar[int]
     KVCACHE_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_SAVES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     max_num_seqs: int
@@ -315,5 +273,6 @@ class ServerInfoResponse(_message.Message):
     num_migrations: int
     num_parked: int
     kvcache_reachable: bool
-    kv_store: KvStoreInfo
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_parked: _Optional[int] = ..., kvcache_reachable: _Optional[bool] = ..., kv_store: _Optional[_Union[KvStoreInfo, _Mapping]] = ...) -> None: ...
+    kv_store: _kvcache_pb2.StoreStats
+    kv_store_saves_skipped: int
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_parked: _Optional[int] = ..., kvcache_reachable: _Optional[bool] = ..., kv_store: _Optional[_Union[_kvcache_pb2.StoreStats, _Mapping]] = ..., kv_store_saves_skipped: _Optional[int] = ...) -> None: ...

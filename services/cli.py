@@ -34,7 +34,7 @@ from services.launcher import (
     plan_devices,
 )
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
-from services.service_flags import add_scheduler_flags, add_worker_flags
+from services.service_flags import add_kvcache_flags, add_scheduler_flags, add_worker_flags
 
 
 def visible_gpus() -> int:
@@ -56,7 +56,8 @@ def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
                        kv_events_port=a.port + 4, kv_store_port=a.port + 6,
                        metrics_port=metrics_port, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(a.scheduler_args),
-                       worker_args=tuple(a.worker_args), threads_per_worker=a.threads,
+                       worker_args=tuple(a.worker_args), kvcache_args=tuple(a.kvcache_args),
+                       threads_per_worker=a.threads,
                        worker_devices=devices, log_level=a.log_level)
 
 
@@ -162,7 +163,8 @@ def service_parsers() -> dict[str, FlagParser]:
     return {name: add(FlagParser(prog="splitserve up", usage=argparse.SUPPRESS, add_help=False,
                                  environ={}))
             for name, add in (("scheduler_svc", add_scheduler_flags),
-                              ("worker_svc", add_worker_flags))}
+                              ("worker_svc", add_worker_flags),
+                              ("kvcache_svc", add_kvcache_flags))}
 
 
 def forward_flags(extra: Sequence[str],
@@ -180,8 +182,10 @@ def forward_flags(extra: Sequence[str],
                                f"sockets on 127.0.0.1, one id per worker)")
         owners = [name for name, p in parsers.items() if option in p.flags]
         if not option.startswith("--") or not owners:
+            names = [*parsers]
             raise ForwardError(f"{extra[i]!r} is no flag of splitserve up, "
-                               f"{' or '.join(parsers)} (see splitserve up --help)")
+                               f"{', '.join(names[:-1])} or {names[-1]} (see splitserve up "
+                               f"--help)")
         takes_value = parsers[owners[0]].flags[option].nargs != 0
         count = 2 if takes_value and not equals else 1
         for name in owners:
@@ -195,8 +199,9 @@ def forward_flags(extra: Sequence[str],
 def forwarded_help(own: Mapping[str, object], parsers: Mapping[str, FlagParser]) -> str:
     """`up --help`'s word on the flags it passes on, named by service."""
     paragraphs = ["Any other flag goes as given to the service that defines it (to both, if "
-                  "both do). `python -m scheduler_svc --help` and `python -m worker_svc --help` "
-                  "say what each does and its SPLITSERVE_* variable."]
+                  "both do). `python -m scheduler_svc --help`, `python -m worker_svc --help` and "
+                  "`python -m kvcache_svc --help` say what each does and its SPLITSERVE_* "
+                  "variable."]
     for name, p in parsers.items():
         flags = dict.fromkeys(action.option_strings[0] for option, action in p.flags.items()
                               if option not in own and option not in SET_BY_LAUNCHER)
@@ -261,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command's arguments; for `up`, also the flags it forwards (`scheduler_args`,
-    `worker_args`)."""
+    `worker_args`, `kvcache_args`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "up":
@@ -274,6 +279,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.exit(2, f"splitserve up: error: {exc}\n")
     args.scheduler_args = forwarded["scheduler_svc"]
     args.worker_args = forwarded["worker_svc"]
+    args.kvcache_args = forwarded["kvcache_svc"]
     return args
 
 

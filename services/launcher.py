@@ -42,7 +42,8 @@ INTERNAL_HOST = "127.0.0.1"
 # Service flags the launcher always sets to values of its own (the internal plane's addresses,
 # one id per worker), which no spec field chooses: `splitserve up` refuses them.
 SET_BY_LAUNCHER = frozenset({"--control-host", "--advertise-host", "--kvcache", "--scheduler",
-                             "--worker-id"})
+                             "--worker-id", "--plan-port", "--admin-port", "--events-port",
+                             "--kv-store-port"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,7 @@ class ClusterSpec:
     num_replicas: int = 1
     scheduler_args: tuple[str, ...] = ()    # extra scheduler flags
     worker_args: tuple[str, ...] = ()       # extra worker flags
+    kvcache_args: tuple[str, ...] = ()      # extra kvcache_svc flags (the KV store's)
     threads_per_worker: int = 0             # 0: this machine's CPUs / workers
     worker_devices: tuple[str, ...] = ()    # worker i's --device ("cpu", "cuda:N"); ():
                                             # each worker's own default (plan_devices)
@@ -180,7 +182,9 @@ class ServiceProcesses:
         """Workers save their KV to kvcache_svc's store, on by default (a later `--kv-store ""`
         in worker_args turns it off); a store on "any free port" has no address to give."""
         port = self.spec.kv_store_port
-        return ["--kv-store", f"tcp://{INTERNAL_HOST}:{port}"] if port else []
+        if not port or "--no-kv-store" in self.spec.kvcache_args:
+            return []
+        return ["--kv-store", f"tcp://{INTERNAL_HOST}:{port}"]
 
     @property
     def threads_per_worker(self) -> int:
@@ -213,7 +217,7 @@ class ServiceProcesses:
             "--host", INTERNAL_HOST, "--plan-port", str(s.kv_plan_port), "--admin-port",
             str(s.kv_admin_port), "--events-port", str(s.kv_events_port),
             "--kv-store-port", str(s.kv_store_port),
-            "--log-level", s.log_level])
+            "--log-level", s.log_level, *s.kvcache_args])
 
     def add_worker(self, name: str, extra: Sequence[str] = ()) -> None:
         s = self.spec

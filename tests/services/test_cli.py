@@ -167,12 +167,26 @@ def test_a_flag_several_services_define_goes_to_each() -> None:
         p.add_flag("--shared-knob", type=int)
     forwarded = cli.forward_flags(["--shared-knob", "3", "--max-num-seqs", "2"], parsers)
     assert forwarded == {"scheduler_svc": ["--shared-knob", "3", "--max-num-seqs", "2"],
-                         "worker_svc": ["--shared-knob", "3"]}
+                         "worker_svc": ["--shared-knob", "3"],
+                         "kvcache_svc": ["--shared-knob", "3"]}
+
+
+def test_kv_store_flags_go_to_kvcache_and_no_store_means_no_saving() -> None:
+    """`up --no-kv-store` reaches kvcache_svc, and the workers then get no store address;
+    the store's tiers are kvcache_svc's flags too; its port is up's own (--port + 6)."""
+    args = cli.parse_args(["up", "--no-kv-store", "--kv-store-memory-gib", "1"])
+    assert args.kvcache_args == ["--no-kv-store", "--kv-store-memory-gib", "1"]
+    procs = ServiceProcesses(cli.cluster_spec(args, 0))
+    assert "--kv-store" not in procs.worker_args(0)
+    default = ServiceProcesses(cli.cluster_spec(cli.parse_args(["up"]), 0))
+    assert "--kv-store" in default.worker_args(0)
+    with pytest.raises(cli.ForwardError, match="--kv-store-port: splitserve up sets it"):
+        cli.forward_flags(["--kv-store-port", "9"], cli.service_parsers())
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--no-such-flag"], "'--no-such-flag' is no flag of splitserve up, scheduler_svc or "
-                         "worker_svc (see splitserve up --help)"),
+    (["--no-such-flag"], "'--no-such-flag' is no flag of splitserve up, scheduler_svc, "
+                         "worker_svc or kvcache_svc (see splitserve up --help)"),
     (["--max-num-seqs", "4", "stray"], "'stray' is no flag of splitserve up"),
     (["--kvcache", "tcp://elsewhere:1"], "--kvcache: splitserve up sets it itself"),
     (["--worker-id=w"], "--worker-id: splitserve up sets it itself"),

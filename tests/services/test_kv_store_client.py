@@ -154,6 +154,9 @@ def test_a_loaded_chunk_that_does_not_check_out_is_a_miss(ctx: zmq.Context) -> N
     assert fake_store_reply(ctx, [swapped, bytes(good1.data), bytes(good0.data)]) == [
         None, None]
     assert fake_store_reply(ctx, [header, bytes(good0.data)]) == [None, None]  # a frame short
+    truncated = bytes(good1.data)[:len(good1.data) // 2]     # a data frame cut short
+    assert [c is not None for c in fake_store_reply(
+        ctx, [header, bytes(good0.data), truncated])] == [True, False]
 
 
 def test_a_chunk_too_large_for_the_store_counts_as_failed(client: KvStoreClient) -> None:

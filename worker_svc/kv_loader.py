@@ -98,8 +98,9 @@ class KvLoader:
             self._last.wait()
         ticket = self._last = LoadTicket(step.step_id, [r.request_id for r in loads])
         chunk_tokens = self.saver.chunk_tokens
-        if chunk_tokens is None or chunk_tokens % block_size or not kv_caches:
-            ticket.complete()     # the store is not known yet: every load falls back
+        if (chunk_tokens is None or chunk_tokens % block_size or not kv_caches
+                or not self._thread.is_alive()):
+            ticket.complete()     # no store known (or no loader): every load falls back
             return ticket
         jobs = []
         for request in loads:
@@ -122,10 +123,12 @@ class KvLoader:
 
     def _run(self, codec: Codec[FromKvStore] | None) -> None:
         client = KvStoreClient(self._ctx, self.saver.address, codec=codec)
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        stream: torch.cuda.Stream | None = None
         try:
             while (work := self._jobs.get()) is not None:
                 ticket, jobs, kv_caches = work
+                if stream is None and kv_caches[0].device.type == "cuda":
+                    stream = torch.cuda.Stream(device=kv_caches[0].device)
                 try:
                     for job in jobs:
                         ticket.loaded[job.request_id] = self._load(client, job, kv_caches,

@@ -10,8 +10,7 @@ outputs go out through `on_outputs` (the live-request registry's `deliver`).
         reply = kvcache.plan(plan)            # one batched call per step
         step  = scheduler.apply_plan(reply)   # StepInput diff
         send step to every rank; wait for the last stage's StepOutput
-        publish scheduler.update(output)
-
+        publish scheduler.update(output); apply the KV loads every rank reported (KvLoaded)
 Failures, and who handles them:
 - kvcache_svc stops answering, or answers as a new instance (another epoch, the pool gone):
   the engine finishes the steps in flight, preempts everything (recompute), and re-creates
@@ -109,7 +108,6 @@ class ReplicaEngine:
                                    async_scheduling=config.async_scheduling)
         self._depth = 2 if config.async_scheduling else config.max_batches_in_flight
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
-        self._loaded: dict[int, list[KvLoaded]] = {}   # step id -> its ranks' load reports
         self.scheduler.set_capacity(config.num_kv_blocks)
         self._connect = connect
         self._on_outputs = on_outputs
@@ -303,6 +301,8 @@ class ReplicaEngine:
                 return  # fill the queue before waiting
         if self._in_flight:
             self._receive_oldest(io)
+        elif self.scheduler.loads.steps:
+            self._await_loads(io)
         elif not sent:
             # Nothing fit (the free-block estimate was off; the next plan starts from
             # kvcache_svc's exact count), or the plan only freed blocks (the scheduler has
@@ -335,9 +335,6 @@ class ReplicaEngine:
         output = self._wait_output(io, step_id)
         received = time.perf_counter()
         self.num_steps += 1
-        reports = self._loaded.pop(step_id, [])
-        for stale in [s for s in self._loaded if s < step_id]:
-            del self._loaded[stale]
         if output.error is not None:
             self._fail_step(output.step_id, output.error)
             return
@@ -345,7 +342,7 @@ class ReplicaEngine:
             self.forward_gap_ms_total += output.timings.gap_ms
             self.num_forward_gaps += 1
         self._on_outputs(self.scheduler.update(output))
-        self.scheduler.loads.finish(step_id, reports, self.scheduler.requests)
+        self._finish_loads(io.num_ranks)
         self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
                          update_ms=(time.perf_counter() - received) * 1000,
                          forward_ms=output.timings.forward_ms + output.timings.sample_ms,
@@ -372,16 +369,31 @@ class ReplicaEngine:
             return
         self._apply_command(command)
 
+    def _finish_loads(self, num_ranks: int) -> None:
+        """Applies the KV loads every rank has reported (store_loads.py); a load a rank has
+        not reported within the step timeout takes the replica down."""
+        loads = self.scheduler.loads
+        loads.finish_reported(num_ranks, self.scheduler.requests)
+        if (late := loads.overdue(self.config.step_timeout_s)) is not None:
+            raise EngineError(f"a rank did not report the KV loads of step {late} within "
+                              f"{self.config.step_timeout_s:.0f}s")
+
+    def _await_loads(self, io: EngineTransport) -> None:
+        """Nothing in flight but loads: the ranks' messages for 5 ms (then new requests)."""
+        msg = io.recv_from_ranks(timeout_ms=5)
+        if isinstance(msg, KvLoaded):
+            self.scheduler.loads.report(msg)
+        elif isinstance(msg, WorkerFailure):
+            raise EngineError(f"worker {msg.worker_id} failed step {msg.step_id}: {msg.message}")
+        elif msg is not None:
+            log.warning("ignoring stale worker message %s", type(msg).__name__)
+        self._finish_loads(io.num_ranks)
+
     def _wait_output(self, io: EngineTransport, step_id: int) -> StepOutput:
-        """The step's output; for a step that loads KV, also every rank's KvLoaded (kept in
-        `_loaded`), unless the output is an error (the step's requests end)."""
+        """The step's output; every rank's KvLoaded that comes meanwhile goes to the
+        scheduler's loads (for this step or another)."""
         deadline = time.monotonic() + self.config.step_timeout_s
-        num_reports = io.num_ranks if self.scheduler.loads.expects_reports(step_id) else 0
-        output: StepOutput | None = None
         while True:
-            if output is not None and (output.error is not None or len(
-                    self._loaded.get(step_id, [])) >= num_reports):
-                return output
             self._check_down()
             msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
             if msg is None:
@@ -399,9 +411,9 @@ class ReplicaEngine:
                     self._fail_step(step_id, StepError(reason[:4096], kv_written=False))
                 raise EngineError(reason)
             if isinstance(msg, StepOutput) and msg.step_id == step_id:
-                output = msg
-            elif isinstance(msg, KvLoaded) and msg.step_id >= step_id:
-                self._loaded.setdefault(msg.step_id, []).append(msg)
+                return msg
+            if isinstance(msg, KvLoaded):
+                self.scheduler.loads.report(msg)
             else:
                 log.warning("ignoring stale worker message %s", type(msg).__name__)
 
@@ -421,7 +433,6 @@ class ReplicaEngine:
         while self._in_flight:
             self._receive_oldest(io)
         self.scheduler.preempt_all()
-        self._loaded.clear()
         cfg = self.config
         configure = self._configure_pool()
         while not self._stopping:

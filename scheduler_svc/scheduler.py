@@ -154,11 +154,11 @@ class Scheduler:
         output of such a step is then ignored by `update`)."""
         for step_id in list(self._step_requests):
             self._leave_step(step_id)
+        self.loads.forget()
         for request in reversed(self.running):
             self._preempt(request, release_blocks=False)
         self.running.clear()
         self._free_ids.clear()
-        self.loads.forget()
         self.num_free_blocks = self.num_total_blocks
 
     # ------------------------------------------------------------------ phase 1: draft a plan

@@ -12,11 +12,13 @@ ticket's `wait` gives, per request, how many of its load tokens are now in the c
 worker reports that in a `KvLoaded`, and the scheduler recomputes from the smallest count
 any rank reported. Nothing here raises into the step: a failure is a short count.
 
-One step's loads at a time: `start` first waits for the previous step's, so a later step can
-never reuse blocks a load is still writing (an aborted request's blocks are freed and may be
-handed out by the very next plan). On a GPU the copies go through a stream of the loader's
-own, synchronized before the ticket completes, so the step that computes after the load
-(always a later one) finds the KV in place.
+Loads run in the background across steps: the worker sends a step's output without waiting
+for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.server).
+The scheduler holds the request meanwhile, so only a step that names it in `finished_ids`
+(aborted, or every request preempted) can come first, and the blocks it frees may be handed
+out by that very step: `wait_for` holds such a step until the loads naming those requests are
+done. On a GPU the copies go through a stream of the loader's own, synchronized before the
+ticket completes, so the step that computes after the load finds the KV in place.
 """
 
 import logging
@@ -33,8 +35,8 @@ from services.kv_chunks import KvChunk, chunk_keys
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import ChunkKey, FromKvStore
 from services.kv_tensors import TORCH_DTYPES
-from services.wire import StepInput
-from worker_svc.input_batch import RequestState
+from services.wire import KvLoaded, StepInput
+from worker_svc.input_batch import InputBatch, RequestState
 from worker_svc.kv_saver import KvSaver, extend_block_hashes
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,16 @@ class LoadTicket:
     def complete(self) -> None:
         self._done.set()
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def report(self, worker_id: str) -> KvLoaded:
+        """This rank's KvLoaded for the step (call once `done`)."""
+        return KvLoaded(worker_id=worker_id, step_id=self.step_id,
+                        request_ids=list(self.loaded),
+                        num_loaded_tokens=list(self.loaded.values()))
+
     def wait(self) -> dict[str, int]:
         self._done.wait()
         return self.loaded
@@ -74,7 +86,7 @@ class KvLoader:
         self.num_chunks_loaded = 0
         self.num_tokens_loaded = 0
         self.num_loads_short = 0            # requests that got fewer tokens than asked
-        self._last: LoadTicket | None = None
+        self._pending: list[LoadTicket] = []  # started, oldest first (the step's thread's)
         self._jobs: queue.SimpleQueue[tuple[LoadTicket, list[_Job], list[torch.Tensor]] | None] \
             = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -94,9 +106,8 @@ class KvLoader:
         loads = [r for r in step.new_requests if r.num_load_tokens and r.request_id in requests]
         if not loads:
             return None
-        if self._last is not None:
-            self._last.wait()
-        ticket = self._last = LoadTicket(step.step_id, [r.request_id for r in loads])
+        ticket = LoadTicket(step.step_id, [r.request_id for r in loads])
+        self._pending = [t for t in self._pending if not t.done] + [ticket]
         chunk_tokens = self.saver.chunk_tokens
         if (chunk_tokens is None or chunk_tokens % block_size or not kv_caches
                 or not self._thread.is_alive()):
@@ -118,6 +129,17 @@ class KvLoader:
                              list(state.block_ids)))
         self._jobs.put((ticket, jobs, kv_caches))
         return ticket
+
+    def wait_for(self, request_ids: list[str]) -> None:
+        """Waits until no load still writes the blocks of `request_ids` (a step finishing
+        them may hand their blocks to another request). Loads run in start order."""
+        if not request_ids or not self._pending:
+            return
+        ids = set(request_ids)
+        last = max((i for i, t in enumerate(self._pending) if ids & set(t.request_ids)),
+                   default=-1)
+        if last >= 0:
+            self._pending[last].wait()
 
     # ---------------------------------------------------------------------- the loader's thread
 
@@ -192,3 +214,18 @@ def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk, block_ids: lis
         index = index.to(cache.device)
         for layer, layer_cache in enumerate(kv_caches):
             layer_cache.index_copy_(1, index, on_device[layer])
+
+
+def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,
+                kv_caches: list[torch.Tensor]) -> LoadTicket | None:
+    """The step's loads started (None when it has none); without a loader (no store) a
+    completed ticket that loaded nothing, so every rank still reports and the scheduler
+    recomputes."""
+    if loader is not None:
+        return loader.start(step, input_batch.requests, kv_caches, input_batch.block_size)
+    ids = [r.request_id for r in step.new_requests if r.num_load_tokens]
+    if not ids:
+        return None
+    ticket = LoadTicket(step.step_id, ids)
+    ticket.complete()
+    return ticket

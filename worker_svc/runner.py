@@ -55,7 +55,7 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
-from worker_svc.kv_loader import KvLoader, LoadTicket
+from worker_svc.kv_loader import KvLoader, LoadTicket, start_loads
 from worker_svc.kv_saver import KvSaver, PendingSave
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
@@ -280,11 +280,11 @@ class ModelRunner:
     def _launch(self, step: StepInput, stage_input: StageActivations | None,
                 input_batch: InputBatch) -> LaunchedStep:
         start = time.perf_counter()
+        if self.kv_loader is not None:   # their blocks may be reused from this step on
+            self.kv_loader.wait_for(step.finished_ids)
         scheduled = input_batch.apply(step)
-        launched = LaunchedStep(step, scheduled, token_ids=[])
-        if self.kv_loader is not None:   # before the forward: they overlap
-            launched.loads = self.kv_loader.start(step, input_batch.requests, self.kv_caches,
-                                                  input_batch.block_size)
+        launched = LaunchedStep(step, scheduled, token_ids=[], loads=start_loads(
+            self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
         if not scheduled:
             if not self.is_last_stage:
                 empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype,

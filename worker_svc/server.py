@@ -22,6 +22,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,10 @@ from services.wire import CacheReady, FromWorker, InitCache, StepInput, ToWorker
 from worker_svc.device import DeviceError, device_label, device_uuid, dtype_for
 from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
-from worker_svc.kv_loader import KvLoader
+from worker_svc.kv_loader import KvLoader, LoadTicket
 from worker_svc.kv_saver import KvSaver
 from worker_svc.runner import LaunchedStep
-from worker_svc.stage_step import launch_stage, report_loads
+from worker_svc.stage_step import launch_stage
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +301,11 @@ class WorkerServer:
             overlap = cfg.device.type == "cuda"
         overlap = overlap and placement.pp_size == 1
         pending: LaunchedStep | None = None
+        loads: deque[LoadTicket] = deque()   # steps' KV loads, reported once done, in order
         while not self._stop.is_set() and not self._lost.is_set():
-            message = steps.recv(timeout_ms=200 if pending is None else 0)
+            while loads and loads[0].done:
+                outputs.send(loads.popleft().report(cfg.worker_id))
+            message = steps.recv(timeout_ms=0 if pending is not None else 2 if loads else 200)
             if message is None:
                 if pending is not None:
                     if pending.ready():
@@ -327,9 +331,11 @@ class WorkerServer:
                 if pending is not None:
                     self._finish_step(runner, pending, outputs, placement, link)
                     pending = None
+                if launched.loads is not None:
+                    loads.append(launched.loads)
                 if link is not None and link.next_rank is not None:
-                    report_loads(launched, outputs, cfg.worker_id)   # its step is done
-                elif overlap:
+                    continue                      # forwarded: this stage is done with it
+                if overlap:
                     pending = launched
                 else:
                     self._finish_step(runner, launched, outputs, placement, link)
@@ -391,7 +397,6 @@ class WorkerServer:
             return
         if placement.tp_rank == 0:
             outputs.send(result)
-        report_loads(launched, outputs, self.config.worker_id)
 
     def _heartbeat(self, control: control_pb2_grpc.WorkerControlStub) -> None:
         """Every second while registered; runs for the life of the process."""

@@ -1,20 +1,17 @@
-"""One step on one pipeline stage, and the load report that follows it: the parts of the
-worker's step loop (worker_svc.server) that talk to the previous and next stage and to the
-scheduler about KV loads.
+"""One step on one pipeline stage: the part of the worker's step loop (worker_svc.server)
+that talks to the previous and next stage.
 
 `launch_stage` receives the previous stage's activations (non-first stages), launches the
 step on the runner and, on a non-last stage, finishes it and sends its activations on. A step
 of no tokens (it only loads KV from the store) sends and receives nothing: every stage sees
-the same StepInput, so all skip alike. `report_loads` sends the scheduler this rank's
-`KvLoaded` for a step that loaded KV (every rank does), once its loads are done.
+the same StepInput, so all skip alike.
 """
 
 import logging
 
 import torch
 
-from services.channels import Sender
-from services.wire import KvLoaded, StepInput
+from services.wire import StepInput
 from worker_svc.parallel import ParallelGroups, PeerLost
 from worker_svc.runner import LaunchedStep, ModelRunner, StageActivations
 
@@ -61,16 +58,3 @@ def launch_stage(runner: ModelRunner, step: StepInput,
     if num_tokens:
         link.send(result.hidden_states, result.residual)
     return launched
-
-
-def report_loads(launched: LaunchedStep, outputs: Sender, worker_id: str) -> None:
-    """This rank's KvLoaded for a step that loads KV; nothing for any other step. A rank that
-    cannot load (no store) reports nothing loaded, and the scheduler recomputes."""
-    step = launched.step
-    if launched.loads is not None:
-        loaded = launched.loads.wait()
-    else:
-        loaded = {r.request_id: 0 for r in step.new_requests if r.num_load_tokens}
-    if loaded:
-        outputs.send(KvLoaded(worker_id=worker_id, step_id=step.step_id,
-                              request_ids=list(loaded), num_loaded_tokens=list(loaded.values())))

@@ -124,10 +124,11 @@ def test_a_load_is_scheduled_with_nothing_to_compute_and_no_sampling() -> None:
     [new] = step.new_requests
     assert (new.num_computed_tokens, new.num_new_tokens, new.num_load_tokens) == (0, 0, 512)
     assert len(new.block_ids) == 512 // BLOCK_SIZE and new.token_ids == PROMPT
+    # In flight twice: its step, and its load until every rank reported it.
     assert (request.num_computed_tokens, request.num_in_flight, request.num_pending_tokens) == (
-        0, 1, 0)
+        0, 2, 0)
     assert request.num_committed_blocks == 0
-    assert sched.loads.expects_reports(step.step_id)
+    assert step.step_id in sched.loads.steps
     assert (sched.loads.num_hit_tokens, sched.loads.num_miss_tokens) == (512, 88)
     assert (sched.num_prompt_tokens_admitted, sched.num_cached_tokens_admitted) == (600, 0)
     # A token for it is not expected: a worker that sent one anyway is ignored.
@@ -146,7 +147,7 @@ def test_the_request_resumes_after_what_every_rank_loaded(per_rank: tuple[int, i
     step = run_step(sched, kv)
     assert sched.update(output(step)) == []
     sched.loads.finish(step.step_id, loaded(step, *per_rank), sched.requests)
-    assert not sched.loads.expects_reports(step.step_id)
+    assert step.step_id not in sched.loads.steps
     assert request.num_computed_tokens == resume
     assert request.num_cached_tokens == resume
     assert sched.loads.num_loaded_tokens == resume
@@ -198,7 +199,7 @@ def test_a_request_aborted_while_loading_is_left_alone() -> None:
     assert request.status is RequestStatus.FINISHED and request.num_computed_tokens == 0
     assert again.status is RequestStatus.WAITING and again.num_computed_tokens == 0
     assert (sched.loads.num_loaded_tokens, sched.loads.num_fallbacks) == (0, 0)
-    assert not sched.loads.expects_reports(step.step_id)
+    assert step.step_id not in sched.loads.steps
 
 
 def test_a_failed_step_forgets_its_loads() -> None:
@@ -207,7 +208,7 @@ def test_a_failed_step_forgets_its_loads() -> None:
     failed, poisoned = sched.fail_step(step.step_id, StepError("boom", kv_written=False))
     assert [o.request_id for o in failed] == ["a"] and failed[0].error is not None
     assert not poisoned           # a load commits only device hits: no block without KV
-    assert not sched.loads.expects_reports(step.step_id)
+    assert step.step_id not in sched.loads.steps
     sched.loads.finish(step.step_id, loaded(step, 512, 512), sched.requests)
     assert sched.loads.num_loaded_tokens == 0 and request.num_computed_tokens == 0
 
@@ -216,7 +217,7 @@ def test_preempt_all_forgets_every_load() -> None:
     sched, kv, request = with_store()
     step = run_step(sched, kv)
     sched.preempt_all()
-    assert not sched.loads.expects_reports(step.step_id)
+    assert step.step_id not in sched.loads.steps
     assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
     sched.loads.finish(step.step_id, loaded(step, 512, 512), sched.requests)
     assert request.num_computed_tokens == 0 and sched.loads.num_loaded_tokens == 0
@@ -246,7 +247,7 @@ def test_nothing_stored_means_no_load_and_no_reports() -> None:
     step = run_step(sched, kv)
     [new] = step.new_requests
     assert (new.num_new_tokens, new.num_load_tokens) == (600, 0)
-    assert not sched.loads.expects_reports(step.step_id)
+    assert step.step_id not in sched.loads.steps
     assert (sched.loads.num_hit_tokens, sched.loads.num_miss_tokens) == (0, 600)
 
 
@@ -317,18 +318,24 @@ class LoadingTransport(FakeTransport):
         self.release.set()
 
     def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
-        if not self.replies:
-            if not self._sent or not self.worker.gate.is_set():
-                time.sleep(min(timeout_ms, 5) / 1000)
-                return None
+        message = self._next_ready()
+        if message is None and self._sent and self.worker.gate.is_set():
             time.sleep(engine_tests.STEP_S)
             self.replies.extend(self.loading_worker.answer_all(self._sent.popleft()))
-        head = self.replies[0]
-        if (isinstance(head, KvLoaded) and head.worker_id == "rank-1"
-                and not self.release.is_set()):
+            message = self._next_ready()
+        if message is None:
             time.sleep(min(timeout_ms, 5) / 1000)
-            return None
-        return self.replies.popleft()
+        return message
+
+    def _next_ready(self) -> FromWorker | None:
+        """The oldest reply not held back (rank 1's reports wait for `release`)."""
+        for i, message in enumerate(self.replies):
+            if (isinstance(message, KvLoaded) and message.worker_id == "rank-1"
+                    and not self.release.is_set()):
+                continue
+            del self.replies[i]
+            return message
+        return None
 
     def num_unanswered_steps(self) -> int:
         return sum(isinstance(m, StepInput) for m in self._sent)
@@ -378,15 +385,21 @@ def loading_replica(per_rank: tuple[int, int]) -> Iterator[LoadingReplica]:
     assert transport.closed and downs == []
 
 
-def test_the_engine_waits_for_every_ranks_report_before_the_step_is_done() -> None:
+def test_a_load_waits_for_every_ranks_report_while_other_requests_run() -> None:
+    """The load's step is done when its output is in, but the loading request waits for every
+    rank's KvLoaded; meanwhile other requests run (their outputs do not wait for the load)."""
     with loading_replica((32, 32)) as r:
         r.transport.release.clear()                  # rank 1's KvLoaded does not come yet
         outputs = r.submit("a", E_PROMPT, max_tokens=4)
         assert wait_until(lambda: r.worker.load_steps)
         time.sleep(0.3)
-        # Rank 0's report and the step's output are in; the step is not done without rank 1.
+        # Rank 0's report and the step's output are in; "a" goes on only with rank 1's.
         assert r.worker.num_steps == 1 and r.transport.num_unanswered_steps() == 0
-        assert r.engine.stats().num_steps == 0 and outputs.empty()
+        assert wait_until(lambda: r.engine.stats().num_steps == 1) and outputs.empty()
+        other = [7, 8, 9, 11, 12]                    # too short for a chunk: no load
+        tokens, last = final(r.submit("b", other, max_tokens=3))
+        assert last.error is None and tokens == expected_tokens(other, 3)
+        assert outputs.empty() and r.engine.stats().num_store_loaded_tokens == 0
         r.transport.release.set()
         tokens, last = final(outputs)
         assert last.error is None and tokens == expected_tokens(E_PROMPT, 4)
@@ -394,7 +407,7 @@ def test_the_engine_waits_for_every_ranks_report_before_the_step_is_done() -> No
         assert wait_until(lambda: r.engine.stats().num_store_loaded_tokens == 32)
         stats = r.engine.stats()
         assert (stats.num_store_hit_tokens, stats.num_store_miss_tokens,
-                stats.num_store_load_fallbacks) == (32, 8, 0)
+                stats.num_store_load_fallbacks) == (32, 8 + len(other), 0)
 
 
 @pytest.mark.parametrize("per_rank, num_loaded", [((32, 16), 16), ((0, 32), 0),

@@ -214,6 +214,40 @@ def test_a_store_that_does_not_answer_loads_nothing_and_raises_nothing(
         loader.close()
 
 
+
+
+def test_a_step_that_finishes_a_loading_request_waits_for_its_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads run across steps; only a step naming the loading request in finished_ids (its
+    blocks may be handed out by that step) waits for the load, another step does not."""
+    class SlowClient(KvStoreClient):
+        def __init__(self, ctx: zmq.Context, address: str, **kw: object) -> None:
+            super().__init__(ctx, address, timeout_ms=600, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_loader, "KvStoreClient", SlowClient)
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:   # takes, never answers
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        slow = cast(KvSaver, SimpleNamespace(address=f"tcp://127.0.0.1:{port}",
+                                             chunk_tokens=CHUNK_TOKENS, kv_slice=SLICE))
+        loader = KvLoader(slow, codec=client_codec())
+        try:
+            batch = new_batch()
+            step = StepInput(1, [loading("c", 0, 512, C_BLOCKS[:32])], [], [])
+            batch.apply(step)
+            ticket = loader.start(step, batch.requests, caches(), BLOCK_SIZE)
+            assert ticket is not None and not ticket.done
+            started = time.monotonic()
+            loader.wait_for(["other"])
+            assert not ticket.done and time.monotonic() - started < 0.3
+            loader.wait_for(["other", "c"])
+            assert ticket.done and ticket.wait() == {"c": 0}
+            report = ticket.report("w0")
+            assert (report.step_id, report.request_ids, report.num_loaded_tokens) == (
+                1, ["c"], [0])
+        finally:
+            loader.close()
+
+
 @pytest.mark.parametrize("chunk_tokens", [None, 200], ids=["store-not-known", "no-whole-blocks"])
 def test_a_store_of_unknown_or_unusable_chunks_loads_nothing(chunk_tokens: int | None) -> None:
     unknown = cast(KvSaver, SimpleNamespace(address="tcp://127.0.0.1:1",

@@ -188,13 +188,18 @@ def test_chunks_of_another_layout_are_not_loaded(saver: KvSaver, loader: KvLoade
         assert torch.equal(cache, old)
 
 
+def client_timing_out_after(timeout_ms: int) -> type[KvStoreClient]:
+    """The loader's client class, with a short timeout (a call to a silent store)."""
+    class Client(KvStoreClient):
+        def __init__(self, ctx: zmq.Context, address: str, **kw: object) -> None:
+            super().__init__(ctx, address, timeout_ms=timeout_ms, **kw)  # type: ignore[arg-type]
+
+    return Client
+
+
 def test_a_store_that_does_not_answer_loads_nothing_and_raises_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    class QuickClient(KvStoreClient):
-        def __init__(self, ctx: zmq.Context, address: str, **kw: object) -> None:
-            super().__init__(ctx, address, timeout_ms=200, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(kv_loader, "KvStoreClient", QuickClient)
+    monkeypatch.setattr(kv_loader, "KvStoreClient", client_timing_out_after(200))
     with zmq.Context() as probe_ctx, probe_ctx.socket(zmq.ROUTER) as probe:
         port = probe.bind_to_random_port("tcp://127.0.0.1")
     # Nothing listens on the port any more; the store answered once (chunk_tokens known).
@@ -220,11 +225,7 @@ def test_a_step_that_finishes_a_loading_request_waits_for_its_load(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads run across steps; only a step naming the loading request in finished_ids (its
     blocks may be handed out by that step) waits for the load, another step does not."""
-    class SlowClient(KvStoreClient):
-        def __init__(self, ctx: zmq.Context, address: str, **kw: object) -> None:
-            super().__init__(ctx, address, timeout_ms=600, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(kv_loader, "KvStoreClient", SlowClient)
+    monkeypatch.setattr(kv_loader, "KvStoreClient", client_timing_out_after(600))
     with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:   # takes, never answers
         port = silent.bind_to_random_port("tcp://127.0.0.1")
         slow = cast(KvSaver, SimpleNamespace(address=f"tcp://127.0.0.1:{port}",

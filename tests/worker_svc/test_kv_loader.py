@@ -219,8 +219,6 @@ def test_a_store_that_does_not_answer_loads_nothing_and_raises_nothing(
         loader.close()
 
 
-
-
 def test_a_step_that_finishes_a_loading_request_waits_for_its_load(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads run across steps; only a step naming the loading request in finished_ids (its

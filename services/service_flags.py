@@ -125,7 +125,7 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
                     "Q8_0): dense weights only")
     p.add_flag("--cpu-level", env="CPU_LEVEL", default="auto",
                help="instruction set of the C kernels and matmul paths: auto (the best this "
-                    "CPU has), avx512_bf16, avx512, avx2 or none (torch only); a level above "
+                    "CPU has), amx, avx512_bf16, avx512, avx2 or none (torch only); a level above "
                     "the CPU's is refused")
     p.add_flag("--register-timeout", env="REGISTER_TIMEOUT", type=float, default=60.0,
                help="seconds to reach the scheduler at start (and for the replica's ranks to "

@@ -28,7 +28,7 @@ from services.flags import FlagParser, parse_bool
 from services.model_config import ModelFormatError, default_model_path
 from services.service_flags import add_worker_flags
 from worker_svc.device import DeviceError, resolve_device
-from worker_svc.kernels.cpu import describe, select_level
+from worker_svc.kernels.cpu import cap_onednn, describe, select_level
 from worker_svc.memory import keep_freed_memory
 from worker_svc.server import WorkerConfig, WorkerServer
 
@@ -47,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         cpu_level = select_level(level)
     except ValueError as exc:
         p.error(str(exc))
+    cap_onednn(cpu_level)
     log.info("%s", describe(cpu_level))
     try:
         device = resolve_device(a.device)

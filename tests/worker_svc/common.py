@@ -58,7 +58,7 @@ def level_params(with_none: bool = False) -> list:  # type: ignore[type-arg]
     (test_cpu_level.py)."""
     detected = detect_level()
     levels = [CpuLevel.NONE] * with_none + [CpuLevel.AVX2, CpuLevel.AVX512,
-                                            CpuLevel.AVX512_BF16]
+                                            CpuLevel.AVX512_BF16, CpuLevel.AMX]
     return [pytest.param(level, id=level.label, marks=pytest.mark.skipif(
         level > detected, reason=f"this CPU's best level is {detected.label}"))
         for level in levels]

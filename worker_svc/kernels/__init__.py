@@ -1,6 +1,6 @@
 """CPU kernels in C, compiled on the worker's machine at start and called through ctypes.
 
-- `cpu.py`: the CPU feature level (avx512_bf16, avx512, avx2, none) a worker runs at.
+- `cpu.py`: the CPU feature level (amx, avx512_bf16, avx512, avx2, none) a worker runs at.
 - `build.py`: compiles a kernel for a level's `-march`, caches and loads it.
 - `paged_attention.py` / `.c`: attention read straight from the paged KV blocks (its torch
   twin is worker_svc.attention's torch path).

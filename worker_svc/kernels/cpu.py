@@ -8,17 +8,34 @@ forced lower level really runs the lower level's code.
 
 | level | x86-64 features | matmuls | C kernels |
 |---|---|---|---|
+| `amx` | AMX-TILE, AMX-BF16 on top of `avx512_bf16`, and Linux's leave to use the tiles | bf16: oneDNN on the tiles | 16 lanes |
 | `avx512_bf16` | AVX-512 F/BW/DQ/VL/CD, AVX512-BF16 | bf16: VDPBF16PS, oneDNN | 16 lanes |
 | `avx512` | AVX-512 F/BW/DQ/VL/CD (x86-64-v4) | FMA (gemm_fma.c) | 16 lanes |
 | `avx2` | AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE (x86-64-v3) | FMA (gemm_fma.c) | 8 lanes |
 | `none` | anything else, or kernels off | torch | none (torch twins) |
+
+AMX's tile registers are state Linux gives a process only when it asks (`arch_prctl`
+ARCH_REQ_XCOMP_PERM, Linux 5.16 and later): `detect_level` asks, and a process that is refused
+(an older kernel, a seccomp filter, a hypervisor that hides the state) runs one level lower and
+logs why.
+
+oneDNN (torch's bfloat16 matmuls) picks its own instruction set; `onednn_isa_cap` names the
+cap a worker sets before its first matmul (`ONEDNN_MAX_CPU_ISA`), so that a forced lower level
+does not run AMX tiles through oneDNN.
 """
 
+import ctypes
 import enum
+import functools
+import logging
+import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 ENV_VAR = "SPLITSERVE_CPU_LEVEL"
+
+log = logging.getLogger(__name__)
 
 
 class CpuLevel(enum.IntEnum):
@@ -26,6 +43,7 @@ class CpuLevel(enum.IntEnum):
     AVX2 = 1
     AVX512 = 2
     AVX512_BF16 = 3
+    AMX = 4
 
     @property
     def label(self) -> str:
@@ -44,7 +62,12 @@ class CpuLevel(enum.IntEnum):
     @property
     def native_bf16(self) -> bool:
         """Whether bfloat16 dot products run natively (else bf16 computes in float32)."""
-        return self is CpuLevel.AVX512_BF16
+        return self >= CpuLevel.AVX512_BF16
+
+    @property
+    def onednn_isa_cap(self) -> str:
+        """The `ONEDNN_MAX_CPU_ISA` value that keeps oneDNN within this level."""
+        return _ONEDNN_ISA[self]
 
     @classmethod
     def parse(cls, text: str) -> "CpuLevel | None":
@@ -64,6 +87,16 @@ _MARCH: dict[CpuLevel, tuple[str, ...]] = {
     CpuLevel.AVX2: ("-march=x86-64-v3",),
     CpuLevel.AVX512: ("-march=x86-64-v4",),
     CpuLevel.AVX512_BF16: ("-march=x86-64-v4", "-mavx512bf16"),
+    CpuLevel.AMX: ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+}
+
+# oneDNN's names (its ISA dispatcher's): below AVX-512 oneDNN's bf16 matmul is not used at all.
+_ONEDNN_ISA: dict[CpuLevel, str] = {
+    CpuLevel.NONE: "SSE41",
+    CpuLevel.AVX2: "AVX2",
+    CpuLevel.AVX512: "AVX512_CORE",
+    CpuLevel.AVX512_BF16: "AVX512_CORE_BF16",
+    CpuLevel.AMX: "AVX512_CORE_AMX",
 }
 
 # /proc/cpuinfo flags each level needs on top of the one below it (x86-64-v3 and -v4 as GCC
@@ -72,7 +105,13 @@ _REQUIRED_FLAGS: dict[CpuLevel, frozenset[str]] = {
     CpuLevel.AVX2: frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}),
     CpuLevel.AVX512: frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     CpuLevel.AVX512_BF16: frozenset({"avx512_bf16"}),
+    CpuLevel.AMX: frozenset({"amx_tile", "amx_bf16"}),
 }
+
+# arch_prctl(2) on x86-64: ask for the AMX tile data state (XFEATURE_XTILEDATA = 18).
+_SYS_ARCH_PRCTL = 158
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
 
 
 def cpuinfo_lines(*prefixes: str) -> list[str]:
@@ -95,18 +134,48 @@ def cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def detect_level(flags: frozenset[str] | None = None) -> CpuLevel:
-    """The highest level whose features this CPU (or `flags`) has."""
+@functools.cache
+def request_amx() -> str | None:
+    """Asks Linux for this process's AMX tile state; None once granted, else why not. The
+    grant is for the whole process and its later threads, so one call is enough."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"AMX is x86-64 only, this is {platform.machine()}"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                            ctypes.c_long(_XFEATURE_XTILEDATA))
+    except (OSError, AttributeError) as e:
+        return f"arch_prctl could not be called: {e}"
+    if done != 0:
+        errno = ctypes.get_errno()
+        return (f"Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: "
+                f"{os.strerror(errno)}; Linux 5.16 or later grants it)")
+    return None
+
+
+def detect_level(flags: frozenset[str] | None = None,
+                 amx_refusal: Callable[[], str | None] = request_amx) -> CpuLevel:
+    """The highest level whose features this CPU (or `flags`) has. AMX also needs the tile
+    state from Linux (`amx_refusal`: None when granted, else the reason, logged once per
+    reason); without it the level is avx512_bf16."""
     if flags is None:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             return CpuLevel.NONE
         flags = cpu_flags()
     best = CpuLevel.NONE
-    for level in (CpuLevel.AVX2, CpuLevel.AVX512, CpuLevel.AVX512_BF16):
+    for level in (CpuLevel.AVX2, CpuLevel.AVX512, CpuLevel.AVX512_BF16, CpuLevel.AMX):
         if not _REQUIRED_FLAGS[level] <= flags:
+            break
+        if level is CpuLevel.AMX and (reason := amx_refusal()) is not None:
+            _warn_once(f"CPU has AMX tiles but runs level avx512_bf16: {reason}")
             break
         best = level
     return best
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 def select_level(requested: str = "auto") -> CpuLevel:
@@ -120,6 +189,13 @@ def select_level(requested: str = "auto") -> CpuLevel:
         raise ValueError(f"CPU level {wanted.label} requested, but this CPU ({cpu_model()}) "
                          f"supports at most {detected.label}")
     return wanted
+
+
+def cap_onednn(level: CpuLevel) -> None:
+    """Keeps oneDNN within `level` (a forced avx512_bf16 must not run AMX tiles through torch's
+    bf16 matmuls). oneDNN reads the cap at its first matmul, so this is called before any;
+    a cap already in the environment (the operator's) stays."""
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", level.onednn_isa_cap)
 
 
 def describe(level: CpuLevel) -> str:

@@ -1,0 +1,139 @@
+"""Our AMX matmul kernel (gemm_amx.c) against oneDNN's AMX matmul through torch and our
+AVX512-BF16 kernel (gemm_bf16.c), on pre-packed bfloat16 weights, at one row count after
+another.
+
+    .venv/bin/python bench/amx_gemm.py [--rounds 5] [--layers 30] [--threads 2]
+                                       [--rows 1,8,64] [--shapes qkv,o] [--out FILE]
+
+SmolLM2's five weight shapes, each with `--layers` distinct weights (2 for the LM head) so that
+they stream from memory as in a model step, not from cache. Per (shape, rows): every system
+times a step over all the weights, in rounds that rotate the systems' order (the machine is
+shared and noisy); the table holds the medians of the rounds, in GFLOP/s. Each system's packed
+weight is made once, before timing:
+
+- onednn: `torch.ops.mkldnn._reorder_linear_weight(w, 64)`, then `_linear_pointwise` (what
+  worker_svc.model.llama.Linear runs);
+- avx512_bf16: worker_svc.kernels.gemm.Bf16Gemm (VDPBF16PS);
+- amx: worker_svc.kernels.gemm_amx.AmxGemm (TDPBF16PS).
+
+Writes a JSON result to bench/results/. Needs a CPU with AMX.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_io import write_result  # noqa: E402
+
+from worker_svc.kernels.cpu import CpuLevel, cpu_flags, cpu_model, detect_level  # noqa: E402
+from worker_svc.kernels.gemm import bf16_gemm  # noqa: E402
+from worker_svc.kernels.gemm_amx import amx_gemm  # noqa: E402
+
+# (name, out_features, in_features) of SmolLM2's matmuls
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+          ("lm_head", 49152, 576)]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
+SYSTEMS = ["onednn", "avx512_bf16", "amx"]
+MIN_SECONDS = 0.03   # per measurement: whole steps until at least this long
+
+
+def step_fns(weights: list[torch.Tensor], x: torch.Tensor
+             ) -> dict[str, Callable[[], None]]:
+    """Each system's step: x times every weight, from that system's packed copies."""
+    bf16, amx = bf16_gemm(CpuLevel.AVX512_BF16), amx_gemm(CpuLevel.AMX)
+    assert bf16 is not None and amx is not None, "a kernel did not build (see the log)"
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    ours = [bf16.pack(w) for w in weights] if bf16.fits(weights[0]) else []
+    tiles = [amx.pack(w) for w in weights]
+
+    def run_onednn() -> None:
+        for w in onednn:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def run_bf16() -> None:
+        for w in ours:
+            bf16(x, w)
+
+    def run_amx() -> None:
+        for w in tiles:
+            amx(x, w)
+
+    # the three agree on the first weight (a wrong kernel would make its timing meaningless)
+    ref = x.float() @ weights[0].float().T
+    for out in (torch.ops.mkldnn._linear_pointwise(x, onednn[0], None, "none", [], ""),
+                bf16(x, ours[0]), amx(x, tiles[0])):
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-2)
+    return {"onednn": run_onednn, "avx512_bf16": run_bf16, "amx": run_amx}
+
+
+def seconds_per_step(fn: Callable[[], None]) -> float:
+    fn()   # warm: first touch, oneDNN's primitive cache
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < MIN_SECONDS or count == 0:
+        fn()
+        count += 1
+    return elapsed / count
+
+
+def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, rounds: int
+          ) -> list[dict]:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, n, k in shapes:
+        count = 2 if name == "lm_head" else layers
+        weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(count)]
+        print(f"\n{name} {n}x{k}, {count} weights, GFLOP/s (medians of {rounds} rounds)")
+        print(f"{'rows':>5} " + " ".join(f"{s:>12}" for s in SYSTEMS) + "  amx/onednn")
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            fns = step_fns(weights, x)
+            gflop = 2 * m * n * k * count / 1e9
+            samples: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            for r in range(rounds):
+                order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+                for system in order:
+                    samples[system].append(gflop / seconds_per_step(fns[system]))
+            med = {s: statistics.median(v) for s, v in samples.items()}
+            results.append({"shape": name, "n": n, "k": k, "rows": m, "weights": count,
+                            **{f"{s}_gflops": med[s] for s in SYSTEMS},
+                            **{f"{s}_rounds": samples[s] for s in SYSTEMS}})
+            print(f"{m:>5} " + " ".join(f"{med[s]:>12.1f}" for s in SYSTEMS)
+                  + f"  {med['amx'] / med['onednn']:>9.2f}x", flush=True)
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if detect_level() < CpuLevel.AMX:
+        raise SystemExit(f"needs a CPU with AMX (this is {cpu_model()}, level "
+                         f"{detect_level().label})")
+    torch.set_num_threads(a.threads)
+    wanted = a.shapes.split(",")
+    shapes = [s for s in SHAPES if s[0] in wanted]
+    rows = [int(r) for r in a.rows.split(",")]
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))
+    print(f"{cpu_model()}; {a.threads} threads; flags {' '.join(flags)}")
+    result = {"cpu": cpu_model(), "flags": flags, "threads": a.threads, "layers": a.layers,
+              "rounds": a.rounds, "matmul": bench(shapes, rows, a.layers, a.rounds)}
+    write_result(result, a.out, "amx-gemm")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""gemm_amx.c (AmxGemm) against float32 matmul: row counts around its 16-row tiles, SmolLM2's
+shapes, k not a multiple of 32, thread-count independence, the weights it refuses. The build
+check runs on any machine; the rest needs AMX."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker_svc.kernels import build
+from worker_svc.kernels.cpu import CpuLevel, detect_level
+from worker_svc.kernels.gemm_amx import AmxGemm, amx_gemm
+
+needs_amx = pytest.mark.skipif(detect_level() < CpuLevel.AMX,
+                               reason="gemm_amx.c runs on CPUs with AMX tiles only")
+
+
+@pytest.fixture(scope="module")
+def gemm() -> AmxGemm:
+    kernel = amx_gemm(CpuLevel.AMX)
+    assert kernel is not None, "gemm_amx.c did not build (see the log)"
+    return kernel
+
+
+def _close_to_float32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    # float32 sums in another order, then one bfloat16 rounding (relative 2^-8)
+    assert out.dtype == torch.bfloat16 and out.shape == (x.shape[0], w.shape[0])
+    torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2 ** -8, atol=1e-2)
+
+
+def _random(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(m * 100_000 + n * 10 + k)
+    return (torch.randn(m, k, generator=gen).bfloat16(),
+            torch.randn(n, k, generator=gen).bfloat16())
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler: the kernels fall back to torch")
+def test_builds_at_level_amx_only(tmp_path: Path) -> None:
+    # Built, not loaded: any x86 machine's GCC checks the code.
+    build.compile_only("gemm_amx.c", CpuLevel.AMX, {}, tmp_path / "amx.so")
+    assert (tmp_path / "amx.so").stat().st_size > 0
+    with pytest.raises(RuntimeError, match="needs AMX-TILE and AMX-BF16"):
+        build.compile_only("gemm_amx.c", CpuLevel.AVX512_BF16, {}, tmp_path / "x.so")
+    assert amx_gemm(CpuLevel.AVX512_BF16) is None
+
+
+# m: one row, partial tiles under 16, exactly one tile, a tile and one row (the last tile
+# overlaps), odd pairs of tiles, and past the 256-row chunk.
+@needs_amx
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64, 100, 128, 300])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 40)])
+def test_matches_float32_matmul(gemm: AmxGemm, m: int, n: int, k: int) -> None:
+    x, w = _random(m, n, k)
+    _close_to_float32(gemm(x, gemm.pack(w)), x, w)
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [(17, 3072, 576), (8, 576, 576), (3, 8192, 576),
+                                   (40, 32, 72), (2, 96, 1), (20, 32, 33)])
+def test_other_shapes(gemm: AmxGemm, m: int, n: int, k: int) -> None:
+    # gate_up, o, a slice of the LM head's 49152 columns; k = 72, 1, 33: padded with zeros
+    x, w = _random(m, n, k)
+    _close_to_float32(gemm(x, gemm.pack(w)), x, w)
+
+
+@needs_amx
+def test_rounds_once_to_nearest_even_as_torch(gemm: AmxGemm) -> None:
+    # Small integers: every sum is exact in float32, so the only rounding is the final one,
+    # which must be torch's.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-8, 9, (37, 96), generator=gen).bfloat16()
+    w = torch.randint(-8, 9, (64, 96), generator=gen).bfloat16()
+    assert torch.equal(gemm(x, gemm.pack(w)), (x.float() @ w.float().T).bfloat16())
+
+
+@needs_amx
+def test_same_result_on_any_thread_count(gemm: AmxGemm) -> None:
+    x, w = _random(100, 960, 576)
+    packed = gemm.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, packed)
+        torch.set_num_threads(2)
+        two = gemm(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_amx
+def test_refuses_what_it_does_not_take(gemm: AmxGemm) -> None:
+    assert not gemm.fits(torch.zeros(48, 64, dtype=torch.bfloat16))    # n not a multiple of 32
+    assert not gemm.fits(torch.zeros(32, 64))                          # float32
+    assert not gemm.fits(torch.zeros(32, 0, dtype=torch.bfloat16))     # nothing to multiply
+    assert not gemm.fits(torch.zeros(32, dtype=torch.bfloat16))        # not a matrix
+    with pytest.raises(ValueError, match="cannot pack"):
+        gemm.pack(torch.zeros(48, 64, dtype=torch.bfloat16))
+    packed = gemm.pack(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expected contiguous"):
+        gemm(torch.zeros(4, 62, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="expected contiguous"):
+        gemm(torch.zeros(64, 4, dtype=torch.bfloat16).T, packed)
+    assert gemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+
+
+def test_refuses_to_exist_without_the_tile_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No library is touched: the refusal comes first, so any machine checks it.
+    from worker_svc.kernels import gemm_amx
+
+    monkeypatch.setattr(gemm_amx, "request_amx", lambda: "Linux refused (test)")
+    with pytest.raises(RuntimeError, match="no AMX tiles for this process: Linux refused"):
+        AmxGemm(None)  # type: ignore[arg-type]

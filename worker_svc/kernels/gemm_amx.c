@@ -1,0 +1,212 @@
+/* bfloat16 matmul on AMX tiles: c[m, n] = a[m, k] @ w[n, k]^T, float32 sums in the tile
+ * registers, rounded once to bfloat16 (round to nearest even, as torch).
+ *
+ * One TDPBF16PS multiplies a 16 x 32 bfloat16 tile of a by a 32 x 16 tile of w^T into a 16 x 16
+ * float32 tile: 8192 multiply-adds in one instruction, 16 times VDPBF16PS's work. Eight tile
+ * registers: tmm0-3 hold a 2 x 2 block of c (32 rows x 32 columns), tmm4-5 two row tiles of a,
+ * tmm6-7 two column tiles of w. Each a tile then serves two products and each w tile two.
+ *
+ * Built by worker_svc/kernels/build.py at CPU level amx only. The process must hold Linux's
+ * leave to use the tiles (worker_svc.kernels.cpu.request_amx, called by gemm_amx.py) before
+ * the first tile instruction, else it dies on SIGILL.
+ *
+ * Packed weight layout (pack_weight): k padded with zeros to kp, a multiple of 32; panels of
+ * NR = 32 output columns, each [kp / 32][2][16][16][2]: per step of 32 inputs, two tiles of
+ * 16 columns, each 16 rows of 64 bytes, row i holding the 16 columns' weights for inputs
+ * (2i, 2i + 1) side by side (the pair-interleaved layout TDPBF16PS reads its second operand
+ * in). A tile is then one contiguous kilobyte, loaded with stride 64, and a panel is one
+ * contiguous run, so a thread's panels stream from memory in order. n must be a multiple of
+ * NR; any k (the caller checks; other shapes use oneDNN).
+ *
+ * Rows: tiles of 16 rows read straight from a (stride k); a last partial tile is moved back
+ * to end at row m, overlapping the one before (its rows are computed twice, identically), so
+ * no copy of a is made. Under 16 rows the tiles are configured with m rows. Only where k is
+ * not a multiple of 32 does a staged copy of a, padded with zeros, exist.
+ *
+ * Work split: each OpenMP thread takes a contiguous range of panels and configures its own
+ * tiles; rows go in chunks of MC so a chunk of a stays in L2 across panels, and within a
+ * chunk every panel is read from memory once (its later row tiles find it in cache). While a
+ * thread multiplies one panel it prefetches the next into L2. Every output element is one
+ * chain of tile products over k in a fixed order, so results do not depend on the thread
+ * count.
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "gemm_amx.c needs AMX-TILE and AMX-BF16 (CPU level amx: -mamx-tile -mamx-bf16)"
+#endif
+
+#define NR 32          /* output columns per panel: two tiles of 16 */
+#define KS 32          /* inputs per tile step */
+#define TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
+#define MC 256         /* rows per chunk kept in L2 */
+
+/* LDTILECFG's 64-byte operand, palette 1. */
+typedef struct {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16]; /* bytes per row of each tile */
+  uint8_t rows[16];
+} tile_config;
+
+static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+int64_t packed_size(int64_t n, int64_t k) { return n * round_up(k, KS); }
+
+/* w [n, k] row-major -> packed [n / NR][kp / 32][2][16][16][2], zeros past k. */
+void pack_weight(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
+  const int64_t steps = round_up(k, KS) / KS;
+#pragma omp parallel for
+  for (int64_t panel = 0; panel < n / NR; panel++)
+    for (int64_t s = 0; s < steps; s++)
+      for (int64_t h = 0; h < 2; h++) {
+        uint16_t *tile = packed + ((panel * steps + s) * 2 + h) * TILE_ELEMS;
+        for (int64_t i = 0; i < 16; i++)
+          for (int64_t j = 0; j < 16; j++)
+            for (int64_t t = 0; t < 2; t++) {
+              const int64_t col = panel * NR + h * 16 + j, in = s * KS + 2 * i + t;
+              tile[i * 32 + j * 2 + t] = in < k ? w[col * k + in] : 0;
+            }
+      }
+}
+
+/* One 16 x 16 float32 tile (stored to `acc`, 64-byte rows) -> `rows` rows of c, rounded. */
+static inline void store_tile(const float *acc, uint16_t *c, int64_t ldc, int rows) {
+  for (int r = 0; r < rows; r++)
+    _mm256_storeu_si256((__m256i *)(c + r * ldc),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(acc + r * 16)));
+}
+
+/* Prefetches up to `count` lines from *next on (stopping at end) into L2. */
+static inline void prefetch_lines(const char **next, const char *end, int64_t count) {
+  const char *p = *next;
+  for (int64_t i = 0; i < count && p < end; i++, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+  *next = p;
+}
+
+/* Two row tiles (a0, a1) times one panel -> c rows r0.., r1.. (32 columns). */
+static inline void tiles_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                             const uint16_t *panel, int64_t steps, uint16_t *c0, uint16_t *c1,
+                             int64_t ldc, int rows, float *acc, const char **next,
+                             const char *next_end, int64_t per_step) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; s++) {
+    prefetch_lines(next, next_end, per_step);
+    const uint16_t *b = panel + s * 2 * TILE_ELEMS;
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + TILE_ELEMS, 64);
+    _tile_loadd(4, a0 + s * KS, lda * 2);
+    _tile_loadd(5, a1 + s * KS, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  _tile_stored(2, acc + 512, 64);
+  _tile_stored(3, acc + 768, 64);
+  store_tile(acc, c0, ldc, rows);
+  store_tile(acc + 256, c0 + 16, ldc, rows);
+  store_tile(acc + 512, c1, ldc, rows);
+  store_tile(acc + 768, c1 + 16, ldc, rows);
+}
+
+/* One row tile times one panel. */
+static inline void tiles_1x2(const uint16_t *a0, int64_t lda, const uint16_t *panel,
+                             int64_t steps, uint16_t *c0, int64_t ldc, int rows, float *acc,
+                             const char **next, const char *next_end, int64_t per_step) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t s = 0; s < steps; s++) {
+    prefetch_lines(next, next_end, per_step);
+    const uint16_t *b = panel + s * 2 * TILE_ELEMS;
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + TILE_ELEMS, 64);
+    _tile_loadd(4, a0 + s * KS, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  store_tile(acc, c0, ldc, rows);
+  store_tile(acc + 256, c0 + 16, ldc, rows);
+}
+
+/* First row of row tile t: tiles of 16, the last moved back to end at row m. */
+static inline int64_t tile_row(int64_t t, int64_t m) {
+  return m <= 16 ? 0 : (16 * t < m - 16 ? 16 * t : m - 16);
+}
+
+static void run(const uint16_t *a, int64_t lda, const uint16_t *packed, uint16_t *c, int64_t m,
+                int64_t n, int64_t steps) {
+  const int rows = m < 16 ? (int)m : 16;
+  const int64_t row_tiles = (m + 15) / 16, panels = n / NR;
+  const int64_t panel_elems = steps * 2 * TILE_ELEMS, panel_lines = panel_elems * 2 / 64;
+#pragma omp parallel
+  {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = t < 6 ? rows : 16; /* c and a: the rows; w: 16 input pairs */
+    }
+    _tile_loadconfig(&cfg);
+    float acc[4 * 256] __attribute__((aligned(64)));
+    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t first = panels * id / threads, end = panels * (id + 1) / threads;
+    for (int64_t t0 = 0; t0 < row_tiles; t0 += MC / 16) {
+      const int64_t t1 = t0 + MC / 16 < row_tiles ? t0 + MC / 16 : row_tiles;
+      const int64_t passes = (t1 - t0 + 1) / 2;
+      /* lines of the next panel per step, so that this panel's passes fetch all of it */
+      const int64_t per_step = (panel_lines + passes * steps - 1) / (passes * steps);
+      for (int64_t panel = first; panel < end; panel++) {
+        const uint16_t *w = packed + panel * panel_elems;
+        const char *next = (const char *)(w + panel_elems);
+        const char *next_end = panel + 1 < end ? next + panel_lines * 64 : next;
+        for (int64_t t = t0; t < t1; t += 2) {
+          const int64_t r0 = tile_row(t, m);
+          uint16_t *c0 = c + r0 * n + panel * NR;
+          if (t + 1 < t1) {
+            const int64_t r1 = tile_row(t + 1, m);
+            tiles_2x2(a + r0 * lda, a + r1 * lda, lda, w, steps, c0, c + r1 * n + panel * NR,
+                      n, rows, acc, &next, next_end, per_step);
+          } else {
+            tiles_1x2(a + r0 * lda, lda, w, steps, c0, n, rows, acc, &next, next_end,
+                      per_step);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+/* c [m, n] = a [m, k] @ w^T, w given packed by pack_weight; a and c row-major, contiguous. */
+void gemm_amx(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m, int64_t n,
+              int64_t k) {
+  const int64_t kp = round_up(k, KS);
+  if (m <= 0 || n <= 0) return;
+  if (kp == k) {
+    run(a, k, packed, c, m, n, kp / KS);
+    return;
+  }
+  /* k not a multiple of 32: the tiles read whole steps, so a is copied with zeros past k */
+  uint16_t *staged = aligned_alloc(64, round_up(m * kp * 2, 64));
+  if (staged == NULL) abort();
+  for (int64_t r = 0; r < m; r++) {
+    memcpy(staged + r * kp, a + r * k, k * 2);
+    memset(staged + r * kp + k, 0, (kp - k) * 2);
+  }
+  run(staged, kp, packed, c, m, n, kp / KS);
+  free(staged);
+}

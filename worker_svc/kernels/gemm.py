@@ -1,7 +1,8 @@
 """The matmul kernels: y = x @ w.T with a weight packed once at load.
 
-- `gemm_bf16.c` (level avx512_bf16): bfloat16 with VDPBF16PS, for decode-sized batches (up
-  to `Bf16Gemm.max_rows`); oneDNN does larger ones. It prefetches the next weight panel while
+- `gemm_bf16.c` (levels avx512_bf16 and amx): bfloat16 with VDPBF16PS, for small steps (up
+  to `Bf16Gemm.max_rows`, which depends on the level); oneDNN does larger ones (on AMX tiles
+  at level amx). It prefetches the next weight panel while
   it multiplies the current one, which oneDNN leaves exposed at those sizes.
 - `gemm_fma.c` (levels avx2 and avx512): float32 FMA for bfloat16 or float32 weights, any
   batch size; how bfloat16 runs on a CPU without a bfloat16 dot product, and float32's
@@ -36,14 +37,13 @@ class PackedWeight:
 class Bf16Gemm:
     """`gemm_bf16.c`: x @ w.T in bfloat16 (bf16 products, float32 sums) with VDPBF16PS."""
 
-    __slots__ = ("lib",)
+    __slots__ = ("lib", "max_rows")
     PANEL = 48   # output columns per packed panel (NR in gemm_bf16.c)
-    # Up to this many rows it hides the weight stream that oneDNN leaves exposed (30 layers at
-    # 64 rows: 35 against 42 ms, measured); from here on oneDNN's blocking is as fast or faster.
-    max_rows: int | None = 128
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, max_rows: int):
         self.lib = library
+        # The rows it takes; oneDNN does larger steps (worker_svc.model.llama.Linear).
+        self.max_rows: int | None = max_rows
         library.pack_weight.restype = None
         library.pack_weight.argtypes = [_P, _P, _I, _I]
         library.gemm_bf16.restype = None
@@ -213,9 +213,17 @@ def gemm_kernel(level: CpuLevel, dtype: torch.dtype) -> Gemm | None:
 
 
 def bf16_gemm(level: CpuLevel) -> Bf16Gemm | None:
-    """`gemm_bf16.c`, at level avx512_bf16 only."""
+    """`gemm_bf16.c`, from level avx512_bf16 up, for the rows where it beats oneDNN (on 2
+    cores, SmolLM2's five weight shapes, 30 distinct weights each, measured):
+    - avx512_bf16: up to 128 rows. It hides the weight stream that oneDNN leaves exposed (30
+      layers at 64 rows: 35 against 42 ms); from there on oneDNN's blocking is as fast.
+    - amx: up to 4 rows. oneDNN's AMX tiles win from about 6 rows on (1.1-1.6x at 8, 5-6x at
+      64: 840-1140 against 170-175 GFLOP/s on a Xeon family 6 model 207); at 1-4 rows, where
+      a step only streams the weights, this kernel's prefetch makes it 1.3-2.5x faster."""
     library = build("gemm_bf16.c", level, {}) if level.native_bf16 else None
-    return None if library is None else Bf16Gemm(library)
+    if library is None:
+        return None
+    return Bf16Gemm(library, 4 if level >= CpuLevel.AMX else 128)
 
 
 def fma_gemm(level: CpuLevel, dtype: torch.dtype) -> FmaGemm | None:

@@ -42,8 +42,14 @@ def load_workload() -> tuple[list[str], str, int]:
 
 
 def medians(runs: list[dict[str, float]]) -> dict[str, object]:
-    """Each figure's median over the repeats, plus the repeats themselves."""
-    return {**{key: statistics.median(r[key] for r in runs) for key in runs[0]}, "runs": runs}
+    """Each figure's median over the repeats (a dict of figures: each of its own), plus the
+    repeats themselves."""
+    def median(key: str) -> object:
+        first = runs[0][key]
+        if isinstance(first, dict):
+            return {k: statistics.median(r[key][k] for r in runs) for k in first}  # type: ignore[index]
+        return statistics.median(r[key] for r in runs)
+    return {**{key: median(key) for key in runs[0]}, "runs": runs}
 
 
 def write_result(results: dict, out: str | None, stem: str) -> None:  # type: ignore[type-arg]

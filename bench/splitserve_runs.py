@@ -11,6 +11,7 @@ the machine's cores with the services, and 64 threads blocking on sync streams c
 its CPU time (0.9-1.2 against 0.4-0.6 CPU-seconds per run, measured)."""
 
 import asyncio
+import os
 import socket
 import sys
 import tempfile
@@ -69,6 +70,33 @@ def run_batch(address: str, prompts: list[str], max_tokens: int) -> list[int]:
     return asyncio.run(stream_all())
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used, from /proc; 0 where it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuUse:
+    """CPU seconds each service process and this client used over an interval: what the
+    split's own parts (scheduler, kvcache_svc, the client) take from the workers' cores.
+    Robust to a noisy machine, unlike wall times."""
+
+    def __init__(self, procs: ServiceProcesses) -> None:
+        self.pids = {name: p.pid for name, p in procs.procs.items()}
+        self.start = self._read()
+
+    def _read(self) -> dict[str, float]:
+        return {**{name: cpu_seconds(pid) for name, pid in self.pids.items()},
+                "client": time.process_time()}
+
+    def since_start(self) -> dict[str, float]:
+        end = self._read()
+        return {name: end[name] - self.start[name] for name in end}
+
+
 class ForwardGaps:
     """The workers' idle time between forward passes over an interval, from the scheduler's
     ServerInfo counters (summed over replicas): the gap total, how many gaps it covers, and
@@ -107,7 +135,8 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
 
     batch_idle_fraction = the last stage's summed gaps between forwards during the batch run
     / the batch run's wall time: the share of the run the GPU sat idle between steps (idle
-    before the first step and after the last is not in it)."""
+    before the first step and after the last is not in it). batch_cpu_s: CPU seconds each
+    process used during the batch run (`CpuUse`)."""
     import grpc
 
     port = free_port()
@@ -136,9 +165,11 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             n, ttft, total = run_stream(stub, single, max_tokens)
             single_decode = (n - 1) / (total - ttft)
             single_gap = gaps.mean_since_last()
+            cpu = CpuUse(procs)
             start = time.perf_counter()
             counts = run_batch(procs.address, prompts, max_tokens)
             wall = time.perf_counter() - start
+            batch_cpu = cpu.since_start()
             gap_ms, num_gaps, num_steps = gaps.since_last()
             assert sum(counts) == len(prompts) * max_tokens, counts
     finally:
@@ -147,4 +178,5 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             "single_ttft_ms": ttft * 1000, "single_decode_tok_s": single_decode,
             "single_forward_gap_ms": single_gap,
             "batch_forward_gap_ms": gap_ms / num_gaps if num_gaps else 0.0,
-            "batch_idle_fraction": gap_ms / (wall * 1000), "batch_num_steps": num_steps}
+            "batch_idle_fraction": gap_ms / (wall * 1000), "batch_num_steps": num_steps,
+            "batch_cpu_s": batch_cpu}

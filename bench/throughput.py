@@ -277,6 +277,15 @@ def run_cpu(a: argparse.Namespace) -> int:
     for name, r in table.items():
         print(f"{name:<18}{r['batch_tok_s']:>18.1f}{r['single_decode_tok_s']:>21.1f}"
               f"{r['single_ttft_ms']:>16.0f}")
+    for name, r in table.items():
+        if "batch_cpu_s" in r:     # splitserve: what the split's own processes cost
+            cpu_s: dict[str, float] = r["batch_cpu_s"]  # type: ignore[assignment]
+            split = sum(v for k, v in cpu_s.items() if not k.startswith("worker"))
+            print(f"{name}: CPU seconds in the batch run: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in cpu_s.items())
+                  + f"; the split's own share (all but the workers) "
+                    f"{100 * split / sum(cpu_s.values()):.1f} %; workers idle between "
+                    f"forwards {100 * r['batch_idle_fraction']:.1f} % of the wall time")
     if "hf transformers" in table:
         add_ratios(results, table, runs, ["hf transformers"], "")
     if vllm:

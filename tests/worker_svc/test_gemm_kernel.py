@@ -112,13 +112,16 @@ def test_linear_routes_by_level_and_batch_size(kernel_level: CpuLevel) -> None:
     kernels = load_cpu_kernels(kernel_level, 16, 1, torch.bfloat16)
     linear = llama.Linear([w], kernels=kernels)
     assert linear.gemm is kernels.gemm is not None
-    small = torch.randn(64, 64, generator=gen).bfloat16()
+    most = linear.gemm.max_rows or 64
+    small = torch.randn(most, 64, generator=gen).bfloat16()
     assert torch.equal(linear(small), linear.gemm(small, linear.gemm_weight))
     large = torch.randn(300, 64, generator=gen).bfloat16()
-    if kernel_level.native_bf16:    # the kernel up to 128 rows, then oneDNN
+    if kernel_level.native_bf16:    # the kernel up to its rows (128; 4 on AMX), then oneDNN
+        assert most == (4 if kernel_level >= CpuLevel.AMX else 128)
         assert linear.onednn is not None and linear.weight is None
-        onednn = torch.ops.mkldnn._linear_pointwise(large, linear.onednn, None, "none", [], "")
-        assert torch.equal(linear(large), onednn)
+        for x in (large, torch.randn(most + 1, 64, generator=gen).bfloat16()):
+            onednn = torch.ops.mkldnn._linear_pointwise(x, linear.onednn, None, "none", [], "")
+            assert torch.equal(linear(x), onednn)
         # A shape the kernel does not take stays on oneDNN alone.
         assert llama.Linear([torch.randn(50, 64).bfloat16()], kernels=kernels).gemm is None
     else:                           # the FMA kernel for every size; no other copy kept

@@ -28,6 +28,8 @@ from services.flags import FlagParser, parse_bool
 from services.model_config import ModelFormatError, default_model_path
 from services.service_flags import add_worker_flags
 from worker_svc.device import DeviceError, resolve_device
+from worker_svc.kernel_choice import resolve_choice
+from worker_svc.kernels.build import usable_level
 from worker_svc.kernels.cpu import cap_onednn, describe, select_level
 from worker_svc.memory import keep_freed_memory
 from worker_svc.server import WorkerConfig, WorkerServer
@@ -45,14 +47,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         level = "none"
     try:
         cpu_level = select_level(level)
-    except ValueError as exc:
+        device = resolve_device(a.device)
+        kernels = resolve_choice(device)
+    except (ValueError, DeviceError) as exc:
         p.error(str(exc))
+    if kernels == "c":
+        # The level this worker reports is the one its kernels really build at.
+        cpu_level = usable_level(cpu_level)
     cap_onednn(cpu_level)
     log.info("%s", describe(cpu_level))
-    try:
-        device = resolve_device(a.device)
-    except DeviceError as exc:
-        p.error(str(exc))
     overlap = p.env("OVERLAP_STEPS", parse_bool, None)    # tests: force on (1) or off (0)
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     advertise = a.advertise_host or a.host

@@ -22,11 +22,7 @@ def choose_kernels(device: torch.device, level: CpuLevel, head_dim: int, group: 
                    dtype: torch.dtype, choice: str | None = None) -> LayerKernels:
     """The kernel set for this device and model shape. `group`: query heads per KV head on
     this rank. `choice` None: `SPLITSERVE_KERNELS`, else auto."""
-    choice = (choice or os.environ.get("SPLITSERVE_KERNELS") or "auto").lower()
-    if choice not in CHOICES:
-        raise ValueError(f"kernels {choice!r}: expected one of {', '.join(CHOICES)}")
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "c"
+    choice = resolve_choice(device, choice)
     if choice == "c":
         if device.type != "cpu":
             raise ValueError("the C kernels run on the CPU only")
@@ -39,3 +35,14 @@ def choose_kernels(device: torch.device, level: CpuLevel, head_dim: int, group: 
         raise ValueError("the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on a CPU")
     return LayerKernels(CpuLevel.NONE, attention=TritonPagedAttention(head_dim, group, dtype),
                         elementwise=TritonKernels())
+
+
+def resolve_choice(device: torch.device, choice: str | None = None) -> str:
+    """"c", "triton" or "torch" for this device: `choice`, else `SPLITSERVE_KERNELS`, else
+    auto. A worker checks at start that the C kernels build only where it runs them."""
+    choice = (choice or os.environ.get("SPLITSERVE_KERNELS") or "auto").lower()
+    if choice not in CHOICES:
+        raise ValueError(f"kernels {choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "c"
+    return choice

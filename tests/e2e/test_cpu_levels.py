@@ -62,3 +62,22 @@ def test_bfloat16_at_every_level(tmp_path: Path, level: CpuLevel,
                 assert mine == theirs
                 agreed += 1
         assert agreed >= NUM_PROMPTS, "too few clear steps to compare"
+
+
+def test_a_worker_whose_kernels_do_not_build_reports_what_it_runs(
+        tmp_path: Path, prompts: list[list[int]]) -> None:
+    # A C compiler that builds nothing (as one too old for the kernels' code): the worker says
+    # so in a warning and runs, and reports, level none (torch), whatever its CPU has.
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'broken-cc: error: cannot compile' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {"CC": str(compiler), "SPLITSERVE_KERNEL_DIR": str(tmp_path / "kernels")}
+    with run_cluster(tmp_path, env=env) as c:
+        server = c.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10)
+        assert server.replicas[0].workers[0].cpu_level == "none"
+        log = (tmp_path / "worker0.log").read_text()
+        assert "WARNING" in log and "broken-cc: error: cannot compile" in log, log[-3000:]
+        assert "running level none (torch for every kernel) instead" in log
+        assert "kernel level none" in log
+        ids, _, final = stream_tokens(c.stub, greedy_request(prompts[0], MAX_TOKENS))
+        assert len(ids) == MAX_TOKENS and final.finish_reason == "length"

@@ -55,7 +55,7 @@ def level_params(with_none: bool = False) -> list:  # type: ignore[type-arg]
     """Every kernel level (and level none, torch only, if asked) as pytest params. Those above
     this CPU's are skipped here (their code would die on an illegal instruction) and run on CI
     machines that have them; every level's code still compiles on any machine
-    (test_cpu_level.py)."""
+    (test_kernel_build.py)."""
     detected = detect_level()
     levels = [CpuLevel.NONE] * with_none + [CpuLevel.AVX2, CpuLevel.AVX512,
                                             CpuLevel.AVX512_BF16, CpuLevel.AMX]

@@ -85,18 +85,41 @@ static inline float load_one(const float *src) { return *src; }
 static inline void store_one(float f, float *dst) { *dst = f; }
 #endif
 
+#ifdef __has_builtin
+#if __has_builtin(__builtin_shufflevector)
+#define VEC_HAS_SHUFFLEVECTOR 1
+#endif
+#endif
+
 /* Sum of a vector's lanes by halving (log2(LANES) dependent adds, not LANES - 1). */
 static inline float hsum(vf v) {
   typedef float vf4 __attribute__((vector_size(16)));
+#if LANES == 4
+  vf4 b = v;
+#elif defined(VEC_HAS_SHUFFLEVECTOR)
 #if LANES == 16
   typedef float vf8 __attribute__((vector_size(32)));
   vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#elif LANES == 8
-  vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 #else
-  vf4 b = v;
+  vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#endif
+#else
+  /* GCC before 12 has no __builtin_shufflevector: the same halves through memcpy, which it
+   * folds into the same lane extracts (GCC 12 would spill to the stack, hence the builtin). */
+  typedef float vf8 __attribute__((vector_size(32)));
+  vf8 a;
+  memcpy(&a, &v, sizeof a);
+#if LANES == 16
+  vf8 a_high;
+  memcpy(&a_high, (const char *)&v + sizeof a, sizeof a);
+  a += a_high;
+#endif
+  vf4 b, b_high;
+  memcpy(&b, &a, sizeof b);
+  memcpy(&b_high, (const char *)&a + sizeof b, sizeof b);
+  b += b_high;
 #endif
   return (b[0] + b[2]) + (b[1] + b[3]);
 }

@@ -8,7 +8,7 @@ forced lower level really runs the lower level's code.
 
 | level | x86-64 features | matmuls | C kernels |
 |---|---|---|---|
-| `amx` | AMX-TILE, AMX-BF16 on top of `avx512_bf16`, and Linux's leave to use the tiles | bf16: oneDNN on the tiles | 16 lanes |
+| `amx` | AMX-TILE, AMX-BF16 + `avx512_bf16`, tiles granted | bf16: oneDNN on tiles | 16 lanes |
 | `avx512_bf16` | AVX-512 F/BW/DQ/VL/CD, AVX512-BF16 | bf16: VDPBF16PS, oneDNN | 16 lanes |
 | `avx512` | AVX-512 F/BW/DQ/VL/CD (x86-64-v4) | FMA (gemm_fma.c) | 16 lanes |
 | `avx2` | AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE (x86-64-v3) | FMA (gemm_fma.c) | 8 lanes |

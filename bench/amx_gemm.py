@@ -3,12 +3,17 @@ AVX512-BF16 kernel (gemm_bf16.c), on pre-packed bfloat16 weights, at one row cou
 another.
 
     .venv/bin/python bench/amx_gemm.py [--rounds 5] [--layers 30] [--threads 2]
-                                       [--rows 1,8,64] [--shapes qkv,o] [--out FILE]
+                                       [--rows 1,8,64] [--shapes qkv,o] [--quiet-wait 30]
+                                       [--out FILE]
 
 SmolLM2's five weight shapes, each with `--layers` distinct weights (2 for the LM head) so that
 they stream from memory as in a model step, not from cache. Per (shape, rows): every system
 times a step over all the weights, in rounds that rotate the systems' order (the machine is
-shared and noisy); the table holds the medians of the rounds, in GFLOP/s. Each system's packed
+shared and noisy); the table holds the medians of the rounds, in GFLOP/s. Before each
+measurement the bench waits (up to `--quiet-wait` seconds) until no other task is running
+(/proc/stat's procs_running): two threads on two cores lose whole time slices at every OpenMP
+barrier when a third process runs, which swamps any kernel difference. The JSON keeps every
+round and how many had to start without a quiet machine. Each system's packed
 weight is made once, before timing:
 
 - onednn: `torch.ops.mkldnn._reorder_linear_weight(w, 64)`, then `_linear_pointwise` (what
@@ -45,13 +50,33 @@ SYSTEMS = ["onednn", "avx512_bf16", "amx"]
 MIN_SECONDS = 0.03   # per measurement: whole steps until at least this long
 
 
+def running_tasks() -> int:
+    """Tasks running or runnable now, this process's reading thread included."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("procs_running"):
+            return int(line.split()[1])
+    return 1
+
+
+def wait_quiet(seconds: float) -> bool:
+    """Waits until this process is the only one running (True), or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        time.sleep(0.01)   # lets this process's own OpenMP threads stop spinning
+        if running_tasks() <= 1:
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
 def step_fns(weights: list[torch.Tensor], x: torch.Tensor
              ) -> dict[str, Callable[[], None]]:
     """Each system's step: x times every weight, from that system's packed copies."""
     bf16, amx = bf16_gemm(CpuLevel.AVX512_BF16), amx_gemm(CpuLevel.AMX)
     assert bf16 is not None and amx is not None, "a kernel did not build (see the log)"
+    assert bf16.fits(weights[0]) and amx.fits(weights[0])
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    ours = [bf16.pack(w) for w in weights] if bf16.fits(weights[0]) else []
+    ours = [bf16.pack(w) for w in weights]
     tiles = [amx.pack(w) for w in weights]
 
     def run_onednn() -> None:
@@ -83,8 +108,8 @@ def seconds_per_step(fn: Callable[[], None]) -> float:
     return elapsed / count
 
 
-def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, rounds: int
-          ) -> list[dict]:  # type: ignore[type-arg]
+def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, rounds: int,
+          quiet_wait: float) -> list[dict]:  # type: ignore[type-arg]
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, n, k in shapes:
@@ -97,16 +122,21 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, roun
             fns = step_fns(weights, x)
             gflop = 2 * m * n * k * count / 1e9
             samples: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            noisy = 0
             for r in range(rounds):
                 order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
                 for system in order:
+                    noisy += not wait_quiet(quiet_wait)
                     samples[system].append(gflop / seconds_per_step(fns[system]))
             med = {s: statistics.median(v) for s, v in samples.items()}
             results.append({"shape": name, "n": n, "k": k, "rows": m, "weights": count,
+                            "noisy_samples": noisy,
                             **{f"{s}_gflops": med[s] for s in SYSTEMS},
                             **{f"{s}_rounds": samples[s] for s in SYSTEMS}})
             print(f"{m:>5} " + " ".join(f"{med[s]:>12.1f}" for s in SYSTEMS)
-                  + f"  {med['amx'] / med['onednn']:>9.2f}x", flush=True)
+                  + f"  {med['amx'] / med['onednn']:>9.2f}x"
+                  + (f"  ({noisy} of {rounds * len(SYSTEMS)} not quiet)" if noisy else ""),
+                  flush=True)
     return results
 
 
@@ -118,6 +148,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
     p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    p.add_argument("--quiet-wait", type=float, default=30.0,
+                   help="seconds to wait for no other running task before each measurement")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if detect_level() < CpuLevel.AMX:
@@ -130,7 +162,8 @@ def main() -> int:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))
     print(f"{cpu_model()}; {a.threads} threads; flags {' '.join(flags)}")
     result = {"cpu": cpu_model(), "flags": flags, "threads": a.threads, "layers": a.layers,
-              "rounds": a.rounds, "matmul": bench(shapes, rows, a.layers, a.rounds)}
+              "rounds": a.rounds, "quiet_wait": a.quiet_wait,
+              "matmul": bench(shapes, rows, a.layers, a.rounds, a.quiet_wait)}
     write_result(result, a.out, "amx-gemm")
     return 0
 

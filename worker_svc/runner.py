@@ -285,6 +285,8 @@ class ModelRunner:
         scheduled = input_batch.apply(step)
         launched = LaunchedStep(step, scheduled, token_ids=[], loads=start_loads(
             self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
+        if self.kv_loader is not None:   # this step may read blocks a finished load wrote
+            self.kv_loader.join_loads()
         if not scheduled:
             if not self.is_last_stage:
                 empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype,

@@ -208,6 +208,12 @@ class KvLoader:
             self._order = StreamOrder(device)
         return self._order
 
+    def wait_all(self) -> None:
+        """Waits until no load writes any block (the cache is about to be freed)."""
+        for ticket in self._pending:
+            ticket.wait()
+        self._pending, self._unjoined = [], []
+
     def wait_for(self, request_ids: list[str]) -> None:
         """Waits until no load still writes the blocks of `request_ids` (a step finishing
         them may hand their blocks to another request). Loads run in start order."""

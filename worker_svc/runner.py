@@ -250,9 +250,12 @@ class ModelRunner:
         capture = (eligible and self.device.type == "cuda" and not self.enforce_eager
                    and self.model.tp is None)
         if capture or (eligible and self.padded_decode):
+            from worker_svc.triton_kernels import TritonPagedAttention
+
             self.graphs = DecodeGraphs(
                 self._graph_forward, capture_sizes(max_num_seqs),
-                -(-self.config.max_model_len // block_size), block_size, self.device, capture)
+                -(-self.config.max_model_len // block_size), block_size, self.device, capture,
+                skip_padding=isinstance(self.model.kernels.attention, TritonPagedAttention))
             seconds = self.graphs.capture_all()
             if capture:
                 log.info("captured CUDA graphs for decode batches %s in %.1fs",

@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from scripts.random_model import spread_weights  # noqa: E402
 from services.model_config import load_model_config  # noqa: E402
 from services.wire import NewRequest, RunningRequest, StepInput, StepOutput  # noqa: E402
 from tests.worker_svc.common import GREEDY  # noqa: E402
@@ -37,6 +38,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
                          max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     model = LlamaForCausalLM(config).eval()   # no EOS: HF generates every token we do
+    spread_weights(model)                     # diverse greedy tokens (scripts/random_model.py)
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     return path, model

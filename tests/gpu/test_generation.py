@@ -7,7 +7,6 @@ The workers are other processes: they must keep TF32 off in fp32 themselves (tor
 which a mismatch well above TIE_MARGIN here would show."""
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,12 +37,10 @@ def check_all(cluster: RunningCluster, prompts: list[list[int]], references: Ref
     print("\n".join(n for n in notes if n))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, model_path: Path,
-            ) -> Iterator[RunningCluster]:
+@pytest.fixture
+def cluster(fp32_cluster: RunningCluster) -> RunningCluster:
     """Default flags: chunked prefill and prefix caching on, CUDA graphs for decode steps."""
-    with gpu_cluster(tmp_path_factory.mktemp("gpu-cluster"), model_path) as running:
-        yield running
+    return fp32_cluster
 
 
 def test_16_concurrent_prompts_match_hf(cluster: RunningCluster, prompts: list[list[int]],

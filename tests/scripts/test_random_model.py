@@ -29,10 +29,9 @@ def smollm2_model(num_layers: int):  # type: ignore[no-untyped-def]
 def test_the_random_smollm2_model_gives_many_distinct_tokens() -> None:
     model = smollm2_model(num_layers=2)
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (7, 45)]
+    prompt = torch.randint(3, 49152, (20,), generator=generator).tolist()
     # transformers' initialisation, what build_model guards against: one or two tokens.
-    assert len(set(greedy(model, prompts[0]))) <= 4
+    assert len(set(greedy(model, prompt))) <= 4
     spread_weights(model, seed=0)
-    for prompt in prompts:
-        tokens = greedy(model, prompt)
-        assert len(set(tokens)) >= 6, f"prompt of {len(prompt)}: {tokens}"
+    tokens = greedy(model, prompt)
+    assert len(set(tokens)) >= 6, tokens

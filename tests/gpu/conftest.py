@@ -11,15 +11,13 @@ them on the CPU instead, to check the tests themselves (tests/gpu/cluster.py).""
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from scheduler_svc.tokenizer import TextTokenizer
-from tests.e2e.harness import RunningCluster
-from tests.gpu.cluster import device_under_test, gpu_cluster
+from tests.gpu.cluster import device_under_test
 from tests.gpu.oracle import CudaOracle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,11 +96,3 @@ def references(oracle: CudaOracle, prompts: list[list[int]],
                ) -> list[tuple[list[int], list[float]]]:
     return [oracle.greedy(p, MAX_TOKENS) for p in prompts]
 
-
-@pytest.fixture(scope="session")
-def fp32_cluster(tmp_path_factory: pytest.TempPathFactory, model_path: Path,
-                 ) -> Iterator[RunningCluster]:
-    """Default flags in float32 (chunked prefill and prefix caching on, CUDA graphs for
-    decode steps), shared by the generation and logits checks: one start fewer."""
-    with gpu_cluster(tmp_path_factory.mktemp("gpu-cluster"), model_path) as running:
-        yield running

@@ -20,9 +20,17 @@ Shapes:
   never appear in a prompt, but the embedding and the head keep their full 128256 rows, so the
   memory traffic and the logits' cost per step are the 1B model's own.
 
-Weights: transformers' LlamaForCausalLM initialisation (normal, std `initializer_range` = 0.02;
-RMSNorm weights 1), seeded, so activations stay small and finite in bf16. `--layers` shrinks
-the depth for tests. config.json is written here rather than taken from save_pretrained, with
+Weights (`spread_weights`, seeded): the token embedding (tied to the LM head) normal with std
+0.02 as transformers initialises it, every other matrix normal with std 1/sqrt(fan_in), layer
+RMSNorm weights 1 and the final norm's FINAL_NORM_SCALE. transformers' own initialisation (std
+0.02 everywhere) leaves the layers' contributions far below the input token's embedding, and
+with tied embeddings the greedy output then repeats one token after a step or two (measured on
+the SmolLM2 shape: 2-3 distinct tokens in 32), so a token-for-token check sees almost nothing.
+With unit-gain matrices the layers dominate the residual stream and the next token depends on
+the context (5-32 distinct tokens in 32 on the same prompts, 4 to 30 layers); the final norm's
+scale spreads the logits (std about 2, like a trained model's) so that top-1 margins are not
+lost in bf16 rounding. Activations stay finite in bf16 and fp16. `--layers` shrinks the depth
+for tests. config.json is written here rather than taken from save_pretrained, with
 only keys splitserve's loader knows: transformers versions differ in what they add (the GPU
 machines run 5.17, this one 5.23), and the loader refuses a key it does not know.
 
@@ -45,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
 TOKENIZER_VOCAB = 49152
-INIT_STD = 0.02
+INIT_STD = 0.02           # the token embedding (and an untied LM head)
+FINAL_NORM_SCALE = 4.0    # the final RMSNorm's weight: logits with std about 2
 STAMP = "random_model.json"
 
 
@@ -161,6 +170,23 @@ def _write_tokenizer_config(out_dir: Path, chat_template: str | None) -> None:
 # ------------------------------------------------------------------------------- the model
 
 
+def spread_weights(model: "torch.nn.Module", seed: int = 0) -> None:  # noqa: F821
+    """Re-draws a Llama's weights so that its greedy output is diverse (module docstring):
+    embeddings std INIT_STD, other matrices std 1/sqrt(fan_in), the final norm's weight
+    FINAL_NORM_SCALE, layer norms 1. Used by the tests' own small models too."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():   # a tied head is the embedding
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                param.normal_(0.0, INIT_STD, generator=generator)
+            elif param.dim() == 2:
+                param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+            elif name == "model.norm.weight":
+                param.fill_(FINAL_NORM_SCALE)
+
+
 def build_model(out_dir: Path, shape_name: str, *, seed: int = 0, num_layers: int | None = None,
                 dtype: str = "bfloat16", tokenizer: Path | None = None,
                 force: bool = False) -> Path:
@@ -168,7 +194,7 @@ def build_model(out_dir: Path, shape_name: str, *, seed: int = 0, num_layers: in
     shape = SHAPES[shape_name]
     num_layers = num_layers or shape.num_layers
     stamp = {"shape": shape_name, "seed": seed, "num_layers": num_layers, "dtype": dtype,
-             "dims": asdict(shape)}
+             "dims": asdict(shape), "init": "spread"}
     if (out_dir / STAMP).is_file() and not force:
         built = json.loads((out_dir / STAMP).read_text())
         if built == stamp:
@@ -188,6 +214,7 @@ def build_model(out_dir: Path, shape_name: str, *, seed: int = 0, num_layers: in
                             if k not in ("architectures", "model_type", "dtype")})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    spread_weights(model, seed)
     model.to({"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype])
 
     # Built beside the target and renamed into place: a directory that exists is complete.

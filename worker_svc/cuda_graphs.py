@@ -9,10 +9,15 @@ fixed, so:
   into persistent buffers, allocated once at the largest batch, that the graph reads: this is
   also the worker's persistent batch on the GPU (nothing is re-allocated per step);
 - a graph exists per captured batch size (`capture_sizes`), and a step of n requests runs the
-  graph of the next size up (`padded_size`); the padding rows write their key and value into
-  slot 0 of the null block 0 and attend to that one key (real rows never read block 0: it is
-  only ever padding in their block tables), and their outputs are dropped;
-- steps with a prefill chunk, and decode batches above the largest size, run eagerly.
+  graph of the next size up (`padded_size`); the padding rows do what the Triton kernels' docs
+  say of them: slot -1 (`write_kv` skips the row: the cache is never touched) and no keys
+  (kv_len 0: `paged_attention` outputs zeros and reads nothing), and their outputs are
+  dropped. The C kernels (the CPU test path, `skip_padding=False`) take neither, so there a
+  padding row writes slot 0 of the null block 0 and attends that one key (real rows never
+  read block 0: it is only ever padding in their block tables);
+- steps with a prefill chunk, and decode batches above the largest size, run eagerly;
+- every graph is captured on one stream, made once, which also runs the warm-up passes: each
+  new stream would get its own cuBLAS workspace, memory taken after the KV cache was sized.
 
 `DecodeGraphs(capture=False)` runs the same padded buffers eagerly: that is `--enforce-eager`'s
 decode path on a GPU and how the padding logic is tested on a CPU. Outputs are identical with
@@ -64,10 +69,13 @@ class DecodeGraphs:
     the same padded buffers with `capture=False`)."""
 
     def __init__(self, forward: Forward, sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, capture: bool):
+                 block_size: int, device: torch.device, capture: bool,
+                 skip_padding: bool = True):
         """`forward(input_ids, meta) -> (hidden, residual)`: the model stage's forward over the
         layers and this worker's KV caches. `max_blocks_per_seq`: the widest block table a
-        request can have (max_model_len / block_size, rounded up)."""
+        request can have (max_model_len / block_size, rounded up). `skip_padding`: the
+        kernels skip slot -1 and take kv_len 0 (Triton); False: padding rows use the null
+        block's slot 0 and one key (the C kernels)."""
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.forward = forward
@@ -75,16 +83,19 @@ class DecodeGraphs:
         self.block_size = block_size
         self.device = device
         self.capture = capture
+        # What a padding row holds: (slot, kv_len).
+        self.padding = (-1, 0) if skip_padding else (0, 1)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
-        # Persistent inputs; padding rows keep slot 0, one key, block table row of zeros.
+        # Persistent inputs; padding rows as `self.padding` says, block table row of zeros.
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), self.padding[0], **i64)
         self.row_request = torch.arange(n, **i64)        # decode: row i is request i
-        self.kv_lens = torch.ones(n, **i64)
+        self.kv_lens = torch.full((n,), self.padding[1], **i64)
         self.block_table = torch.zeros(n, max_blocks_per_seq, **i64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.stream: torch.cuda.Stream | None = None      # warm-up and capture, made once
 
     def fits(self, num_rows: int) -> bool:
         return padded_size(num_rows, self.sizes) is not None
@@ -111,9 +122,10 @@ class DecodeGraphs:
         self.kv_lens[:n].copy_(meta.row_kv_lens, non_blocking=True)
         self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
         if size > n:
-            for buf in (self.input_ids, self.positions, self.slot_mapping):
+            for buf in (self.input_ids, self.positions):
                 buf[n:size].zero_()
-            self.kv_lens[n:size].fill_(1)
+            self.slot_mapping[n:size].fill_(self.padding[0])
+            self.kv_lens[n:size].fill_(self.padding[1])
             self.block_table[n:size].zero_()
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata
@@ -135,26 +147,29 @@ class DecodeGraphs:
         return hidden[:n], residual[:n]
 
     def capture_all(self) -> float:
-        """Capture a graph per size, largest first so that smaller ones reuse its memory pool.
-        Returns the seconds taken. Needs the KV caches allocated (the forward writes the null
-        block's slot 0 while capturing, which is harmless)."""
+        """Capture a graph per size, largest first so that smaller ones reuse its memory pool,
+        all on one stream. Returns the seconds taken. Needs the KV caches allocated (with
+        the C kernels' padding the forward writes the null block's slot 0, harmless)."""
         if not self.capture:
             return 0.0
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        stream, current = self.stream, torch.cuda.current_stream(self.device)
         for size in sorted(self.sizes, reverse=True):
             self._fill(self.input_ids[:0], self._meta(0), size)
             meta = self._meta(size)
-            # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels) before
-            # capture, as torch's graph documentation asks.
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            # Warm up on the capture stream (Triton compiles, cuBLAS picks its kernels and
+            # sizes its workspace for this stream) before capture, as torch's graph
+            # documentation asks.
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.forward(self.input_ids[:size], meta)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden, residual = self.forward(self.input_ids[:size], meta)
             self.graphs[size] = (graph, hidden, residual)
         torch.cuda.synchronize(self.device)

@@ -17,14 +17,23 @@ for them, and each rank sends its `KvLoaded` once the ticket completes (worker_s
 The scheduler holds the request meanwhile, so only a step that names it in `finished_ids`
 (aborted, or every request preempted) can come first, and the blocks it frees may be handed
 out by that very step: `wait_for` holds such a step until the loads naming those requests are
-done. On a GPU the copies go through a stream of the loader's own, synchronized before the
-ticket completes, so the step that computes after the load finds the KV in place.
+done.
+
+On a GPU the copies go through a stream of the loader's own, ordered against the compute
+stream by CUDA events both ways (`StreamOrder`): the loader's stream waits for everything
+queued on the compute stream when the load started (a step still in flight may touch blocks
+freed before it and handed to the loading request), and the compute stream waits for the
+loader's last copy before the next step that can read the blocks (`join_loads`, called at
+every launch). The host also synchronizes the loader's stream before the ticket completes,
+so a KvLoaded is sent only once the KV is in place.
 """
 
 import logging
 import queue
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +68,8 @@ class LoadTicket:
         self.step_id = step_id
         self.request_ids = request_ids
         self.loaded: dict[str, int] = dict.fromkeys(request_ids, 0)
+        self.ready: object | None = None    # compute-stream event recorded at start (GPU)
+        self.copied: object | None = None   # loader-stream event after the last copy (GPU)
         self._done = threading.Event()
 
     def complete(self) -> None:
@@ -79,10 +90,53 @@ class LoadTicket:
         return self.loaded
 
 
+class StreamOrder:
+    """CUDA events between the compute stream (the step's thread) and the loader's own stream
+    (its thread), so that a load never races a step on the GPU: `mark_ready` and `join` run on
+    the step's thread, `copying` and `mark_copied` on the loader's. Tests give a recording
+    twin with the same methods."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream: torch.cuda.Stream | None = None     # made on the loader's thread
+
+    def mark_ready(self) -> torch.cuda.Event:
+        """An event after all the work queued so far on the compute stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextmanager
+    def copying(self, ready: object) -> Iterator[None]:
+        """Copies inside run on the loader's stream, after `ready` (mark_ready's event)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        self.stream.wait_event(ready)            # type: ignore[arg-type]
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def mark_copied(self) -> torch.cuda.Event:
+        """An event after the loader's copies, waited for on the host too."""
+        event = torch.cuda.Event()
+        if self.stream is not None:
+            event.record(self.stream)
+            event.synchronize()
+        return event
+
+    def join(self, copied: object) -> None:
+        """The compute stream waits for the loader's copies before anything queued later."""
+        torch.cuda.current_stream(self.device).wait_event(copied)  # type: ignore[arg-type]
+
+
 class KvLoader:
-    def __init__(self, saver: KvSaver, codec: Codec[FromKvStore] | None = None) -> None:
-        """Loads through the store `saver` saves to, in its chunk size and slice."""
+    def __init__(self, saver: KvSaver, codec: Codec[FromKvStore] | None = None,
+                 order: StreamOrder | None = None) -> None:
+        """Loads through the store `saver` saves to, in its chunk size and slice. `order`:
+        the stream ordering to use whatever the cache's device (tests); by default one for
+        a CUDA cache, none for a CPU one."""
         self.saver = saver
+        self._order = order
+        self._unjoined: list[LoadTicket] = []   # completed loads the compute stream must join
         self.num_chunks_loaded = 0
         self.num_tokens_loaded = 0
         self.num_loads_short = 0            # requests that got fewer tokens than asked
@@ -113,6 +167,11 @@ class KvLoader:
                 or not self._thread.is_alive()):
             ticket.complete()     # no store known (or no loader): every load falls back
             return ticket
+        order = self._order_for(kv_caches[0].device)
+        if order is not None:
+            # After every step queued so far: those may still read or write these blocks.
+            ticket.ready = order.mark_ready()
+            self._unjoined.append(ticket)
         jobs = []
         for request in loads:
             state = requests[request.request_id]
@@ -130,6 +189,31 @@ class KvLoader:
         self._jobs.put((ticket, jobs, kv_caches))
         return ticket
 
+    def join_loads(self) -> None:
+        """Makes the compute stream wait for every completed load's copies; call before a
+        step's forward (a load's blocks are read only by steps launched after it
+        completed). A load still running is joined by a later call."""
+        if not self._unjoined:
+            return
+        still: list[LoadTicket] = []
+        for ticket in self._unjoined:
+            if not ticket.done:
+                still.append(ticket)
+            elif ticket.copied is not None and self._order is not None:
+                self._order.join(ticket.copied)
+        self._unjoined = still
+
+    def _order_for(self, device: torch.device) -> StreamOrder | None:
+        if self._order is None and device.type == "cuda":
+            self._order = StreamOrder(device)
+        return self._order
+
+    def wait_all(self) -> None:
+        """Waits until no load writes any block (the cache is about to be freed)."""
+        for ticket in self._pending:
+            ticket.wait()
+        self._pending, self._unjoined = [], []
+
     def wait_for(self, request_ids: list[str]) -> None:
         """Waits until no load still writes the blocks of `request_ids` (a step finishing
         them may hand their blocks to another request). Loads run in start order."""
@@ -145,21 +229,19 @@ class KvLoader:
 
     def _run(self, codec: Codec[FromKvStore] | None) -> None:
         client = KvStoreClient(self._ctx, self.saver.address, codec=codec)
-        stream: torch.cuda.Stream | None = None
         try:
             while (work := self._jobs.get()) is not None:
                 ticket, jobs, kv_caches = work
-                if stream is None and kv_caches[0].device.type == "cuda":
-                    stream = torch.cuda.Stream(device=kv_caches[0].device)
+                order = self._order if ticket.ready is not None else None
                 try:
-                    for job in jobs:
-                        ticket.loaded[job.request_id] = self._load(client, job, kv_caches,
-                                                                   stream)
+                    with order.copying(ticket.ready) if order is not None else nullcontext():
+                        for job in jobs:
+                            ticket.loaded[job.request_id] = self._load(client, job, kv_caches)
                 except Exception:   # a bug: the rest fall back to recompute, the step goes on
                     log.exception("KV load failed")
                 finally:
-                    if stream is not None:
-                        stream.synchronize()
+                    if order is not None:
+                        ticket.copied = order.mark_copied()
                     self.num_loads_short += sum(
                         1 for job in jobs if ticket.loaded[job.request_id] < job.end - job.start)
                     ticket.complete()
@@ -167,8 +249,7 @@ class KvLoader:
             client.close()
             self._ctx.term()
 
-    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor],
-              stream: torch.cuda.Stream | None) -> int:
+    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor]) -> int:
         """Tokens of the job now in its blocks: the leading run of chunks that arrived."""
         chunk_tokens = self.saver.chunk_tokens
         assert chunk_tokens is not None
@@ -184,7 +265,7 @@ class KvLoader:
             first_block = max(index * chunk_tokens, job.start) // block_size
             end_block = min((index + 1) * chunk_tokens // block_size, len(job.block_ids))
             scatter_blocks(kv_caches, chunk, job.block_ids[first_block:end_block],
-                           first_block - index * chunk_tokens // block_size, stream)
+                           first_block - index * chunk_tokens // block_size)
             self.num_chunks_loaded += 1
             loaded_end = (index + 1) * chunk_tokens
         num_loaded = max(0, min(loaded_end, job.end) - job.start)
@@ -193,9 +274,10 @@ class KvLoader:
 
 
 def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk, block_ids: list[int],
-                   first: int, stream: torch.cuda.Stream | None) -> None:
-    """Copies the chunk's blocks `first`, `first + 1`, ... into `block_ids` of every layer.
-    The chunk's layout is the saver's: [layers, 2, chunk_tokens, heads, head_dim]."""
+                   first: int) -> None:
+    """Copies the chunk's blocks `first`, `first + 1`, ... into `block_ids` of every layer,
+    on the current stream (the loader's, inside `StreamOrder.copying`). The chunk's layout is
+    the saver's: [layers, 2, chunk_tokens, heads, head_dim]."""
     if not block_ids:
         return
     cache = kv_caches[0]
@@ -204,16 +286,11 @@ def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk, block_ids: lis
         flat = torch.frombuffer(chunk.data, dtype=cache.dtype)
     blocks = flat.view(len(kv_caches), 2, -1, *cache.shape[2:])[:, :, first:first + len(block_ids)]
     index = torch.tensor(block_ids, dtype=torch.int64)
-    if cache.device.type == "cpu":
-        for layer, layer_cache in enumerate(kv_caches):
-            layer_cache.index_copy_(1, index, blocks[layer])
-        return
-    assert stream is not None
-    with torch.cuda.stream(stream):
-        on_device = blocks.to(cache.device)
+    if cache.device.type != "cpu":
+        blocks = blocks.to(cache.device)
         index = index.to(cache.device)
-        for layer, layer_cache in enumerate(kv_caches):
-            layer_cache.index_copy_(1, index, on_device[layer])
+    for layer, layer_cache in enumerate(kv_caches):
+        layer_cache.index_copy_(1, index, blocks[layer])
 
 
 def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,

@@ -167,6 +167,13 @@ class KvSaver:
         with self._lock:
             return self._num_buffers - len(self._free)
 
+    def release_buffers(self) -> None:
+        """Frees the staging buffers not in use (a worker placed again, before it measures
+        its memory); chunks in flight keep theirs until sent."""
+        with self._lock:
+            self._num_buffers -= len(self._free)
+            self._free = []
+
     def drop(self, saves: list[PendingSave]) -> None:
         """Gives up chunks copied out by a step that then failed."""
         for save in saves:

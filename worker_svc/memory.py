@@ -6,6 +6,9 @@ over and over, and on the small VMs we run on (memory reclaim daemons, expensive
 made identical steps 10x slower at random. Raising the mmap and trim thresholds keeps the
 buffers in the heap for reuse. Measured: a 1,840-token prefill step went from 1.3-15 s to a
 steady 1.3 s; batch-64 decode from up to 3.7 s to 0.11 s.
+
+The one time freed memory must go back: a worker placed again frees its KV cache and then
+measures the host's available memory for the next one (`return_freed_memory`).
 """
 
 import ctypes
@@ -40,3 +43,18 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("mallopt refused a setting; freed memory may be returned to the kernel")
     return ok
+
+
+def return_freed_memory() -> bool:
+    """Hands the heap's free memory back to the kernel (glibc malloc_trim), so that
+    MemAvailable counts it again; False (nothing done) on other C libraries."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+    return True

@@ -2,7 +2,9 @@
 
 On a GPU (as vLLM does): after the weights are loaded, one profiling forward at the largest
 step the scheduler will send (`max_num_batched_tokens` tokens, logits for up to `max_num_seqs`
-rows) measures the peak of activation memory. Then
+rows, then the sampler's worst case on them: temperature, top-k, a top-p nucleus past the
+sampler's candidates, so the whole vocabulary is sorted, and the most logprobs) measures the
+peak of activation memory. Then
 
     KV budget = total × gpu_memory_utilization − weights − peak activations − other − margin
 
@@ -22,12 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
+from services.wire import MAX_TOP_LOGPROBS, SamplingSpec
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.kv_cache import allocate_kv_caches, bytes_per_block
+from worker_svc.sampler import sample
 
 GIB = 1 << 30
 GPU_MARGIN_BYTES = 512 << 20      # CUDA graphs' pool, allocator fragmentation
 CPU_MARGIN_BYTES = 1 << 30        # the process's own growth, the page cache's due
+# The sampler's worst case per logit (float32 logits, scaled copy, probabilities, top-k and
+# full-sort values with int64 indices, float64 CDF, log-softmax): measured 34 bytes above the
+# logits on a CPU (256 rows x 49152, `worst_case_sampling`), rounded up.
+SAMPLER_BYTES_PER_LOGIT = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +102,21 @@ def estimate_activation_bytes(num_tokens: int, num_logit_rows: int, hidden_size:
                               qkv_width: int, intermediate_size: int, vocab_size: int,
                               itemsize: int) -> int:
     """A CPU step's largest live activations: one layer's (residual, normed input, qkv,
-    attention output, gate/up, SiLU product, two hidden outputs) for every token, plus float32
-    logits and their sampling copies for the sampled rows."""
+    attention output, gate/up, SiLU product, two hidden outputs) for every token, plus the
+    sampled rows' logits and the sampler's worst case on them."""
     per_token = (4 * hidden_size + 2 * qkv_width + 3 * intermediate_size) * itemsize
-    return num_tokens * per_token + 3 * num_logit_rows * vocab_size * 4
+    return num_tokens * per_token + num_logit_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def worst_case_sampling(logits: torch.Tensor) -> None:
+    """Samples every row of `logits` ([rows, vocab]) the most memory-hungry way a request
+    can ask for: temperature, top-k, a top-p nucleus wider than the sampler's candidates
+    (equal logits: the whole vocabulary is sorted), and the most logprobs."""
+    vocab = logits.shape[-1]
+    spec = SamplingSpec(temperature=1.0, top_p=0.99, top_k=vocab - 1, seed=None,
+                        num_logprobs=MAX_TOP_LOGPROBS)
+    rows = logits.shape[0]
+    sample(logits.float().fill_(0.0), [spec] * rows, [None] * rows)
 
 
 def measure_kv_budget(runner: "ModelRunner", block_size: int,  # noqa: F821
@@ -133,8 +152,9 @@ def measure_kv_budget(runner: "ModelRunner", block_size: int,  # noqa: F821
 
 def _profile_forward(runner: "ModelRunner", num_tokens: int, num_rows: int,  # noqa: F821
                      block_size: int) -> int:
-    """One forward of `num_tokens` tokens over `num_rows` new requests (logits and greedy
-    sampling for each), on a scratch KV cache; returns the scratch cache's bytes."""
+    """One forward of `num_tokens` tokens over `num_rows` new requests (logits for each, and
+    the sampler's worst case on them), on a scratch KV cache; returns the scratch cache's
+    bytes."""
     lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
             for i in range(num_rows)]
     lens.sort()                              # one-token queries first
@@ -162,6 +182,6 @@ def _profile_forward(runner: "ModelRunner", num_tokens: int, num_rows: int,  # n
             last = torch.cumsum(torch.tensor(lens, device=runner.device), 0) - 1
             logits = runner.model.compute_logits(hidden.index_select(0, last),
                                                  residual.index_select(0, last))
-            logits.float().argmax(dim=-1)
+            worst_case_sampling(logits)
     del caches
     return bytes_per_block(specs) * next_block

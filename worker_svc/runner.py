@@ -25,6 +25,7 @@ A step that raises leaves the runner consistent: the input batch forgets the ste
 slots for those requests are freed by the scheduler. `failed_output` is the answer to send.
 """
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from worker_svc.kv_cache import (
 )
 from worker_svc.kv_loader import KvLoader, LoadTicket, start_loads
 from worker_svc.kv_saver import KvSaver, PendingSave
+from worker_svc.memory import return_freed_memory
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.tensor_parallel import TpGroup, TpShard
@@ -203,11 +205,40 @@ class ModelRunner:
         return measure_kv_budget(self, block_size, max_num_batched_tokens, max_num_seqs,
                                  cpu_cap_bytes, gpu_memory_utilization)
 
+    def release_cache(self) -> None:
+        """Frees everything sized for the last placement: the KV tensors, the CUDA graphs and
+        their persistent buffers, the input batch, the KV saver's idle staging buffers (loads
+        still writing into the cache are waited for first). Then the memory is really free
+        (CUDA: back from torch's cache; CPU: back to the kernel), so `measure_kv_budget` sees
+        none of it: a worker placed again measures what the first placement measured."""
+        if self.kv_loader is not None:
+            self.kv_loader.wait_all()
+        if self.kv_saver is not None:
+            self.kv_saver.release_buffers()
+        self.kv_caches, self.graphs, self.input_batch = [], None, None
+        self._pending, self._pending_rows, self._last_end = None, {}, None
+        gc.collect()           # graphs and caches can sit in reference cycles (graph pools)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        else:
+            return_freed_memory()
+
+    def close(self) -> None:
+        """`release_cache`, then stop the KV saver's and loader's threads (a runner replaced
+        by another placement's)."""
+        self.release_cache()
+        if self.kv_saver is not None:
+            self.kv_saver.close()
+        if self.kv_loader is not None:
+            self.kv_loader.close()
+        self.kv_saver = self.kv_loader = None
+
     def init_cache(self, num_blocks: int, block_size: int, max_num_seqs: int = 256) -> None:
         """Allocate the KV tensors; drops any request state (block ids would be stale). On
         CUDA, captures the decode graphs (unless enforce_eager) for up to `max_num_seqs`."""
-        self.kv_caches = []
-        self.graphs = None
+        if self.kv_caches or self.graphs is not None:
+            self.release_cache()          # a second InitCache: the old cache goes first
         self.kv_caches = allocate_kv_caches(self.kv_layer_specs(block_size), num_blocks,
                                             self.device)
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
@@ -219,9 +250,12 @@ class ModelRunner:
         capture = (eligible and self.device.type == "cuda" and not self.enforce_eager
                    and self.model.tp is None)
         if capture or (eligible and self.padded_decode):
+            from worker_svc.triton_kernels import TritonPagedAttention
+
             self.graphs = DecodeGraphs(
                 self._graph_forward, capture_sizes(max_num_seqs),
-                -(-self.config.max_model_len // block_size), block_size, self.device, capture)
+                -(-self.config.max_model_len // block_size), block_size, self.device, capture,
+                skip_padding=isinstance(self.model.kernels.attention, TritonPagedAttention))
             seconds = self.graphs.capture_all()
             if capture:
                 log.info("captured CUDA graphs for decode batches %s in %.1fs",
@@ -285,6 +319,8 @@ class ModelRunner:
         scheduled = input_batch.apply(step)
         launched = LaunchedStep(step, scheduled, token_ids=[], loads=start_loads(
             self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
+        if self.kv_loader is not None:   # this step may read blocks a finished load wrote
+            self.kv_loader.join_loads()
         if not scheduled:
             if not self.is_last_stage:
                 empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype,

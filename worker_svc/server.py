@@ -18,6 +18,7 @@ because a peer was lost) the step loop ends and the worker registers again with 
 a new member, placed afresh; its loaded shard is kept when the placement is the same.
 """
 
+import gc
 import logging
 import signal
 import threading
@@ -43,7 +44,7 @@ from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
 from worker_svc.kv_loader import KvLoader, LoadTicket
 from worker_svc.kv_saver import KvSaver
-from worker_svc.runner import LaunchedStep
+from worker_svc.runner import LaunchedStep, ModelRunner
 from worker_svc.stage_step import launch_stage
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class WorkerServer:
         self._registered = False         # heartbeats are sent only while registered
         self._metadata = call_metadata(config.cluster_token)
         self._saver: KvSaver | None = None   # its counters ride on heartbeats
+        # The loaded shard, kept across registrations while the placement's key is the same.
+        self._runner: ModelRunner | None = None
+        self._runner_key: tuple[object, ...] | None = None
 
     @property
     def preferred_dtype(self) -> str:
@@ -109,22 +113,18 @@ class WorkerServer:
         step_address = f"tcp://{cfg.advertise_host}:{steps.address.rsplit(':', 1)[1]}"
         channel = grpc.insecure_channel(cfg.scheduler_address, options=CHANNEL_OPTIONS)
         control = control_pb2_grpc.WorkerControlStub(channel)
-        heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True)
+        heartbeat = threading.Thread(target=self._heartbeat, args=(control,), daemon=True,
+                                     name="heartbeat")
         heartbeat.start()
-        runner, runner_key = None, None
         first = True
         try:
             while not self._stop.is_set():
                 placement = self._register(control, step_address, first)
                 if placement is None:
                     return 0 if self._stop.is_set() else 1
-                key = (placement.first_layer, placement.end_layer, placement.pp_size,
-                       placement.tp_rank, placement.tp_size, placement.dtype)
-                code = self._incarnation(ctx, control, steps, placement,
-                                         runner if key == runner_key else None)
-                if isinstance(code, int):
+                code = self._incarnation(ctx, control, steps, placement)
+                if code is not None:
                     return code
-                runner, runner_key = code, key
                 first = False
                 if not self._stop.is_set():
                     self.epoch = time.time_ns()
@@ -136,20 +136,17 @@ class WorkerServer:
             # raises ValueError in that thread (seen once in CI as a stray traceback on exit).
             self._stop.set()
             heartbeat.join(timeout=HEARTBEAT_RPC_TIMEOUT_S + 1)
-            if runner is not None and runner.kv_saver is not None:
-                runner.kv_saver.close()
-            if runner is not None and runner.kv_loader is not None:
-                runner.kv_loader.close()
+            self._drop_runner()
             steps.close()
             channel.close()
             ctx.destroy(linger=0)
 
     def _incarnation(self, ctx: zmq.Context, control: control_pb2_grpc.WorkerControlStub,
                      steps: Receiver[ToWorker], placement: control_pb2.RegisterResponse,
-                     runner: "ModelRunner | None") -> "int | ModelRunner":  # noqa: F821
+                     ) -> int | None:
         """One registration's life: join the replica's groups, load (or keep) the shard,
         report capacity, serve until stopped or forgotten. Returns an exit code when the
-        process must end, else the runner to keep for the next registration."""
+        process must end, else None (register again; the runner is kept for that)."""
         cfg = self.config
         link = None
         if placement.pp_size * placement.tp_size > 1:
@@ -164,13 +161,10 @@ class WorkerServer:
                 log.error("%s", exc)
                 return 1
         try:
-            if runner is None:
-                runner = self._load(placement, link)
-                if runner is None:
-                    return 1
-            elif link is not None and runner.model.tp is not None:
-                runner.model.tp.group = link.tp_group   # same slice, new process group
-            num_blocks = self._capacity(runner, placement)
+            placed = self._place(placement, link)
+            if placed is None:
+                return 1
+            runner, num_blocks = placed
             try:
                 report = control_pb2.CapacityReport(
                     worker_id=cfg.worker_id, epoch=self.epoch, num_kv_blocks=num_blocks,
@@ -180,17 +174,49 @@ class WorkerServer:
             except grpc.RpcError as exc:
                 log.warning("capacity report failed (%s); registering again", exc.code().name)
                 self._lost.set()
-                return runner
+                return None
             outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
             try:
                 self._serve(runner, num_blocks, steps, outputs, placement, link)
             finally:
                 outputs.close()
-            return runner
+            return None
         finally:
             self._registered = False
             if link is not None:
                 link.close()
+
+    def _place(self, placement: control_pb2.RegisterResponse,
+               link: "ParallelGroups | None",  # noqa: F821
+               ) -> "tuple[ModelRunner, int] | None":  # noqa: F821
+        """The runner for `placement` and the KV blocks it can hold, measured afresh. A
+        runner kept from the last placement (the same shard) first frees its KV cache,
+        graphs and staging buffers, or the measurement would count them as taken; one of
+        another shard is closed (its threads too) before the new shard loads. None: the
+        shard cannot be served here."""
+        key = (placement.first_layer, placement.end_layer, placement.pp_size,
+               placement.tp_rank, placement.tp_size, placement.dtype)
+        runner = self._runner
+        if runner is not None and key != self._runner_key:
+            self._drop_runner()
+            runner = None
+        if runner is None:
+            runner = self._load(placement, link)
+            if runner is None:
+                return None
+            self._runner, self._runner_key = runner, key
+        else:
+            runner.release_cache()
+            if link is not None and runner.model.tp is not None:
+                runner.model.tp.group = link.tp_group   # same slice, new process group
+        return runner, self._capacity(runner, placement)
+
+    def _drop_runner(self) -> None:
+        """Closes the kept runner (its KV cache, its saver's and loader's threads)."""
+        if self._runner is not None:
+            self._runner.close()
+        self._runner, self._runner_key, self._saver = None, None, None
+        gc.collect()           # the weights go before another shard loads
 
     def _register(self, control: control_pb2_grpc.WorkerControlStub,
                   step_address: str, first: bool) -> control_pb2.RegisterResponse | None:

@@ -33,16 +33,19 @@ def device_under_test() -> str:
 @contextmanager
 def gpu_cluster(log_dir: Path, model_dir: Path, *, dtype: str = "float32",
                 scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-                ready_timeout_s: float = 600.0) -> Iterator[RunningCluster]:
-    """kvcache_svc + scheduler_svc + one worker on the device under test (cuda: the first
-    visible GPU) serving `model_dir` in `dtype`, checked once it is ready. Worker start-up on
-    a GPU includes memory profiling and CUDA-graph capture, hence the long timeout."""
+                ready_timeout_s: float = 180.0, device: str | None = None,
+                ) -> Iterator[RunningCluster]:
+    """kvcache_svc + scheduler_svc + one worker on `device` (default the device under test;
+    cuda: the first visible GPU) serving `model_dir` in `dtype`, checked once it is ready.
+    Worker start-up on a GPU includes memory profiling and CUDA-graph capture; a start that
+    takes over 3 minutes is stuck (scripts/gpu-check's budget), and fails."""
+    device = device or device_under_test()
     port, control_port, plan_port, admin_port, events_port, store_port = free_ports(6)
     spec = ClusterSpec(model=str(model_dir), port=port, control_port=control_port,
                        kv_plan_port=plan_port, kv_store_port=store_port,
                        kv_admin_port=admin_port, kv_events_port=events_port, metrics_port=-1,
                        dtype=dtype, scheduler_args=tuple(scheduler_args),
-                       worker_args=("--device", device_under_test(), "--gpu-memory-utilization",
+                       worker_args=("--device", device, "--gpu-memory-utilization",
                                     GPU_MEMORY_UTILIZATION, *worker_args))
     procs = ServiceProcesses(spec, log_dir)
     procs.start()
@@ -55,7 +58,7 @@ def gpu_cluster(log_dir: Path, model_dir: Path, *, dtype: str = "float32",
             procs.wait_ready(ready_timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"{exc}\n{running.logs()}") from exc
-        assert_on_gpu(running, dtype)
+        assert_on_gpu(running, dtype, device)
         yield running
     finally:
         channel.close()
@@ -69,12 +72,12 @@ def replica_info(cluster: RunningCluster) -> generation_pb2.ReplicaInfo:
     return cluster.stub.ServerInfo(generation_pb2.ServerInfoRequest(), timeout=10).replicas[0]
 
 
-def assert_on_gpu(cluster: RunningCluster, dtype: str) -> None:
-    """The replica really computes on CUDA in `dtype`: a worker that fell back to the CPU
-    would pass every comparison and test nothing."""
+def assert_on_gpu(cluster: RunningCluster, dtype: str, device: str | None = None) -> None:
+    """The replica really computes on `device` (CUDA by default) in `dtype`: a worker that
+    fell back to the CPU would pass every comparison and test nothing."""
     replica = replica_info(cluster)
     devices = [w.device for w in replica.workers]
-    want = device_under_test().partition(":")[0]
+    want = (device or device_under_test()).partition(":")[0]
     assert devices and all(d.startswith(want) for d in devices), devices
     assert replica.dtype == dtype, replica.dtype
 

@@ -95,3 +95,4 @@ def oracle(model_path: Path) -> CudaOracle:
 def references(oracle: CudaOracle, prompts: list[list[int]],
                ) -> list[tuple[list[int], list[float]]]:
     return [oracle.greedy(p, MAX_TOKENS) for p in prompts]
+

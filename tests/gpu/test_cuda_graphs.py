@@ -1,4 +1,6 @@
-"""CUDA graphs against `--enforce-eager` on the GPU in bf16: the same greedy outputs.
+"""CUDA graphs against `--enforce-eager` on the GPU in bf16: the same greedy outputs, and one
+request at a time bitwise the same logprobs; on the graphs cluster, the bf16 logits check
+(tests/gpu/logits.py).
 
 One request at a time, both runs compute the same steps (one prefill, then decode steps of one
 row), so the outputs must be equal token for token. With 16 at once, when each request joins
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import greedy_request, stream_tokens
-from tests.gpu.cluster import gpu_cluster, run_concurrently
+from tests.gpu.cluster import device_under_test, gpu_cluster, run_concurrently
 from tests.gpu.conftest import MAX_TOKENS
+from tests.gpu.logits import check_logits, services_logprobs
 from tests.gpu.oracle import CudaOracle
 
 pytestmark = pytest.mark.gpu
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.gpu
 # the reference's best.
 BF16_TIE_MARGIN = 0.1
 NUM_ONE_BY_ONE = 4
+NUM_LOGITS_PROMPTS = 8
 
 
 def assert_same_or_bf16_tie(oracle: CudaOracle, prompt: Sequence[int], ours: list[int],
@@ -45,12 +49,21 @@ def assert_same_or_bf16_tie(oracle: CudaOracle, prompt: Sequence[int], ours: lis
 def test_cuda_graphs_match_eager_bf16(tmp_path: Path, model_path: Path,
                                       prompts: list[list[int]], oracle: CudaOracle) -> None:
     outputs: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+    logprobs: dict[str, list[list[tuple[float, ...]]]] = {}
     for name, worker_args in (("graphs", []), ("eager", ["--enforce-eager"])):
         with gpu_cluster(tmp_path / name, model_path, dtype="bfloat16",
                          worker_args=worker_args) as cluster:
             one_by_one = [stream_tokens(cluster.stub, greedy_request(p, MAX_TOKENS))[0]
                           for p in prompts[:NUM_ONE_BY_ONE]]
             outputs[name] = (one_by_one, run_concurrently(cluster, prompts, MAX_TOKENS))
+            # One at a time, with logprobs: the same steps both ways, so bitwise equal.
+            logprobs[name] = [[(e.logprob, *(t.logprob for t in e.top))
+                               for e in services_logprobs(cluster, p)[1]]
+                              for p in prompts[:NUM_ONE_BY_ONE]]
+            if name == "graphs":        # the bf16 logits check (tests/gpu/logits.py)
+                check_logits(cluster, oracle.model, device_under_test(),
+                             prompts[:NUM_LOGITS_PROMPTS], "bfloat16")
+    assert logprobs["graphs"] == logprobs["eager"], "graphs and eager logprobs differ"
     graphs, eager = outputs["graphs"], outputs["eager"]
     for i, (ours, theirs) in enumerate(zip(graphs[0], eager[0])):
         assert ours == theirs, f"prompt {i}, alone: graphs {ours}\n eager {theirs}"

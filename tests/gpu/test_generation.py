@@ -38,26 +38,31 @@ def check_all(cluster: RunningCluster, prompts: list[list[int]], references: Ref
     print("\n".join(n for n in notes if n))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_path: Path,
             ) -> Iterator[RunningCluster]:
-    """Default flags: chunked prefill and prefix caching on, CUDA graphs for decode steps."""
+    """Default flags: chunked prefill and prefix caching on, CUDA graphs for decode steps.
+    Class-scoped: it stops before the next test starts a cluster of its own (one worker per
+    GPU at a time: a second would count the first's memory as taken and fit no KV)."""
     with gpu_cluster(tmp_path_factory.mktemp("gpu-cluster"), model_path) as running:
         yield running
 
 
-def test_16_concurrent_prompts_match_hf(cluster: RunningCluster, prompts: list[list[int]],
-                                        references: References) -> None:
-    check_all(cluster, prompts, references)
+class TestDefaultFlags:
+    def test_16_concurrent_prompts_match_hf(self, cluster: RunningCluster,
+                                            prompts: list[list[int]],
+                                            references: References) -> None:
+        check_all(cluster, prompts, references)
 
-
-def test_prefix_cache_hit_matches_hf(cluster: RunningCluster, prompts: list[list[int]],
-                                     references: References) -> None:
-    first = stream_tokens(cluster.stub, greedy_request(prompts[3], MAX_TOKENS))
-    second = stream_tokens(cluster.stub, greedy_request(prompts[3], MAX_TOKENS))
-    assert second[2].usage.cached_prompt_tokens >= BLOCK_SIZE, "the repeat should hit the cache"
-    assert second[0] == first[0]
-    assert_matches_reference(second[0], *references[3], label="cached prompt 3")
+    def test_prefix_cache_hit_matches_hf(self, cluster: RunningCluster,
+                                         prompts: list[list[int]],
+                                         references: References) -> None:
+        first = stream_tokens(cluster.stub, greedy_request(prompts[3], MAX_TOKENS))
+        second = stream_tokens(cluster.stub, greedy_request(prompts[3], MAX_TOKENS))
+        assert second[2].usage.cached_prompt_tokens >= BLOCK_SIZE, \
+            "the repeat should hit the cache"
+        assert second[0] == first[0]
+        assert_matches_reference(second[0], *references[3], label="cached prompt 3")
 
 
 def test_enforce_eager_matches_hf(tmp_path: Path, model_path: Path, prompts: list[list[int]],

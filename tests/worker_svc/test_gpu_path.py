@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from scripts.random_model import spread_weights  # noqa: E402
 from services.model_config import load_model_config  # noqa: E402
 from services.wire import NewRequest, RunningRequest, StepInput, StepOutput  # noqa: E402
 from tests.worker_svc.common import GREEDY  # noqa: E402
@@ -37,6 +38,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
                          max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     model = LlamaForCausalLM(config).eval()   # no EOS: HF generates every token we do
+    spread_weights(model)                     # diverse greedy tokens (scripts/random_model.py)
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     return path, model
@@ -175,3 +177,37 @@ def test_the_profiling_forward_runs_the_largest_step(tiny_model: tuple[Path, obj
     runner = _runner(path, kernels)
     assert _profile_forward(runner, 50, 8, BLOCK_SIZE) == 17 * runner.kv_bytes_per_block(
         BLOCK_SIZE)
+
+
+def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, object],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The peak a GPU worker measures must include the sampler's worst case: every one of
+    # max_num_seqs rows over the whole vocabulary with temperature, top-k, top-p past the
+    # sampler's candidates (the full sort) and the most logprobs.
+    from services.wire import MAX_TOP_LOGPROBS
+    from worker_svc import memory_budget, sampler
+
+    calls = []
+    sorts = []
+    real_sample, real_sort = sampler.sample, torch.Tensor.sort
+
+    def sample(logits, specs, generators):  # type: ignore[no-untyped-def]
+        calls.append((tuple(logits.shape), specs))
+        return real_sample(logits, specs, generators)
+
+    def sort(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sorts.append(tuple(self.shape))
+        return real_sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(memory_budget, "sample", sample)
+    monkeypatch.setattr(torch.Tensor, "sort", sort)
+    monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", 16)   # below the tiny vocabulary
+    path, _ = tiny_model
+    runner = _runner(path, "c")
+    memory_budget._profile_forward(runner, 50, 8, BLOCK_SIZE)
+    ((shape, specs),) = calls
+    assert shape == (8, 128) and len(specs) == 8
+    spec = specs[0]
+    assert spec.temperature > 0 and spec.top_p < 1 and 0 < spec.top_k < 128
+    assert spec.num_logprobs == MAX_TOP_LOGPROBS
+    assert (8, 128) in sorts, "top-p did not rank the whole vocabulary"

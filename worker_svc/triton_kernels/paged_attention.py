@@ -47,7 +47,12 @@ _TILE_ELEMENTS = 8192
 _MIN_TILE, _MAX_TILE = 4, 64
 
 
-@triton.jit
+# `max_blocks` (the block table's width) follows the longest request of each eager step: left
+# to Triton's default, an int argument is specialized (1 becomes a constant, a multiple of 16
+# gets a divisibility hint), so widths 1, 16 and others would each compile a variant mid-
+# serving. It is only a row stride into the table, so no hint is lost. Strides that are fixed
+# per model (q_row_stride) keep theirs.
+@triton.jit(do_not_specialize=["max_blocks"])
 def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
                             block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr, out_ptr,
                             qk_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,

@@ -23,7 +23,11 @@ class AmxGemm:
 
     __slots__ = ("lib",)
     PANEL = 32   # output columns per packed panel (NR in gemm_amx.c)
-    max_rows: int | None = None   # any batch size (see bench/amx_gemm.py for the crossovers)
+    # Up to 128 rows it beats oneDNN's AMX matmul on pre-packed weights on every SmolLM2 shape
+    # (1.1-2x, 2 Sapphire/Emerald Rapids cores, weights from memory; bench/amx_gemm.py), and
+    # equals gemm_bf16.c at one row (both stream the weight at memory speed). From 256 rows on
+    # oneDNN is as fast or faster (its blocking keeps more of the tile unit busy).
+    max_rows: int | None = 128
 
     def __init__(self, library: ctypes.CDLL):
         reason = request_amx()

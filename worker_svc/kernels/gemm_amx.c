@@ -8,8 +8,8 @@
  *
  * Why our own (bench/amx_gemm.py, 2 Emerald Rapids cores, weights from memory): up to 32 rows
  * a step is bound by the weight stream, which this kernel keeps at ~40 GB/s (prefetching the
- * next panel) where oneDNN's AMX matmul reaches 25-30: 1.5-2x oneDNN from 1 to 32 rows, about
- * 1.1-1.2x at 64 and 128. From 256 rows on the tiles, not memory, bound both, and oneDNN's
+ * next panel) where oneDNN's AMX matmul reaches 15-30: 1.2-2.4x oneDNN from 1 to 32 rows,
+ * 1.1-1.2x at 64 and 128 on qkv, gate_up and down (even or behind on o and the LM head there). From 256 rows on the tiles, not memory, bound both, and oneDNN's
  * blocking is as fast or faster (this kernel reaches ~1,300 GFLOP/s a core with the weights in
  * cache, half the TDPBF16PS peak: every 2 x 2 block drains its tiles through memory to round
  * them to bfloat16), so the caller uses oneDNN there.

@@ -23,10 +23,11 @@ class AmxGemm:
 
     __slots__ = ("lib",)
     PANEL = 32   # output columns per packed panel (NR in gemm_amx.c)
-    # Up to 128 rows it beats oneDNN's AMX matmul on pre-packed weights on every SmolLM2 shape
-    # (1.1-2x, 2 Sapphire/Emerald Rapids cores, weights from memory; bench/amx_gemm.py), and
-    # equals gemm_bf16.c at one row (both stream the weight at memory speed). From 256 rows on
-    # oneDNN is as fast or faster (its blocking keeps more of the tile unit busy).
+    # Against oneDNN's AMX matmul on pre-packed weights (bench/amx_gemm.py, 2 Emerald Rapids
+    # cores, weights from memory, a shared noisy machine): 1.2-2.4x from 1 to 32 rows on every
+    # SmolLM2 shape; 1.1-1.2x at 64 and 128 rows on qkv, gate_up and down, even or behind on o
+    # and the LM head there (0.7-1.0x in noisy rounds); equal to gemm_bf16.c at one row (both
+    # stream the weight at memory speed). From 256 rows oneDNN is as fast or faster.
     max_rows: int | None = 128
 
     def __init__(self, library: ctypes.CDLL):

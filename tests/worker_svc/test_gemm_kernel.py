@@ -10,7 +10,7 @@ import torch
 from services.model_config import ModelConfig
 from tests.worker_svc.common import PROMPTS
 from worker_svc.attention import build_attention_metadata
-from worker_svc.kernels import Bf16Gemm, FmaGemm, Gemm, TorchInt4, load_cpu_kernels
+from worker_svc.kernels import AmxGemm, Bf16Gemm, FmaGemm, Gemm, TorchInt4, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.kernels.gemm import bf16_gemm, fma_gemm, quant_gemm, quant_kernels
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
@@ -116,8 +116,8 @@ def test_linear_routes_by_level_and_batch_size(kernel_level: CpuLevel) -> None:
     small = torch.randn(most, 64, generator=gen).bfloat16()
     assert torch.equal(linear(small), linear.gemm(small, linear.gemm_weight))
     large = torch.randn(300, 64, generator=gen).bfloat16()
-    if kernel_level.native_bf16:    # the kernel up to its rows (128; 4 on AMX), then oneDNN
-        assert most == (4 if kernel_level >= CpuLevel.AMX else 128)
+    if kernel_level.native_bf16:    # the kernel up to 128 rows (gemm_amx.c at amx), then oneDNN
+        assert most == 128 and isinstance(linear.gemm, AmxGemm) == (kernel_level >= CpuLevel.AMX)
         assert linear.onednn is not None and linear.weight is None
         for x in (large, torch.randn(most + 1, 64, generator=gen).bfloat16()):
             onednn = torch.ops.mkldnn._linear_pointwise(x, linear.onednn, None, "none", [], "")

@@ -7,7 +7,7 @@
 - `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax, and
   their torch twin `TorchElementwise`.
 - `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
-  small steps on a GGUF's quantized blocks.
+  small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles.
 
 Why compiled here: a level's `-march` and the model's head size as constants give GCC
 fixed-size loops over vector registers, and a build takes well under a second with only a C
@@ -35,11 +35,12 @@ from worker_svc.kernels.gemm import (
     gemm_kernel,
     quant_kernels,
 )
+from worker_svc.kernels.gemm_amx import AmxGemm, amx_gemm
 from worker_svc.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
 
-__all__ = ["Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm", "Gemm",
-           "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantGemm", "QuantKernel",
-           "TorchInt4", "load_cpu_kernels"]
+__all__ = ["AmxGemm", "Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm",
+           "Gemm", "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantGemm",
+           "QuantKernel", "TorchInt4", "load_cpu_kernels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class LayerKernels:
     level: CpuLevel
     attention: "PagedAttentionKernel | TritonPagedAttention | None" = None  # noqa: F821
     elementwise: "ElementwiseKernels | TritonKernels | None" = None  # noqa: F821
-    gemm: Gemm | None = None
+    gemm: Gemm | AmxGemm | None = None
     quant: dict[int, QuantKernel] = field(default_factory=dict)  # small steps, by block bits
 
     @property
@@ -66,5 +67,13 @@ def load_cpu_kernels(level: CpuLevel, head_dim: int, group: int, dtype: torch.dt
     """The kernels that build for this level and model shape (`group`: query heads per KV
     head)."""
     return LayerKernels(level, paged_attention_kernel(level, head_dim, group, dtype),
-                      elementwise_kernels(level, dtype), gemm_kernel(level, dtype),
-                      quant_kernels(level, dtype))
+                        elementwise_kernels(level, dtype), _gemm(level, dtype),
+                        quant_kernels(level, dtype))
+
+
+def _gemm(level: CpuLevel, dtype: torch.dtype) -> Gemm | AmxGemm | None:
+    """The matmul kernel for `dtype` at `level`: on AMX tiles for bfloat16 at level amx (up
+    to 128 rows; oneDNN beyond), else `gemm.gemm_kernel`'s choice."""
+    if dtype == torch.bfloat16 and level >= CpuLevel.AMX and (amx := amx_gemm(level)):
+        return amx
+    return gemm_kernel(level, dtype)

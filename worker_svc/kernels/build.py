@@ -1,7 +1,7 @@
 """Compiling the C kernels on the worker's machine, once, and loading them with ctypes.
 
-The compiler is `$CC`, else `cc`, else `gcc`. GCC 11 and later build every kernel at every
-level, clang 14 (with LLVM's OpenMP, Debian's libomp-dev) every level up to avx512_bf16;
+The compiler is `$CC`, else `cc`, else `gcc`. GCC 11 and later, and clang 14 (with LLVM's
+OpenMP, Debian's libomp-dev), build every kernel at every level;
 tests/worker_svc/test_kernel_build.py builds them with every compiler on PATH. A compiler
 that cannot target a level at all (too old for its flags or intrinsics, or without OpenMP)
 fails with `UnsupportedLevel`, which names the compiler, its version and the level.

@@ -44,7 +44,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+/* GCC defines __AMX_TILE__ and __AMX_BF16__; clang 14 spells them __AMXTILE__, __AMXBF16__. */
+#if !(defined(__AMX_TILE__) || defined(__AMXTILE__)) || \
+    !(defined(__AMX_BF16__) || defined(__AMXBF16__))
 #error "gemm_amx.c needs AMX-TILE and AMX-BF16 (CPU level amx: -mamx-tile -mamx-bf16)"
 #endif
 

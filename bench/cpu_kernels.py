@@ -1,13 +1,16 @@
 """The C kernels (worker_svc/kernels) against the torch path, side by side, at one CPU level.
 
     .venv/bin/python bench/cpu_kernels.py [--dtype bfloat16] [--layers 30] [--level avx2]
-                                          [--only attention|matmul]
+                                          [--only attention|matmul] [--threads 2]
 
 (Not named kernels.py: transformers imports a top-level `kernels` module when one exists.)
 
-Decode attention: SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), 16-token blocks
+Attention: SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64), 16-token blocks
 scattered over a cache per layer (so K/V come from memory, as in a real step, not from cache),
-for several batch sizes and context lengths; milliseconds per step (all layers).
+for decode batches of several sizes and context lengths and for prefill chunks (one 512-token
+chunk, fresh or after 512 cached tokens; 16 prompts of 176); median milliseconds per step (all
+layers) of the torch path, the level's kernel (paged_attention.c) and, at level amx in
+bfloat16, the AMX kernel (paged_attention_amx.c).
 
 Matmuls: SmolLM2's five weight shapes at decode and prefill row counts, each with `--layers`
 distinct weights so that they come from memory as in the model: GFLOP/s of the level's kernel
@@ -16,6 +19,7 @@ F.linear). Writes a JSON result to bench/results/.
 """
 
 import argparse
+import statistics
 import sys
 import time
 from functools import partial
@@ -27,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "bench"))
-from throughput import write_result  # noqa: E402
+from bench_io import write_result  # noqa: E402
 
 from worker_svc.attention import (  # noqa: E402
     AttentionMetadata,
@@ -36,6 +40,7 @@ from worker_svc.attention import (  # noqa: E402
 )
 from worker_svc.kernels import LayerKernels, PagedAttentionKernel, load_cpu_kernels  # noqa: E402
 from worker_svc.kernels.cpu import CpuLevel, cpu_model, detect_level  # noqa: E402
+from worker_svc.kernels.paged_attention import AmxPagedAttentionKernel  # noqa: E402
 from worker_svc.model.llama import Linear  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -43,7 +48,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 def attend_all(caches: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                meta: AttentionMetadata, kernel: PagedAttentionKernel | None) -> None:
-    """One step's decode attention over every layer (k doubles as v)."""
+    """One step's attention over every layer (k doubles as v)."""
     for cache in caches:
         paged_attention(q, k, k, cache, meta, kernel)
 
@@ -57,29 +62,58 @@ def time_per_step(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def median_ms(fn, budget_ms: float = 3000.0) -> float:
+    """Median of single calls after a warm-up, as many as fit the budget (3 to 25)."""
+    fn()
+    times = []
+    while len(times) < 3 or (len(times) < 25 and sum(times) < budget_ms):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# (label, query tokens per request, cached tokens per request, requests)
+STEPS = [("decode", 1, 180, 1), ("decode", 1, 2000, 1), ("decode", 1, 180, 16),
+         ("decode", 1, 180, 64), ("decode", 1, 1000, 64), ("prefill", 512, 0, 1),
+         ("prefill", 512, 512, 1), ("prefill", 176, 0, 16)]
+
+
 def bench_attention(kernel: PagedAttentionKernel, dtype: torch.dtype, layers: int) -> list[dict]:  # type: ignore[type-arg]
+    """Torch path, the level's kernel (paged_attention.c) and, at level amx in bfloat16, the
+    AMX kernel (paged_attention_amx.c); medians, ms per step (all layers)."""
     gen = torch.Generator().manual_seed(0)
+    amx = kernel if isinstance(kernel, AmxPagedAttentionKernel) else None
+    twin = amx.twin() if amx is not None else kernel
     rows = []
-    print(f"decode attention, {dtype}, {layers} layers, ms per step")
-    print(f"{'batch':>5} {'context':>7} {'torch':>8} {'kernel':>8} {'speed-up':>8}")
-    for batch, context in [(1, 180), (1, 2000), (16, 180), (64, 180), (64, 1000)]:
-        per_request = -(-(context + 1) // BLOCK)
+    print(f"attention, {dtype}, {layers} layers, ms per step (medians)")
+    print(f"{'step':>7} {'requests':>8} {'query':>5} {'context':>7} {'torch':>8} {'kernel':>8}"
+          + (f" {'amx':>8} {'amx gain':>8}" if amx else f" {'speed-up':>8}"))
+    for label, query, context, batch in STEPS:
+        per_request = -(-(context + query) // BLOCK)
         num_blocks = batch * per_request + 1
         order = torch.randperm(num_blocks - 1, generator=gen) + 1
         tables = order.view(batch, per_request).tolist()
         caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
                   for _ in range(layers)]
-        q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
-        k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        meta = build_attention_metadata([1] * batch, [context] * batch, tables, BLOCK,
+        q = torch.randn(batch * query, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(batch * query, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        meta = build_attention_metadata([query] * batch, [context] * batch, tables, BLOCK,
                                         num_blocks)
-        repeats = max(3, 2000 // (batch * layers))
-        t_torch = time_per_step(partial(attend_all, caches, q, k, meta, None), repeats)
-        t_kernel = time_per_step(partial(attend_all, caches, q, k, meta, kernel), repeats)
-        rows.append({"batch": batch, "context": context, "torch_ms": t_torch,
-                     "kernel_ms": t_kernel, "speedup": t_torch / t_kernel})
-        print(f"{batch:>5} {context:>7} {t_torch:>8.2f} {t_kernel:>8.2f} "
-              f"{t_torch / t_kernel:>7.2f}x")
+        t_torch = median_ms(partial(attend_all, caches, q, k, meta, None))
+        t_kernel = median_ms(partial(attend_all, caches, q, k, meta, twin))
+        row = {"step": label, "requests": batch, "query": query, "context": context,
+               "torch_ms": t_torch, "kernel_ms": t_kernel, "speedup": t_torch / t_kernel}
+        line = (f"{label:>7} {batch:>8} {query:>5} {context:>7} {t_torch:>8.2f} "
+                f"{t_kernel:>8.2f}")
+        if amx is not None:
+            t_amx = median_ms(partial(attend_all, caches, q, k, meta, amx))
+            row |= {"amx_ms": t_amx, "amx_gain": t_kernel / t_amx}
+            line += f" {t_amx:>8.2f} {t_kernel / t_amx:>7.2f}x"
+        else:
+            line += f" {t_torch / t_kernel:>7.2f}x"
+        rows.append(row)
+        print(line, flush=True)
     return rows
 
 
@@ -125,8 +159,11 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--level", default=None, help="CPU level (default: the best detected)")
     p.add_argument("--only", choices=["attention", "matmul"], default=None)
+    p.add_argument("--threads", type=int, default=None, help="default: torch's")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     level = CpuLevel.parse(a.level or "") or detect_level()
     kernels = load_cpu_kernels(level, HEAD_DIM, HEADS // KV_HEADS, dtype)

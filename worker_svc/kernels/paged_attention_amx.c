@@ -1,7 +1,7 @@
 /* Paged attention in bfloat16 on AMX tiles: the score and value products of up to 16 query
  * vectors of one request at once (a decode's query heads, or several rows of a prefill chunk),
- * with keys and values read straight from the block cache. Same entry arguments and cache effects as paged_attention.c (its twin for
- * every other level, dtype and block size).
+ * with keys and values read straight from the block cache. Same entry arguments and cache
+ * effects as paged_attention.c (its twin for every other level, dtype and block size).
  *
  * Built by worker_svc/kernels/build.py at CPU level amx only, with -DHEAD_DIM=<64, 128, ...:
  * a multiple of 32> -DGROUP=<query heads per KV head, at most 16> -DELEM_BF16=1. The process
@@ -251,14 +251,16 @@ static inline void softmax_run(const scratch_t *w, int64_t i, int nq, const floa
   }
 }
 
-/* acc[n][d] = sum_t P[n][t] V[t][d] over keys [0, len), with V's tiles loaded where they lie:
+/* P = exp(score - max[n]) (softmax_run; sum[n] = its float32 sums) and acc[n][d] = sum_t
+ * P[n][t] V[t][d] over keys [0, len), with V's tiles loaded where they lie:
  * B = 16 keys x 32 dims of V (a key's dims d, d + 1 side by side, as stored), so TDPBF16PS
  * would sum over pairs of dims; A = P with each value beside a zero instead (dword n, t =
  * P[n][t] in its low half for the even dims, its high half for the odd), which makes the
  * pair sum one term: C_even[n][j] = sum_t P[n][t] V[t][2j], C_odd the same for 2j + 1. That
  * costs twice the tile products of a repacked V, and saves the repacking (a load, a permute
- * and a store per key and 32 dims, and a buffer that outgrows L1). Keys from len to the run's end come from a zero-padded copy (their slots may hold
- * anything, and 0 * NaN would not be 0). */
+ * and a store per key and 32 dims, and a buffer that outgrows L1). Keys from len to the
+ * run's end come from a zero-padded copy (their slots may hold anything, and 0 * NaN would
+ * not be 0). The vector units make run i + 1's P while the tile unit multiplies run i's. */
 static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *table,
                          int64_t head, int64_t len, int nq, const float *max, float *sum) {
   const int64_t runs = round_up(len, 16) / 16;
@@ -286,7 +288,6 @@ static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *tab
     _tile_zero(3);
     for (int64_t i = 0; i < runs; i++) {
       const int64_t t0 = i * 16;
-      /* the vector units make run i + 1's P while the tile unit multiplies run i's */
       if (d0 == 0 && i + 1 < runs) softmax_run(w, i + 1, nq, max, total);
       prefetch_run(s, table, head, t0 + 64, len, s->value_offset);
       _tile_loadd(4, w->probs + i * 512, 64);

@@ -8,17 +8,15 @@ stage, whose step takes them.
 
 A step: apply the diff to the input batch, lay the requests out one-token queries first,
 build every per-step tensor once (on the host, copied to the device), run the stage's layers,
-and on the last stage compute logits only for requests whose step reaches their last known
-token, sample, and append each sampled token to its request (the scheduler does not send the
-last stage its own tokens back).
+and on the last stage sample the requests whose step reaches their last known token and build
+the `StepOutput` (worker_svc.step_output; the scheduler does not send the last stage its own
+tokens back).
 
 Launch and finish are apart so that a GPU never waits for the host: `launch` queues the
-step's work and returns; a greedy step's sampled ids stay on the device, their copy to the host
-in flight, and each sampling request holds a placeholder (`PENDING`) for its new token. If the
-next step arrives before that copy is read, its `launch` takes those tokens straight from the
-device (a decode's input is the token just sampled) and queues behind the running step; then
-`finish` of the earlier step waits for its copy, writes the tokens over the placeholders and
-builds its `StepOutput`. Outputs still leave in step order.
+step's work and returns; a greedy step's sampled ids stay on the device and the next step's
+`launch` may take them from there (worker_svc.pending_tokens); `finish` waits for the step's
+tokens and builds its `StepOutput`. Outputs still leave in step order. The step types
+themselves live in worker_svc.launched_step.
 
 A step that raises leaves the runner consistent: the input batch forgets the step's requests
 (see `InputBatch.discard`), nothing else persists between steps but the KV tensors, whose
@@ -28,25 +26,17 @@ slots for those requests are freed by the scheduler. `failed_output` is the answ
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
-from services.wire import (
-    IDLE_GAP_S,
-    StepError,
-    StepInput,
-    StepOutput,
-    StepTimings,
-    TokenLogprobs,
-)
+from services.wire import IDLE_GAP_S, StepInput, StepOutput
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.device import dtype_for
-from worker_svc.input_batch import InputBatch, ScheduledRequest
+from worker_svc.input_batch import InputBatch
 from worker_svc.kernel_choice import choose_kernels
 from worker_svc.kernels import CpuLevel
 from worker_svc.kernels.cpu import detect_level
@@ -56,58 +46,18 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
-from worker_svc.kv_loader import KvLoader, LoadTicket, start_loads
-from worker_svc.kv_saver import KvSaver, PendingSave
+from worker_svc.kv_loader import KvLoader, start_loads
+from worker_svc.kv_saver import KvSaver
+from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.tensor_parallel import TpGroup, TpShard
 from worker_svc.model.weights import load_weights
-from worker_svc.sampler import is_greedy, sample
+from worker_svc.pending_tokens import PendingTokens
+from worker_svc.step_output import failed_output, sample_step, step_output
 
 log = logging.getLogger(__name__)
-
-PENDING = -1   # a token sampled on the device whose value the host has not read yet
-
-
-@dataclass(slots=True)
-class StageActivations:
-    """What a non-last pipeline stage hands to the next one, rows in the step's layout."""
-
-    hidden_states: torch.Tensor   # [num_tokens, hidden_size]
-    residual: torch.Tensor        # [num_tokens, hidden_size]
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose work is queued; `ModelRunner.finish` turns it into its result."""
-
-    step: StepInput
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    sampling: list[ScheduledRequest] = field(default_factory=list)  # sampled rows, in order
-    activations: StageActivations | None = None        # non-last stages
-    device_tokens: torch.Tensor | None = None          # [len(sampling)] int64, greedy steps
-    host_tokens: torch.Tensor | None = None            # their copy on the host
-    token_ids: list[int] | None = None                 # already on the host (sampled there)
-    positions: list[int] = field(default_factory=list)  # each sampling row's PENDING index
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    copied: torch.cuda.Event | None = None             # host_tokens complete
-    gpu_start: torch.cuda.Event | None = None
-    gpu_end: torch.cuda.Event | None = None
-    previous_end: torch.cuda.Event | None = None       # the step before's gpu_end
-    num_tokens: int = 0
-    prepare_ms: float = 0.0
-    forward_ms: float = 0.0                            # host time; GPU time when on CUDA
-    sample_ms: float = 0.0
-    launched_at: float = 0.0                           # perf_counter() after the launch
-    gap_ms: float = 0.0
-    saves: list[PendingSave] = field(default_factory=list)  # KV chunks copied out, to queue
-    loads: LoadTicket | None = None                    # KV store loads it started
-
-    def ready(self) -> bool:
-        """Whether `finish` would return without waiting for the device."""
-        return self.copied is None or self.copied.query()
-
 
 class ModelRunner:
     """Runs steps for one pipeline stage (layers [first_layer, end_layer)) of one replica."""
@@ -163,8 +113,7 @@ class ModelRunner:
         self.padded_decode = False
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
-        self._pending: LaunchedStep | None = None   # the latest step with tokens on the device
-        self._pending_rows: dict[str, tuple[int, int]] = {}  # id -> (its row, token position)
+        self._pending_tokens = PendingTokens()      # greedy tokens still on the device
         self._last_end: LaunchedStep | float | None = None   # for the gap between forwards
         # The current (or last) step's forward finished: its KV is all in the cache.
         self._kv_written = False
@@ -216,7 +165,8 @@ class ModelRunner:
         if self.kv_saver is not None:
             self.kv_saver.release_buffers()
         self.kv_caches, self.graphs, self.input_batch = [], None, None
-        self._pending, self._pending_rows, self._last_end = None, {}, None
+        self._pending_tokens.clear()
+        self._last_end = None
         gc.collect()           # graphs and caches can sit in reference cycles (graph pools)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -243,7 +193,8 @@ class ModelRunner:
                                             self.device)
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
                                       self.config.max_model_len)
-        self._pending, self._pending_rows, self._last_end = None, {}, None
+        self._pending_tokens.clear()
+        self._last_end = None
         # The graphs' metadata is the kernels' (block table, keys per row); the torch
         # attention path needs per-step padded gathers and is never captured.
         eligible = self.model.is_first_stage and self.model.kernels.attention is not None
@@ -291,7 +242,7 @@ class ModelRunner:
         result: StepOutput | StageActivations | None = launched.activations
         if result is None:
             try:
-                result = self._finish(launched)
+                result = step_output(launched, self.worker_id, self._pending_tokens)
             except Exception:
                 if self.input_batch is not None:
                     self.input_batch.discard(launched.step)
@@ -304,12 +255,7 @@ class ModelRunner:
 
     def failed_output(self, step: StepInput, exc: Exception) -> StepOutput:
         """The answer to `step` after `launch` or `finish` raised `exc` (one-rank replicas)."""
-        return StepOutput(step_id=step.step_id, worker_id=self.worker_id, request_ids=[],
-                          sampled_token_ids=[], logprobs=[],
-                          timings=StepTimings(prepare_ms=0.0, forward_ms=0.0, sample_ms=0.0,
-                                              num_tokens=0),
-                          error=StepError(f"{type(exc).__name__}: {exc}"[:4096],
-                                          kv_written=self._kv_written))
+        return failed_output(step, exc, self.worker_id, self._kv_written)
 
     def _launch(self, step: StepInput, stage_input: StageActivations | None,
                 input_batch: InputBatch) -> LaunchedStep:
@@ -342,7 +288,7 @@ class ModelRunner:
             meta = metadata_to(meta, self.device)
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
-                input_ids = self._input_ids(layout)
+                input_ids = self._pending_tokens.input_ids(layout, self.device)
                 self.last_input_ids = input_ids
             else:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
@@ -364,7 +310,8 @@ class ModelRunner:
             if not self.is_last_stage:
                 launched.activations = StageActivations(hidden, residual)
             else:
-                self._sample(launched, layout, hidden, residual)
+                sample_step(self.model, launched, layout, hidden, residual,
+                            self._pending_tokens, self.device)
             if self.kv_saver is not None:     # last to raise: copied before any later step
                 launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
                                                         input_batch.block_size)
@@ -380,103 +327,3 @@ class ModelRunner:
             launched.previous_end = self._last_end.gpu_end   # the gap is read at finish
         self._last_end = launched if on_gpu else done
         return launched
-
-    def _input_ids(self, layout: list[ScheduledRequest]) -> torch.Tensor:
-        """The step's token ids on the device; tokens still on the device (PENDING) are taken
-        from the step that sampled them, without a round trip through the host."""
-        ids: list[int] = []
-        fill_rows, fill_from = [], []
-        for s in layout:
-            c = s.num_computed_tokens
-            if self._pending_rows:
-                where = self._pending_rows.get(s.state.request_id)
-                if where is not None and c <= where[1] < c + s.num_new_tokens:
-                    fill_rows.append(len(ids) + where[1] - c)
-                    fill_from.append(where[0])
-            ids.extend(s.state.token_ids[c:c + s.num_new_tokens])
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        if fill_rows:
-            assert self._pending is not None and self._pending.device_tokens is not None
-            rows = torch.tensor(fill_rows).to(self.device, non_blocking=True)
-            source = torch.tensor(fill_from).to(self.device, non_blocking=True)
-            input_ids.index_copy_(0, rows, self._pending.device_tokens.index_select(0, source))
-        return input_ids
-
-    def _sample(self, launched: LaunchedStep, layout: list[ScheduledRequest],
-                hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """Logits for the rows that sample, then greedy on the device (tokens stay there,
-        copied back asynchronously) or the full sampler (on the host's terms)."""
-        rows, sampling = [], []
-        end = 0
-        for s in layout:
-            end += s.num_new_tokens
-            if s.samples:
-                rows.append(end - 1)      # the request's last row in the flat batch
-                sampling.append(s)
-        launched.sampling = sampling
-        if not sampling:
-            return
-        index = torch.tensor(rows).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, index),
-                                           residual.index_select(0, index))  # [rows, vocab]
-        specs = [s.state.sampling for s in sampling]
-        if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
-            token_ids, launched.logprobs = sample(logits, specs,
-                                                  [s.state.generator for s in sampling])
-            launched.token_ids = token_ids
-            for s, token_id in zip(sampling, token_ids, strict=True):
-                s.state.token_ids.append(token_id)
-            return
-        tokens = self.model.elementwise.argmax(logits)                      # [rows] int64
-        launched.token_ids = None          # read at finish
-        launched.device_tokens = tokens
-        launched.logprobs = [None] * len(sampling)
-        if self.device.type == "cuda":
-            launched.host_tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
-            launched.host_tokens.copy_(tokens, non_blocking=True)
-            launched.copied = torch.cuda.Event()
-            launched.copied.record()
-        else:
-            launched.host_tokens = tokens
-        self._pending = launched
-        self._pending_rows = {}
-        for i, s in enumerate(sampling):
-            position = len(s.state.token_ids)
-            self._pending_rows[s.state.request_id] = (i, position)
-            launched.positions.append(position)
-            s.state.token_ids.append(PENDING)
-
-    def _finish(self, launched: LaunchedStep) -> StepOutput:
-        sampling = launched.sampling
-        token_ids = launched.token_ids
-        if token_ids is None:
-            assert launched.host_tokens is not None
-            if launched.copied is not None:
-                launched.copied.synchronize()
-            token_ids = launched.host_tokens.tolist()
-            for s, position, token_id in zip(sampling, launched.positions, token_ids,
-                                             strict=True):
-                s.state.token_ids[position] = token_id
-            if self._pending is launched:
-                self._pending, self._pending_rows = None, {}
-        forward_ms, sample_ms, gap_ms = launched.forward_ms, launched.sample_ms, launched.gap_ms
-        if launched.gpu_end is not None and launched.gpu_start is not None:
-            # On a GPU the host only queued the work: report the GPU's own clock, and the
-            # gap as the GPU's idle time since the step before ended.
-            launched.gpu_end.synchronize()
-            forward_ms, sample_ms = launched.gpu_start.elapsed_time(launched.gpu_end), 0.0
-            previous = launched.previous_end
-            gap_ms = 0.0 if previous is None else max(0.0, previous.elapsed_time(
-                launched.gpu_start))
-            if gap_ms > IDLE_GAP_S * 1e3:
-                gap_ms = 0.0
-        by_request = {s.state.request_id: (t, lp) for s, t, lp in
-                      zip(sampling, token_ids, launched.logprobs, strict=True)}
-        ordered = [s.state.request_id for s in launched.scheduled if s.samples]
-        return StepOutput(
-            step_id=launched.step.step_id, worker_id=self.worker_id, request_ids=ordered,
-            sampled_token_ids=[by_request[r][0] for r in ordered],
-            logprobs=[by_request[r][1] for r in ordered],
-            timings=StepTimings(prepare_ms=launched.prepare_ms, forward_ms=forward_ms,
-                                sample_ms=sample_ms, num_tokens=launched.num_tokens,
-                                gap_ms=gap_ms))

@@ -44,7 +44,8 @@ from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
 from worker_svc.kv_loader import KvLoader, LoadTicket
 from worker_svc.kv_saver import KvSaver
-from worker_svc.runner import LaunchedStep, ModelRunner
+from worker_svc.launched_step import LaunchedStep
+from worker_svc.runner import ModelRunner
 from worker_svc.stage_step import launch_stage
 
 log = logging.getLogger(__name__)

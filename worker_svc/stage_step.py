@@ -12,8 +12,9 @@ import logging
 import torch
 
 from services.wire import StepInput
+from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.parallel import ParallelGroups, PeerLost
-from worker_svc.runner import LaunchedStep, ModelRunner, StageActivations
+from worker_svc.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from services.model_config import load_model_config  # noqa: E402
 from services.wire import NewRequest, RunningRequest, StepInput, StepOutput  # noqa: E402
 from tests.worker_svc.common import GREEDY  # noqa: E402
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes, padded_size  # noqa: E402
-from worker_svc.runner import PENDING, ModelRunner  # noqa: E402
+from worker_svc.pending_tokens import PENDING  # noqa: E402
+from worker_svc.runner import ModelRunner  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

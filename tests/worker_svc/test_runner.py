@@ -9,7 +9,8 @@ import torch
 from services.model_config import ModelConfig
 from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput, StepOutput
 from tests.worker_svc.common import GREEDY, PROMPTS, assert_greedy_match, hf_greedy
-from worker_svc.runner import ModelRunner, StageActivations
+from worker_svc.launched_step import StageActivations
+from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128

@@ -1,0 +1,90 @@
+"""The last pipeline stage's end of a step: sample the rows that sample, then build the
+`StepOutput` the scheduler reads (tokens in step order, logprobs, timings) or the one that
+reports a failed step.
+
+Called by `ModelRunner` (worker_svc.runner): `sample_step` at launch, after the forward;
+`step_output` at finish; `failed_output` for the server's answer to a step that raised.
+Greedy steps keep their tokens on the device (worker_svc.pending_tokens); any other step is
+sampled on the host's terms by worker_svc.sampler and appended to its requests at once.
+"""
+
+import torch
+
+from services.wire import IDLE_GAP_S, StepError, StepInput, StepOutput, StepTimings
+from worker_svc.input_batch import ScheduledRequest
+from worker_svc.launched_step import LaunchedStep
+from worker_svc.model.llama import LlamaModel
+from worker_svc.pending_tokens import PendingTokens
+from worker_svc.sampler import is_greedy, sample
+
+
+def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[ScheduledRequest],
+                hidden: torch.Tensor, residual: torch.Tensor, pending: PendingTokens,
+                device: torch.device) -> None:
+    """Logits for the rows that sample, then greedy on the device (tokens stay there,
+    copied back asynchronously) or the full sampler (on the host's terms)."""
+    rows, sampling = [], []
+    end = 0
+    for s in layout:
+        end += s.num_new_tokens
+        if s.samples:
+            rows.append(end - 1)      # the request's last row in the flat batch
+            sampling.append(s)
+    launched.sampling = sampling
+    if not sampling:
+        return
+    index = torch.tensor(rows).to(device, non_blocking=True)
+    logits = model.compute_logits(hidden.index_select(0, index),
+                                  residual.index_select(0, index))  # [rows, vocab]
+    specs = [s.state.sampling for s in sampling]
+    if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
+        token_ids, launched.logprobs = sample(logits, specs,
+                                              [s.state.generator for s in sampling])
+        launched.token_ids = token_ids
+        for s, token_id in zip(sampling, token_ids, strict=True):
+            s.state.token_ids.append(token_id)
+        return
+    pending.hold(launched, sampling, model.elementwise.argmax(logits), device)  # [rows] int64
+
+
+def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) -> StepOutput:
+    """Wait for `launched`'s tokens and timings; its `StepOutput`, requests in step order."""
+    sampling = launched.sampling
+    token_ids = launched.token_ids
+    if token_ids is None:
+        token_ids = pending.resolve(launched)
+    by_request = {s.state.request_id: (t, lp) for s, t, lp in
+                  zip(sampling, token_ids, launched.logprobs, strict=True)}
+    ordered = [s.state.request_id for s in launched.scheduled if s.samples]
+    return StepOutput(
+        step_id=launched.step.step_id, worker_id=worker_id, request_ids=ordered,
+        sampled_token_ids=[by_request[r][0] for r in ordered],
+        logprobs=[by_request[r][1] for r in ordered], timings=_timings(launched))
+
+
+def _timings(launched: LaunchedStep) -> StepTimings:
+    forward_ms, sample_ms, gap_ms = launched.forward_ms, launched.sample_ms, launched.gap_ms
+    if launched.gpu_end is not None and launched.gpu_start is not None:
+        # On a GPU the host only queued the work: report the GPU's own clock, and the
+        # gap as the GPU's idle time since the step before ended.
+        launched.gpu_end.synchronize()
+        forward_ms, sample_ms = launched.gpu_start.elapsed_time(launched.gpu_end), 0.0
+        previous = launched.previous_end
+        gap_ms = 0.0 if previous is None else max(0.0, previous.elapsed_time(
+            launched.gpu_start))
+        if gap_ms > IDLE_GAP_S * 1e3:
+            gap_ms = 0.0
+    return StepTimings(prepare_ms=launched.prepare_ms, forward_ms=forward_ms,
+                       sample_ms=sample_ms, num_tokens=launched.num_tokens, gap_ms=gap_ms)
+
+
+def failed_output(step: StepInput, exc: Exception, worker_id: str,
+                  kv_written: bool) -> StepOutput:
+    """The answer to `step` after its launch or finish raised `exc` (one-rank replicas).
+    `kv_written`: the step's forward ran, so its KV slots hold new values."""
+    return StepOutput(step_id=step.step_id, worker_id=worker_id, request_ids=[],
+                      sampled_token_ids=[], logprobs=[],
+                      timings=StepTimings(prepare_ms=0.0, forward_ms=0.0, sample_ms=0.0,
+                                          num_tokens=0),
+                      error=StepError(f"{type(exc).__name__}: {exc}"[:4096],
+                                      kv_written=kv_written))

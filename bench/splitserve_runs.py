@@ -51,8 +51,10 @@ def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens
     return n, first or 0.0, time.perf_counter() - start
 
 
-def run_batch(address: str, prompts: list[str], max_tokens: int) -> list[int]:
-    """Every prompt streamed at once from one event loop; the tokens each got."""
+def run_batch(address: str, prompts: list[str], max_tokens: int,
+              arrivals: list[list[tuple[float, int]]] | None = None) -> list[int]:
+    """Every prompt streamed at once from one event loop; the tokens each got. `arrivals`, if
+    given, receives each request's chunks as (perf_counter time, tokens in the chunk)."""
     import grpc
 
     async def stream_all() -> list[int]:
@@ -60,14 +62,28 @@ def run_batch(address: str, prompts: list[str], max_tokens: int) -> list[int]:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
             async def one(prompt: str) -> int:
-                n = 0
+                n, seen = 0, []
                 async for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
+                    if chunk.token_ids:
+                        seen.append((time.perf_counter(), len(chunk.token_ids)))
                     n += len(chunk.token_ids)
+                if arrivals is not None:
+                    arrivals.append(seen)
                 return n
 
             return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     return asyncio.run(stream_all())
+
+
+def full_batch_step_ms(arrivals: list[list[tuple[float, int]]]) -> float:
+    """The mean step time while every request decodes: from the last request's first token to
+    the first request's last, each step gives every request one token, so the steps there are
+    the tokens the first-finishing request got after the start of that span."""
+    start = max(seen[0][0] for seen in arrivals)
+    first_done = min(arrivals, key=lambda seen: seen[-1][0])
+    steps = sum(n for t, n in first_done if t > start)
+    return 1000 * (first_done[-1][0] - start) / steps if steps else 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -166,10 +182,12 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             single_decode = (n - 1) / (total - ttft)
             single_gap = gaps.mean_since_last()
             cpu = CpuUse(procs)
+            arrivals: list[list[tuple[float, int]]] = []
             start = time.perf_counter()
-            counts = run_batch(procs.address, prompts, max_tokens)
+            counts = run_batch(procs.address, prompts, max_tokens, arrivals)
             wall = time.perf_counter() - start
             batch_cpu = cpu.since_start()
+            decode_step_ms = full_batch_step_ms(arrivals)
             gap_ms, num_gaps, num_steps = gaps.since_last()
             assert sum(counts) == len(prompts) * max_tokens, counts
     finally:
@@ -179,4 +197,5 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             "single_forward_gap_ms": single_gap,
             "batch_forward_gap_ms": gap_ms / num_gaps if num_gaps else 0.0,
             "batch_idle_fraction": gap_ms / (wall * 1000), "batch_num_steps": num_steps,
-            "batch_cpu_s": batch_cpu}
+            "batch_cpu_s": batch_cpu,
+            "batch_decode_step_ms": decode_step_ms}

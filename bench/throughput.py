@@ -285,7 +285,9 @@ def run_cpu(a: argparse.Namespace) -> int:
                   + ", ".join(f"{k} {v:.1f}" for k, v in cpu_s.items())
                   + f"; the split's own share (all but the workers) "
                     f"{100 * split / sum(cpu_s.values()):.1f} %; workers idle between "
-                    f"forwards {100 * r['batch_idle_fraction']:.1f} % of the wall time")
+                    f"forwards {100 * r['batch_idle_fraction']:.1f} % of the wall time; "
+                    f"decode step with every request in the batch "
+                    f"{r['batch_decode_step_ms']:.1f} ms")
     if "hf transformers" in table:
         add_ratios(results, table, runs, ["hf transformers"], "")
     if vllm:

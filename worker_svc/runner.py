@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
@@ -67,13 +68,17 @@ class ModelRunner:
                  is_last_stage: bool = True, quant_kernels: bool = True,
                  tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
                  device: torch.device | None = None, kernels: str | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, fail_request_prefix: str | None = None,
+                 kv_store: str = ""):
         """`quant_kernels`: run small CPU steps on the GGUF's own quantized blocks (see
         worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
         kernels' level (None: the best this CPU has). `device`: where it computes (default
         the CPU). `kernels`: auto / c / triton / torch (worker_svc.kernel_choice).
-        `enforce_eager`: no CUDA graphs."""
+        `enforce_eager`: no CUDA graphs. `fail_request_prefix`: tests only, a step holding a
+        request whose id starts with it raises before its forward. `kv_store`: kvcache_svc's
+        KV store (tcp://HOST:PORT) to save completed KV chunks to and load them from ("":
+        neither)."""
         self.device = torch.device("cpu") if device is None else device
         if self.device.type == "cuda":
             # float32 means float32 (the oracle's precision): no TF32 in matmuls.
@@ -117,18 +122,29 @@ class ModelRunner:
         self._last_end: LaunchedStep | float | None = None   # for the gap between forwards
         # The current (or last) step's forward finished: its KV is all in the cache.
         self._kv_written = False
-        # Test-only fault injection (worker_svc.server, from the environment): a step holding
-        # a request whose id starts with this raises before its forward.
-        self.fail_request_prefix: str | None = None
-        # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off.
+        # Test-only fault injection (SPLITSERVE_TEST_FAIL_REQUEST_PREFIX): a step holding a
+        # request whose id starts with this raises before its forward.
+        self.fail_request_prefix = fail_request_prefix
+        # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off. Tests
+        # that share one runner across stores swap these in and out between steps.
         self.kv_saver: KvSaver | None = None
         self.kv_loader: KvLoader | None = None     # loads from it (set with the saver)
+        if kv_store:
+            self.kv_saver = KvSaver(kv_store, self.kv_slice())
+            self.kv_loader = KvLoader(self.kv_saver)
 
     def kv_slice(self) -> KvSlice:
         """This rank's part of the model's KV: what its KV store chunks hold."""
         shard = self.model.shard
         return KvSlice(self.config.name, str(self.dtype).removeprefix("torch."),
                        self.model.first_layer, self.model.end_layer, *shard.kv_heads)
+
+    def rejoin(self, tp_group: "dist.ProcessGroup | None") -> None:
+        """A kept shard placed again: the same tensor-parallel slice, over the new placement's
+        process group (`ParallelGroups.tp_group`; ignored without tensor parallelism)."""
+        if self.model.tp is not None:
+            assert tp_group is not None
+            self.model.tp.group = tp_group
 
     # -------------------------------------------------------------------------------- KV cache
 

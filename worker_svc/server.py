@@ -42,7 +42,7 @@ from services.wire import CacheReady, FromWorker, InitCache, StepInput, ToWorker
 from worker_svc.device import DeviceError, device_label, device_uuid, dtype_for
 from worker_svc.device import describe as describe_device
 from worker_svc.kernels import CpuLevel
-from worker_svc.kv_loader import KvLoader, LoadTicket
+from worker_svc.kv_loader import LoadTicket
 from worker_svc.kv_saver import KvSaver
 from worker_svc.launched_step import LaunchedStep
 from worker_svc.runner import ModelRunner
@@ -208,8 +208,8 @@ class WorkerServer:
             self._runner, self._runner_key = runner, key
         else:
             runner.release_cache()
-            if link is not None and runner.model.tp is not None:
-                runner.model.tp.group = link.tp_group   # same slice, new process group
+            if link is not None:
+                runner.rejoin(link.tp_group)     # same slice, new process group
         return runner, self._capacity(runner, placement)
 
     def _drop_runner(self) -> None:
@@ -287,15 +287,13 @@ class WorkerServer:
                              is_last_stage=placement.pp_rank == placement.pp_size - 1,
                              quant_kernels=cfg.quant_kernels, tp=tp,
                              cpu_level=cfg.cpu_level, device=cfg.device,
-                             enforce_eager=cfg.enforce_eager)
+                             enforce_eager=cfg.enforce_eager,
+                             fail_request_prefix=cfg.fail_request_prefix,
+                             kv_store=cfg.kv_store)
         if cfg.fail_request_prefix is not None:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)
-            runner.fail_request_prefix = cfg.fail_request_prefix
-        if cfg.kv_store:
-            runner.kv_saver = KvSaver(cfg.kv_store, runner.kv_slice())
-            runner.kv_loader = KvLoader(runner.kv_saver)
-            self._saver = runner.kv_saver
+        self._saver = runner.kv_saver
         log.info("loaded layers [%d, %d) in %.1fs (%.2f GiB of weights)", placement.first_layer,
                  placement.end_layer, time.monotonic() - started,
                  runner.weight_bytes / (1 << 30))

@@ -18,7 +18,7 @@ from kvcache_svc.kv_store.store import KvStore
 from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache
 from tests.kvcache_svc.kv_store.serving import client_codec, serving
-from worker_svc import server as server_module
+from worker_svc import runner as runner_module
 from worker_svc.kernels.cpu import CpuLevel
 from worker_svc.kv_loader import KvLoader
 from worker_svc.kv_saver import KvSaver
@@ -64,9 +64,9 @@ def store_address(ctx: zmq.Context) -> Iterator[str]:
 def server(tiny_model: Path, store_address: str, monkeypatch: pytest.MonkeyPatch
            ) -> Iterator[WorkerServer]:
     # The store in this process speaks the test cluster's frame key.
-    monkeypatch.setattr(server_module, "KvSaver", functools.partial(KvSaver,
+    monkeypatch.setattr(runner_module, "KvSaver", functools.partial(KvSaver,
                                                                    codec=client_codec()))
-    monkeypatch.setattr(server_module, "KvLoader", functools.partial(KvLoader,
+    monkeypatch.setattr(runner_module, "KvLoader", functools.partial(KvLoader,
                                                                     codec=client_codec()))
     worker = WorkerServer(WorkerConfig(
         scheduler_address="localhost:1", model_path=str(tiny_model), host="127.0.0.1",

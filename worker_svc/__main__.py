@@ -27,12 +27,13 @@ from services import cluster_token
 from services.flags import FlagParser, parse_bool
 from services.model_config import ModelFormatError, default_model_path
 from services.service_flags import add_worker_flags
+from worker_svc.config import WorkerConfig
 from worker_svc.device import DeviceError, resolve_device
 from worker_svc.kernel_choice import resolve_choice
 from worker_svc.kernels.build import usable_level
 from worker_svc.kernels.cpu import cap_onednn, describe, select_level
 from worker_svc.memory import keep_freed_memory
-from worker_svc.server import WorkerConfig, WorkerServer
+from worker_svc.server import WorkerServer
 
 log = logging.getLogger("worker_svc")
 

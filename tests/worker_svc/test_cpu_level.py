@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker_svc.config import WorkerConfig
 from worker_svc.kernels import build, cpu
 from worker_svc.kernels.cpu import CpuLevel, detect_level, select_level
 from worker_svc.model.llama import Linear
-from worker_svc.server import WorkerConfig, WorkerServer
+from worker_svc.server import WorkerServer
 
 AVX2_FLAGS = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 abm movbe".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}

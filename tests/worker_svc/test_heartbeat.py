@@ -14,8 +14,9 @@ import torch
 
 from services.rpc.splitserve.v1 import control_pb2
 from worker_svc import server as server_module
+from worker_svc.config import WorkerConfig
 from worker_svc.kernels.cpu import CpuLevel
-from worker_svc.server import WorkerConfig, WorkerServer
+from worker_svc.server import WorkerServer
 
 INTERVAL_S = 0.1
 MIN_COMPILE_S = 1.5

@@ -1,7 +1,7 @@
 """A worker placed again (fail-over, re-registration) measures the memory it measured the first
 time: its old KV cache, graphs and staging buffers are freed first, and a shard it no longer
 serves is closed with its threads. Driven through the worker's own placement path
-(`WorkerServer._place`, then `_init_cache`, as `_incarnation` calls them) with a real
+(`Placer.place`, then `Placer.init_cache`, as `WorkerServer._incarnation` calls them) with a real
 ModelRunner, a real KV store client on a real socket, and the host's real MemAvailable."""
 
 import functools
@@ -19,10 +19,11 @@ from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache
 from tests.kvcache_svc.kv_store.serving import client_codec, serving
 from worker_svc import runner as runner_module
+from worker_svc.config import WorkerConfig
 from worker_svc.kernels.cpu import CpuLevel
 from worker_svc.kv_loader import KvLoader
 from worker_svc.kv_saver import KvSaver
-from worker_svc.server import WorkerConfig, WorkerServer
+from worker_svc.placement import Placer
 
 BLOCK_SIZE = 256
 MIB = 1 << 20
@@ -61,21 +62,21 @@ def store_address(ctx: zmq.Context) -> Iterator[str]:
 
 
 @pytest.fixture
-def server(tiny_model: Path, store_address: str, monkeypatch: pytest.MonkeyPatch
-           ) -> Iterator[WorkerServer]:
+def placer(tiny_model: Path, store_address: str, monkeypatch: pytest.MonkeyPatch
+           ) -> Iterator[Placer]:
     # The store in this process speaks the test cluster's frame key.
     monkeypatch.setattr(runner_module, "KvSaver", functools.partial(KvSaver,
                                                                    codec=client_codec()))
     monkeypatch.setattr(runner_module, "KvLoader", functools.partial(KvLoader,
                                                                     codec=client_codec()))
-    worker = WorkerServer(WorkerConfig(
+    placer = Placer(WorkerConfig(
         scheduler_address="localhost:1", model_path=str(tiny_model), host="127.0.0.1",
         advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1,
         device=torch.device("cpu"), kv_cache_bytes=1 << 50,   # no cap: MemAvailable decides
         gpu_memory_utilization=0.9, num_threads=1, quant_kernels=False,
         cpu_level=CpuLevel.NONE, register_timeout_s=1.0, kv_store=store_address))
-    yield worker
-    worker._drop_runner()
+    yield placer
+    placer.drop()
 
 
 def placement(dtype: str = "float32") -> control_pb2.RegisterResponse:
@@ -84,17 +85,17 @@ def placement(dtype: str = "float32") -> control_pb2.RegisterResponse:
         dtype=dtype, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=256)
 
 
-def place_and_allocate(server: WorkerServer, where: control_pb2.RegisterResponse,
+def place_and_allocate(placer: Placer, where: control_pb2.RegisterResponse,
                        cache_bytes: int) -> int:
     """One placement as `_incarnation` runs it: place, measure, then the replica's InitCache.
     Returns the blocks this worker said it fits."""
-    placed = server._place(where, None)
+    placed = placer.place(where, None)
     assert placed is not None
     runner, num_blocks = placed
     wanted = cache_bytes // runner.kv_bytes_per_block(BLOCK_SIZE)
     outputs = Outputs()
-    server._init_cache(runner, InitCache(num_blocks=wanted, block_size=BLOCK_SIZE), num_blocks,
-                       outputs, where)  # type: ignore[arg-type]
+    placer.init_cache(runner, InitCache(num_blocks=wanted, block_size=BLOCK_SIZE), num_blocks,
+                      outputs, where)  # type: ignore[arg-type]
     assert outputs.sent == [CacheReady(worker_id="w", num_blocks=wanted)]
     return num_blocks
 
@@ -109,28 +110,28 @@ def os_threads() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
-def test_a_second_placement_measures_what_the_first_did(server: WorkerServer) -> None:
-    first = place_and_allocate(server, placement(), FIRST_CACHE_BYTES)
-    runner = server._runner
+def test_a_second_placement_measures_what_the_first_did(placer: Placer) -> None:
+    first = place_and_allocate(placer, placement(), FIRST_CACHE_BYTES)
+    runner = placer.runner
     assert runner is not None and runner.kv_caches
-    second = place_and_allocate(server, placement(), CACHE_BYTES)
-    assert server._runner is runner, "the same shard is kept, not loaded again"
+    second = place_and_allocate(placer, placement(), CACHE_BYTES)
+    assert placer.runner is runner, "the same shard is kept, not loaded again"
     per_block = runner.kv_bytes_per_block(BLOCK_SIZE)
     assert FIRST_CACHE_BYTES // per_block < first     # the first cache fit the budget
     # Before the fix the second measurement saw the first cache as taken: 2 GiB less.
     assert abs(second - first) <= 0.05 * first, (first * per_block, second * per_block)
 
 
-def test_ten_placements_leave_threads_and_memory_flat(server: WorkerServer) -> None:
-    place_and_allocate(server, placement(), CACHE_BYTES)
-    place_and_allocate(server, placement("bfloat16"), CACHE_BYTES)   # warm both shards once
+def test_ten_placements_leave_threads_and_memory_flat(placer: Placer) -> None:
+    place_and_allocate(placer, placement(), CACHE_BYTES)
+    place_and_allocate(placer, placement("bfloat16"), CACHE_BYTES)   # warm both shards once
     threads, os_thread_count, rss = threading.active_count(), os_threads(), rss_bytes()
     runners = set()
     for i in range(10):
         # Every other placement is of another shard (dtype): the old runner must be closed.
-        place_and_allocate(server, placement("float32" if i % 2 == 0 else "bfloat16"),
+        place_and_allocate(placer, placement("float32" if i % 2 == 0 else "bfloat16"),
                            CACHE_BYTES)
-        runners.add(id(server._runner))
+        runners.add(id(placer.runner))
     assert len(runners) > 1
     assert threading.active_count() == threads
     assert os_threads() == os_thread_count

@@ -1,13 +1,15 @@
-"""The worker's answer to InitCache: allocate within its measured budget, or refuse with a
-WorkerFailure and keep serving (a forged or careless InitCache used to kill the process)."""
+"""The worker's answer to InitCache (`Placer.init_cache`): allocate within its measured budget,
+or refuse with a WorkerFailure and keep serving (a forged or careless InitCache used to kill
+the process)."""
 
 import pytest
 import torch
 
 from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache, WorkerFailure
+from worker_svc.config import WorkerConfig
 from worker_svc.kernels.cpu import CpuLevel
-from worker_svc.server import WorkerConfig, WorkerServer
+from worker_svc.placement import Placer
 
 
 class FakeRunner:
@@ -30,8 +32,8 @@ class Outputs:
 
 
 @pytest.fixture
-def server() -> WorkerServer:
-    return WorkerServer(WorkerConfig(
+def placer() -> Placer:
+    return Placer(WorkerConfig(
         scheduler_address="localhost:1", model_path="m.gguf", host="127.0.0.1",
         advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1,
         device=torch.device("cpu"), kv_cache_bytes=1 << 20, gpu_memory_utilization=0.9,
@@ -41,10 +43,10 @@ def server() -> WorkerServer:
 PLACEMENT = control_pb2.RegisterResponse(block_size=16, max_num_seqs=8)
 
 
-def test_init_cache_within_the_budget(server: WorkerServer) -> None:
+def test_init_cache_within_the_budget(placer: Placer) -> None:
     runner, outputs = FakeRunner(), Outputs()
-    server._init_cache(runner, InitCache(num_blocks=50, block_size=16), 100,  # type: ignore[arg-type]
-                       outputs, PLACEMENT)  # type: ignore[arg-type]
+    placer.init_cache(runner, InitCache(num_blocks=50, block_size=16), 100,  # type: ignore[arg-type]
+                      outputs, PLACEMENT)  # type: ignore[arg-type]
     assert runner.calls == [(50, 16, 8)]
     assert outputs.sent == [CacheReady(worker_id="w", num_blocks=50)]
 
@@ -56,10 +58,10 @@ def test_init_cache_within_the_budget(server: WorkerServer) -> None:
     (InitCache(num_blocks=50, block_size=16), RuntimeError("CUDA out of memory"),
      "out of memory"),
 ])
-def test_init_cache_refused(server: WorkerServer, message: InitCache,
+def test_init_cache_refused(placer: Placer, message: InitCache,
                             fail: Exception | None, reason: str) -> None:
     runner, outputs = FakeRunner(fail), Outputs()
-    server._init_cache(runner, message, 100, outputs, PLACEMENT)  # type: ignore[arg-type]
+    placer.init_cache(runner, message, 100, outputs, PLACEMENT)  # type: ignore[arg-type]
     assert runner.calls == []
     (failure,) = outputs.sent
     assert isinstance(failure, WorkerFailure) and reason in failure.message

@@ -13,7 +13,7 @@ worker reports that in a `KvLoaded`, and the scheduler recomputes from the small
 any rank reported. Nothing here raises into the step: a failure is a short count.
 
 Loads run in the background across steps: the worker sends a step's output without waiting
-for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.server).
+for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.step_loop).
 The scheduler holds the request meanwhile, so only a step that names it in `finished_ids`
 (aborted, or every request preempted) can come first, and the blocks it frees may be handed
 out by that very step: `wait_for` holds such a step until the loads naming those requests are

@@ -1,4 +1,4 @@
-"""One step on one pipeline stage: the part of the worker's step loop (worker_svc.server)
+"""One step on one pipeline stage: the part of the worker's step loop (worker_svc.step_loop)
 that talks to the previous and next stage.
 
 `launch_stage` receives the previous stage's activations (non-first stages), launches the

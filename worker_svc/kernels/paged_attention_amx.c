@@ -57,7 +57,9 @@
 
 #include "vec.h"
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+/* GCC defines __AMX_TILE__ and __AMX_BF16__; clang 14 spells them __AMXTILE__, __AMXBF16__. */
+#if !(defined(__AMX_TILE__) || defined(__AMXTILE__)) || \
+    !(defined(__AMX_BF16__) || defined(__AMXBF16__))
 #error "paged_attention_amx.c needs AMX-TILE and AMX-BF16 (CPU level amx)"
 #endif
 #ifndef HEAD_DIM

@@ -163,13 +163,18 @@ class QuantGemm:
 
 
 class TorchInt4:
-    """torch's int4 kernel on Q4 blocks, bfloat16 only: the small-step path at level
-    avx512_bf16, where it was measured (single-stream decode 1.6x dense bf16). Its scales and
-    offsets are bfloat16, so its weights equal the file's up to that rounding."""
+    """torch's int4 kernel on Q4 blocks, bfloat16 only: the small-step path from level
+    avx512_bf16 up, where it was measured (single-stream decode 1.6x dense bf16). Its scales
+    and offsets are bfloat16, so its weights equal the file's up to that rounding."""
 
-    __slots__ = ()
+    __slots__ = ("max_rows",)
     bits = 4
-    max_rows = 8   # measured crossover against dense bf16 on 2 AVX-512 cores: about 16
+
+    def __init__(self, max_rows: int = 8):
+        # Crossovers against dense bf16 on 2 cores, 30 layers' weights from memory: about 16
+        # rows against gemm_bf16.c (AVX-512); about 4 against gemm_amx.c, whose tiles make
+        # 8 rows cost little more than one (Xeon family 6 model 207).
+        self.max_rows = max_rows
 
     def fits(self, blocks: QuantBlocks) -> bool:
         return blocks.bits == 4 and blocks.values.shape[1] % QUANT_BLOCK == 0
@@ -249,6 +254,6 @@ def quant_kernels(level: CpuLevel, dtype: torch.dtype) -> dict[int, QuantKernel]
     if level is CpuLevel.NONE or dtype not in (torch.bfloat16, torch.float32):
         return {}
     if level.native_bf16 and dtype == torch.bfloat16:
-        return {4: TorchInt4()}
+        return {4: TorchInt4(4 if level >= CpuLevel.AMX else 8)}
     kernels = {bits: quant_gemm(level, dtype, bits) for bits in (4, 8)}
     return {bits: kernel for bits, kernel in kernels.items() if kernel is not None}

@@ -180,16 +180,20 @@ def test_model_logits_at_each_level_agree_with_float32(
 
 
 def test_which_kernel_each_level_uses() -> None:
-    # float32: the FMA kernel at avx2 (measured faster than MKL there); MKL at AVX-512 levels
-    # until the kernel is measured there. Nothing is run here, so any CPU can check the rule.
+    # float32: the FMA kernel at every level with AVX2 (measured faster than MKL on AVX2 and
+    # AVX-512 CPUs); bfloat16: the FMA kernel without native bf16, VDPBF16PS with it, AMX
+    # tiles at amx. Only built and loaded here, never run, so any CPU can check the rule.
+    from worker_svc.kernels import load_cpu_kernels
     from worker_svc.kernels.gemm import gemm_kernel
 
     assert gemm_kernel(CpuLevel.NONE, torch.bfloat16) is None
-    assert gemm_kernel(CpuLevel.AVX512, torch.float32) is None
-    assert gemm_kernel(CpuLevel.AVX512_BF16, torch.float32) is None
-    if detect_level() >= CpuLevel.AVX2:
-        assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.float32), FmaGemm)
-        assert isinstance(gemm_kernel(CpuLevel.AVX2, torch.bfloat16), FmaGemm)
+    for level in (CpuLevel.AVX2, CpuLevel.AVX512, CpuLevel.AVX512_BF16, CpuLevel.AMX):
+        assert isinstance(gemm_kernel(level, torch.float32), FmaGemm)
+        bf16 = gemm_kernel(level, torch.bfloat16)
+        assert isinstance(bf16, Bf16Gemm if level.native_bf16 else FmaGemm)
+    if detect_level() >= CpuLevel.AMX:      # the tiles need this process's grant to load
+        assert isinstance(load_cpu_kernels(CpuLevel.AMX, 64, 3, torch.bfloat16).gemm,
+                          AmxGemm)
 
 
 def _blocks(bits: int, n: int, k: int, seed: int) -> tuple[QuantBlocks, torch.Tensor]:

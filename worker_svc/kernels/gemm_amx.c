@@ -44,27 +44,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* GCC defines __AMX_TILE__ and __AMX_BF16__; clang 14 spells them __AMXTILE__, __AMXBF16__. */
-#if !(defined(__AMX_TILE__) || defined(__AMXTILE__)) || \
-    !(defined(__AMX_BF16__) || defined(__AMXBF16__))
-#error "gemm_amx.c needs AMX-TILE and AMX-BF16 (CPU level amx: -mamx-tile -mamx-bf16)"
-#endif
+#include "amx.h"
 
 #define NR 32          /* output columns per panel: two tiles of 16 */
 #define KS 32          /* inputs per tile step */
 #define TILE_ELEMS 512 /* bfloat16 values in one 16 x 64-byte tile */
 #define MC 256         /* rows per chunk kept in L2 */
-
-/* LDTILECFG's 64-byte operand, palette 1. */
-typedef struct {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16]; /* bytes per row of each tile */
-  uint8_t rows[16];
-} tile_config;
-
-static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 int64_t packed_size(int64_t n, int64_t k) { return n * round_up(k, KS); }
 

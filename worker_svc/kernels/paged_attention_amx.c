@@ -55,13 +55,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "vec.h"
 
-/* GCC defines __AMX_TILE__ and __AMX_BF16__; clang 14 spells them __AMXTILE__, __AMXBF16__. */
-#if !(defined(__AMX_TILE__) || defined(__AMXTILE__)) || \
-    !(defined(__AMX_BF16__) || defined(__AMXBF16__))
-#error "paged_attention_amx.c needs AMX-TILE and AMX-BF16 (CPU level amx)"
-#endif
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
@@ -76,17 +72,6 @@
 #define ROWS_PER_TILE (16 / GROUP)      /* query rows whose heads fill one query tile */
 #define RUN_TILES 4                     /* query tiles per work item */
 #define TILE_BYTES 1024
-
-/* LDTILECFG's 64-byte operand, palette 1. */
-typedef struct {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16]; /* bytes per row of each tile */
-  uint8_t rows[16];
-} tile_config;
-
-static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* One step's inputs, fixed for the call. */
 typedef struct {

@@ -25,16 +25,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from worker_svc.attention import (  # noqa: E402
-    build_attention_metadata,
-    paged_attention,
-    reference_paged_attention,
-)
+from worker_svc.attention import build_attention_metadata, paged_attention  # noqa: E402
 from worker_svc.kernels.cpu import CpuLevel, detect_level  # noqa: E402
 from worker_svc.kernels.paged_attention import (  # noqa: E402
     AmxPagedAttentionKernel,
     paged_attention_kernel,
 )
+from worker_svc.kernels.paged_attention_torch import reference_paged_attention  # noqa: E402
 
 HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler")

@@ -1,8 +1,8 @@
 """`paged_attention.c`: attention for every row of a step (decodes and prefill tokens) read
 from the paged blocks where they lie. In torch that needs a gathered copy of every request's
 keys and values per layer, padded batches and masks; this is 2-3x faster for decodes
-(bench/cpu_kernels.py). The torch path is `worker_svc.attention.paged_attention` without a
-kernel.
+(bench/cpu_kernels.py). Its torch twin is `paged_attention_torch.py` (what
+`worker_svc.attention.paged_attention` runs without a kernel).
 
 At level amx in bfloat16, `paged_attention_amx.c` does the score and value products on AMX
 tiles for every step whose block size is a multiple of 16 (`AmxPagedAttentionKernel`): 1.3-2.7x

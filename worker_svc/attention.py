@@ -1,4 +1,6 @@
-"""Paged attention on CPU: the C kernel's metadata, the torch path, and a slow reference twin.
+"""Paged attention: each step's metadata, and the dispatch of a layer's attention to its
+kernel (C, AMX or Triton, from worker_svc.kernels / worker_svc.triton_kernels) or to the torch
+twin (worker_svc.kernels.paged_attention_torch, which also holds the slow reference).
 
 KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). A token's slot is `block_id * block_size + position % block_size`
@@ -19,42 +21,44 @@ Where the C kernel builds (worker_svc.kernels, the default), it attends every ro
 per layer: a row is a one-token query over its request's first `position + 1` keys, read
 from the blocks in place, so causal masking is only each row's length (it also writes the
 step's K/V). Without the kernel the torch path runs (its metadata is built only when
-`torch_path=True`): decodes run together
-over their padded, gathered K/V (see `_decode_attention`); longer chunks run in groups of
+`torch_path=True`): decodes run together over their padded, gathered K/V (see
+paged_attention_torch.attend_decodes); longer chunks run in groups of
 similar sizes, one padded SDPA call per group, with a bottom-right aligned causal mask (query
 i of a chunk starting at context length c sees keys 0..c+i).
+
+Sliding window (`window` > 0, per layer): a row of L keys attends keys [max(0, L - W), L) (the
+query at position p sees p-W+1 .. p); window 0 attends them all. The kernels take the window
+as an argument and skip every block wholly before a row's start. The torch path gathers each
+request's blocks from its first row's window start only, padded with a block of the same
+request (never the null block: kvcache_svc may free blocks before the window and leave the
+null block there, whose contents are garbage, and 0 * NaN is NaN); those gather rows and
+masks depend on the window, so they are built on a layer's first use of a window and kept in
+the metadata for the step's other layers (`WindowedTorchPath`).
 
 `AttentionMetadata` is built once per step by `build_attention_metadata`; layers only index.
 """
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from worker_svc.kernels import PagedAttentionKernel
+from worker_svc.kernels.paged_attention_torch import (
+    PrefillGroup,
+    attend_decodes,
+    attend_prefill_group,
+)
 
 
 @dataclass(slots=True)
-class PrefillGroup:
-    """Consecutive multi-token chunks of the flat batch, attended in one padded SDPA call."""
+class WindowedTorchPath:
+    """The torch path's gather rows and masks for one sliding window: the fields of the same
+    names in AttentionMetadata, over the blocks from each request's window start."""
 
-    token_start: int            # first row of the group in the flat batch
-    token_end: int              # one past its last row
-    num_chunks: int
-    max_query_len: int          # queries are padded to this per chunk
-    max_kv_len: int             # keys are padded to this per chunk
-    # [token_end - token_start] int64: each token's row in [num_chunks * max_query_len];
-    # None when no chunk is padded
-    padded_rows: torch.Tensor | None
-    # [2 * num_chunks * max_blocks] int64: rows of the keys, then of the values, of the chunks'
-    # blocks (padded with block 0) in the cache viewed as [2 * num_blocks, ...]
-    gather_rows: torch.Tensor
-    # [num_chunks, 1, max_query_len, max_kv_len] bool, True = may attend: bottom-right aligned
-    # causal per chunk (padding rows see key 0 only, so that no row is empty). None when every
-    # chunk has no context and no padding: then SDPA's own causal mask is the same thing.
-    mask: torch.Tensor | None
+    decode_gather_rows: torch.Tensor
+    decode_bias: torch.Tensor
+    decode_mask: torch.Tensor
+    prefill_groups: list[PrefillGroup]
 
 
 @dataclass(slots=True)
@@ -77,6 +81,12 @@ class AttentionMetadata:
     row_request: torch.Tensor        # [num_tokens] int64: each row's request (table row)
     row_kv_lens: torch.Tensor        # [num_tokens] int64: keys each row sees (position + 1)
     prefill_groups: list[PrefillGroup]  # the longer chunks, in row order after the decodes
+    # What the torch path's windowed masks are built from (empty with torch_path=False):
+    num_blocks: int = 0                                             # blocks in the cache
+    query_lens: list[int] = field(default_factory=list)             # per request, in order
+    context_lens: list[int] = field(default_factory=list)           # per request, in order
+    # The torch path's per-window gather rows and masks, built on first use (window > 0)
+    windows: dict[int, WindowedTorchPath] = field(default_factory=dict)
 
 
 def metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -84,17 +94,25 @@ def metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetad
     if device.type == "cpu":
         return meta
 
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
 
-    groups = [PrefillGroup(g.token_start, g.token_end, g.num_chunks, g.max_query_len,
-                           g.max_kv_len, move(g.padded_rows), move(g.gather_rows),
-                           move(g.mask)) for g in meta.prefill_groups]
+    groups = [_group_to(g, device) for g in meta.prefill_groups]
     return AttentionMetadata(meta.block_size, move(meta.positions), move(meta.slot_mapping),
                              meta.num_decodes, move(meta.decode_gather_rows),
                              move(meta.decode_bias), move(meta.decode_mask),
                              move(meta.block_table), move(meta.row_request),
-                             move(meta.row_kv_lens), groups)
+                             move(meta.row_kv_lens), groups, meta.num_blocks,
+                             meta.query_lens, meta.context_lens)
+
+
+def _group_to(group: PrefillGroup, device: torch.device) -> PrefillGroup:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return PrefillGroup(group.token_start, group.token_end, group.num_chunks,
+                        group.max_query_len, group.max_kv_len, move(group.padded_rows),
+                        move(group.gather_rows), move(group.mask))
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
@@ -156,7 +174,8 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         row = group.token_end
     return AttentionMetadata(block_size, positions, slot_mapping, num_decodes,
                              decode_gather_rows, decode_bias, decode_mask[:, None],
-                             table, row_request, positions + 1, prefill_groups)
+                             table, row_request, positions + 1, prefill_groups, num_blocks,
+                             list(query_lens), list(context_lens))
 
 
 def _gather_rows(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -205,17 +224,74 @@ def _prefill_group(row: int, query_lens: list[int], context_lens: list[int],
                         _gather_rows(table[:, :max_blocks], num_blocks), mask)
 
 
+def _windowed_torch_path(meta: AttentionMetadata, window: int) -> WindowedTorchPath:
+    """The torch path's gather rows and masks for `window`: request r's keys are gathered
+    from block first_block[r] (its first row's window start // block_size) on, padded with its
+    last block, and key j of the gather is position first_block[r] * block_size + j."""
+    if not meta.query_lens and meta.positions.numel():
+        raise ValueError("the torch path needs metadata built with torch_path=True")
+    block_size, num_decodes = meta.block_size, meta.num_decodes
+    table = meta.block_table.cpu()
+    kv_lens = [c + q for c, q in zip(meta.context_lens, meta.query_lens)]
+    first_blocks = [max(0, c + 1 - window) // block_size for c in meta.context_lens]
+    end_blocks = [-(-n // block_size) for n in kv_lens]
+
+    def gather_rows(first: int, end: int) -> torch.Tensor:
+        """Requests [first, end)'s blocks from their window start, as padded gather rows."""
+        num = max([end_blocks[r] - first_blocks[r] for r in range(first, end)], default=1)
+        rows = [table[r, first_blocks[r]:end_blocks[r]].tolist() for r in range(first, end)]
+        padded = [ids + ids[-1:] * (num - len(ids)) for ids in rows]
+        return _gather_rows(torch.tensor(padded, dtype=torch.int64).view(-1, num),
+                            meta.num_blocks)
+
+    offsets = torch.tensor([f * block_size for f in first_blocks], dtype=torch.int64)
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    decode_rows = gather_rows(0, num_decodes)
+    decode_kv_len = decode_rows.numel() // 2 // max(num_decodes, 1) * block_size
+    # [num_decodes, decode_kv_len]: the position of each gathered key
+    key_pos = torch.arange(decode_kv_len)[None, :] + offsets[:num_decodes, None]
+    decode_lens = lens[:num_decodes, None]
+    decode_mask = ((key_pos < decode_lens) & (key_pos >= decode_lens - window))[:, None]
+    decode_bias = torch.zeros(num_decodes, 1, decode_kv_len).masked_fill_(~decode_mask,
+                                                                          float("-inf"))
+    groups, request = [], num_decodes
+    for group in meta.prefill_groups:
+        first, end = request, request + group.num_chunks
+        q_lens = torch.tensor(meta.query_lens[first:end])[:, None, None]
+        contexts = torch.tensor(meta.context_lens[first:end])[:, None, None]
+        max_kv = max(kv_lens[r] - first_blocks[r] * block_size for r in range(first, end))
+        i = torch.arange(group.max_query_len)[None, :, None]
+        pos = torch.arange(max_kv)[None, None, :] + offsets[first:end, None, None]
+        j = torch.arange(max_kv)[None, None, :]
+        mask = (((pos <= contexts + i) & (pos > contexts + i - window) & (i < q_lens))
+                | ((i >= q_lens) & (j == 0)))      # padding rows see key 0 only (not empty)
+        groups.append(PrefillGroup(group.token_start, group.token_end, group.num_chunks,
+                                   group.max_query_len, max_kv, group.padded_rows,
+                                   gather_rows(first, end), mask[:, None]))
+        request = end
+    device = meta.positions.device
+    return WindowedTorchPath(decode_rows.to(device), decode_bias.to(device),
+                             decode_mask[:, None].to(device),
+                             [_group_to(g, device) for g in groups])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, kernel: PagedAttentionKernel | None = None
-                    ) -> torch.Tensor:
+                    meta: AttentionMetadata, kernel: PagedAttentionKernel | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Write the step's K/V into the cache, then attend over the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns
     [num_tokens, num_heads * head_dim]. `kernel` (worker_svc.kernels), if given, attends
     every row straight from the blocks in one call instead of the torch path below.
+    `window` > 0: each row attends only its last `window` keys (module docstring).
     """
+    if window < 0:
+        raise ValueError(f"paged_attention: window must be >= 0, got {window}")
     if kernel is not None:
+        if window:
+            return kernel(q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
+                          meta.row_request, meta.row_kv_lens, window)
         return kernel(q, k, v, kv_cache, meta.slot_mapping, meta.block_table, meta.row_request,
                       meta.row_kv_lens)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -224,138 +300,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     slots[1].index_copy_(0, meta.slot_mapping, v)
     blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
+    path: AttentionMetadata | WindowedTorchPath = meta
+    if window:
+        if window not in meta.windows:
+            meta.windows[window] = _windowed_torch_path(meta, window)
+        path = meta.windows[window]
     outputs = []
     if meta.num_decodes:
-        outputs.append(_decode_attention(q[:meta.num_decodes], blocks, meta, num_kv_heads))
-    for group in meta.prefill_groups:
-        outputs.append(_prefill_attention(q[group.token_start:group.token_end], blocks, group,
-                                          num_kv_heads))
+        outputs.append(attend_decodes(q[:meta.num_decodes], blocks, path.decode_gather_rows,
+                                      path.decode_bias, path.decode_mask, num_kv_heads))
+    for group in path.prefill_groups:
+        outputs.append(attend_prefill_group(q[group.token_start:group.token_end], blocks, group,
+                                            num_kv_heads))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-# From this many one-token queries on, block-diagonal matmuls beat SDPA (measured crossover on
-# 2 AVX-512 cores: about 4; at 64 queries they take a third of SDPA's time).
-_MIN_DECODES_FOR_MATMUL = 4
-# Decodes are attended in sub-batches whose gathered K/V stay under this size: past glibc's
-# largest mmap threshold (32 MiB) every gather pays fresh page faults (measured 4x slower
-# at 64 requests x 1000 tokens).
-_MAX_DECODE_GATHER_BYTES = 16 << 20
-
-
-def _decode_attention(q: torch.Tensor, blocks: torch.Tensor, meta: AttentionMetadata,
-                      num_kv_heads: int) -> torch.Tensor:
-    """One-token queries q [num_decodes, heads, dim] -> [num_decodes, heads * dim].
-
-    Few queries: SDPA, with the query heads that share a KV head as that head's query rows
-    (GQA as plain attention over num_kv_heads heads; no mask row differs within a request).
-    Many: queries go in block-diagonal form, row h of a request holding q[h] in the columns
-    of h's KV head and zeros elsewhere, so one batched matmul against the gathered keys of all
-    KV heads, laid out as stored ([kv_len, kv_heads * dim]: no transposing copy), yields every
-    head's scores, and one more the outputs. That costs num_kv_heads times the minimal flops,
-    but decode attention is bound by reading K/V and by per-kernel overhead (64 requests x 200
-    tokens: 0.66 vs 1.2 ms a layer, measured).
-    """
-    num_decodes = q.shape[0]
-    rows = meta.decode_gather_rows
-    num_key_rows = rows.shape[0] // 2                   # keys first, then values
-    rows_per_decode = num_key_rows // num_decodes
-    bytes_per_decode = 2 * rows_per_decode * blocks.shape[1] * blocks.element_size()
-    step = max(1, _MAX_DECODE_GATHER_BYTES // bytes_per_decode)
-    if step >= num_decodes:
-        return _decode_sub_batch(q, blocks, rows, meta.decode_bias, meta.decode_mask,
-                                 num_kv_heads)
-    outputs = []
-    for lo in range(0, num_decodes, step):
-        hi = min(lo + step, num_decodes)
-        key_rows = rows[lo * rows_per_decode:hi * rows_per_decode]
-        value_rows = rows[num_key_rows + lo * rows_per_decode:num_key_rows + hi * rows_per_decode]
-        outputs.append(_decode_sub_batch(q[lo:hi], blocks, torch.cat([key_rows, value_rows]),
-                                         meta.decode_bias[lo:hi], meta.decode_mask[lo:hi],
-                                         num_kv_heads))
-    return torch.cat(outputs)
-
-
-def _decode_sub_batch(q: torch.Tensor, blocks: torch.Tensor, gather_rows: torch.Tensor,
-                      bias: torch.Tensor, mask: torch.Tensor, num_kv_heads: int
-                      ) -> torch.Tensor:
-    num_decodes, num_heads, head_dim = q.shape
-    group = num_heads // num_kv_heads
-    width = num_kv_heads * head_dim
-    gathered = blocks.index_select(0, gather_rows)      # [2 * decodes * blocks, block bytes]
-    keys, values = gathered.view(2, num_decodes, -1, width)     # [decodes, kv_len, width] each
-    if num_decodes < _MIN_DECODES_FOR_MATMUL:
-        out = F.scaled_dot_product_attention(
-            q.view(num_decodes, num_kv_heads, group, head_dim),
-            keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2),
-            values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2),
-            attn_mask=mask)                               # [decodes, kv_heads, group, dim]
-        return out.reshape(num_decodes, num_heads * head_dim)
-    q_diag = q.new_zeros(num_decodes, num_heads, width)               # [decodes, heads, width]
-    # Diagonal view [decodes, group, dim, kv_heads]: query head (g_kv, r) -> KV head g_kv.
-    q_diag.view(num_decodes, num_kv_heads, group, num_kv_heads, head_dim).diagonal(
-        dim1=1, dim2=3).copy_(q.view(num_decodes, num_kv_heads, group, head_dim)
-                              .permute(0, 2, 3, 1))
-    scores = torch.bmm(q_diag, keys.transpose(1, 2))                # [decodes, heads, kv_len]
-    # Softmax in float32 (the bias is float32, so the add promotes), padding at -inf. (In
-    # bfloat16 the scores are rounded to bfloat16 first, as in HF's eager attention.)
-    probs = torch.softmax(torch.add(bias, scores, alpha=head_dim ** -0.5), dim=-1)
-    out = torch.bmm(probs.to(q.dtype), values)                      # [decodes, heads, width]
-    out = out.view(num_decodes, num_kv_heads, group, num_kv_heads, head_dim).diagonal(
-        dim1=1, dim2=3)                                             # [decodes, group, dim, kv]
-    return out.permute(0, 3, 1, 2).reshape(num_decodes, num_heads * head_dim)
-
-
-def _prefill_attention(q: torch.Tensor, blocks: torch.Tensor, group: PrefillGroup,
-                       num_kv_heads: int) -> torch.Tensor:
-    """A group's queries q [num_group_tokens, heads, dim] -> [num_group_tokens, heads * dim]."""
-    _, num_heads, head_dim = q.shape
-    chunks, max_q, max_kv = group.num_chunks, group.max_query_len, group.max_kv_len
-    if group.padded_rows is not None:
-        q = q.new_zeros(chunks * max_q, num_heads, head_dim).index_copy_(0, group.padded_rows, q)
-    q = q.view(chunks, max_q, num_heads, head_dim).transpose(1, 2)  # [chunks, heads, q, dim]
-    gathered = (blocks.index_select(0, group.gather_rows)
-                .view(2, chunks, -1, num_kv_heads, head_dim))
-    keys = gathered[0, :, :max_kv].transpose(1, 2)     # [chunks, kv_heads, kv_len, dim]
-    values = gathered[1, :, :max_kv].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask,
-                                         is_causal=group.mask is None, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(chunks * max_q, num_heads * head_dim)
-    return out if group.padded_rows is None else out.index_select(0, group.padded_rows)
-
-
-def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              kv_cache: torch.Tensor, query_lens: list[int],
-                              context_lens: list[int], block_tables: list[list[int]]
-                              ) -> torch.Tensor:
-    """Slow twin of `paged_attention`: token by token, explicit softmax in float32.
-
-    Requests may come in any order. Same shapes and cache effects as `paged_attention`.
-    """
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
-
-    def slot_of(table: list[int], pos: int) -> tuple[int, int]:
-        return table[pos // block_size], pos % block_size
-
-    row = 0
-    for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-        for i in range(q_len):
-            block, offset = slot_of(table, ctx + i)
-            kv_cache[0, block, offset] = k[row + i]
-            kv_cache[1, block, offset] = v[row + i]
-        row += q_len
-
-    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
-    row = 0
-    for q_len, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
-        for i in range(q_len):
-            visible = [slot_of(table, pos) for pos in range(ctx + i + 1)]
-            keys = torch.stack([kv_cache[0, b, o] for b, o in visible]).float()   # [n, kvh, d]
-            values = torch.stack([kv_cache[1, b, o] for b, o in visible]).float()
-            for h in range(num_heads):
-                scores = keys[:, h // group] @ q[row + i, h].float() / math.sqrt(head_dim)
-                weights = torch.softmax(scores, dim=0)                           # [n]
-                out[row + i, h * head_dim:(h + 1) * head_dim] = weights @ values[:, h // group]
-        row += q_len
-    return out

@@ -3,13 +3,9 @@
 import pytest
 import torch
 
-from worker_svc import attention
-from worker_svc.attention import (
-    _group_chunks,
-    build_attention_metadata,
-    paged_attention,
-    reference_paged_attention,
-)
+from worker_svc.attention import _group_chunks, build_attention_metadata, paged_attention
+from worker_svc.kernels import paged_attention_torch
+from worker_svc.kernels.paged_attention_torch import reference_paged_attention
 
 NUM_BLOCKS = 48
 BLOCK_SIZE = 4
@@ -81,7 +77,7 @@ def test_decode_paths_match_reference(num_decodes: int) -> None:
 @pytest.mark.parametrize("gather_bytes", [1, 25600])   # sub-batches of 1, then of 5 and 4
 def test_decode_sub_batches_match_reference(gather_bytes: int,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "_MAX_DECODE_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(paged_attention_torch, "_MAX_DECODE_GATHER_BYTES", gather_bytes)
     contexts = [(7 * i + 2) % 19 for i in range(9)]
     tables = [[1 + 5 * i + b for b in range(5)] for i in range(9)]
     fast, slow, *_ = _run_both([1] * 9, contexts, tables, 6, 2)

@@ -11,15 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc import kernels
-from worker_svc.attention import (
-    build_attention_metadata,
-    paged_attention,
-    reference_paged_attention,
-)
+from worker_svc.attention import build_attention_metadata, paged_attention
 from worker_svc.kernels import build
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.kernels.elementwise import elementwise_kernels
 from worker_svc.kernels.paged_attention import paged_attention_kernel
+from worker_svc.kernels.paged_attention_torch import reference_paged_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the kernels fall back to torch")

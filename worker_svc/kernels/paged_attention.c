@@ -13,6 +13,10 @@
  * head_dim], keys then values; token t of a request lives in block table[t / block_size] at
  * offset t % block_size. Query head h * GROUP + g reads KV head h.
  *
+ * Sliding window (window > 0): a row of kv_len keys attends keys [max(0, kv_len - window),
+ * kv_len) only, and reads no key before that start: kvcache_svc frees the blocks wholly before
+ * it and the table holds the null block (garbage) there. window 0 = every key.
+ *
  * Work item = (row, KV head): its GROUP query heads are scored against the row's keys, TILE
  * tokens at a time; the softmax is rescaled per tile (running max and sum), so no buffer
  * grows with the context. Items are spread over OpenMP threads; each item's result depends
@@ -66,13 +70,13 @@ static inline const elem_t *next_row(cursor_t *c) {
   __builtin_prefetch((const char *)((key_row) + value_offset) + c)
 
 /* One (row, KV head) item: q = its GROUP query heads (contiguous), table = its request's
- * block ids, kv_len = the tokens it attends to, out = its GROUP output heads. Reading K/V
- * rows dominates (each is a couple of cache lines in a scattered block). Measured slower:
- * items of a whole row (all KV heads) tile by tile; summing 16 tokens' dot products with one
- * transposing shuffle tree instead of a horizontal sum each. */
-static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t kv_len,
-                        int64_t value_offset, int64_t block_size, int64_t row_stride,
-                        int64_t head, float scale, elem_t *out) {
+ * block ids, keys [first, kv_len) the tokens it attends to, out = its GROUP output heads.
+ * Reading K/V rows dominates (each is a couple of cache lines in a scattered block). Measured
+ * slower: items of a whole row (all KV heads) tile by tile; summing 16 tokens' dot products
+ * with one transposing shuffle tree instead of a horizontal sum each. */
+static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t first,
+                        int64_t kv_len, int64_t value_offset, int64_t block_size,
+                        int64_t row_stride, int64_t head, float scale, elem_t *out) {
   vf qv[GROUP][NVEC], acc[GROUP][NVEC];
   float run_max[GROUP], run_sum[GROUP];
   for (int g = 0; g < GROUP; g++) {
@@ -84,8 +88,9 @@ static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table,
     run_max[g] = -INFINITY;
     run_sum[g] = 0.f;
   }
-  cursor_t cursor = {kv + head * HEAD_DIM, table, block_size, row_stride, 0, 0};
-  for (int64_t start = 0; start < kv_len; start += TILE) {
+  cursor_t cursor = {kv + head * HEAD_DIM, table, block_size, row_stride, first / block_size,
+                     first % block_size};
+  for (int64_t start = first; start < kv_len; start += TILE) {
     const int n = kv_len - start < TILE ? (int)(kv_len - start) : TILE;
     const elem_t *rows[TILE];
     for (int i = 0; i < n; i++) rows[i] = next_row(&cursor);
@@ -133,17 +138,19 @@ static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table,
 /* Writes the step's new K/V rows into their cache slots, then attends every (row, KV head)
  * item. A row is one query token: a decode, or one token of a prefill chunk, which attends
  * to its request's first kv_lens[row] tokens (its own included), so causal masking is just
- * each row's length; rows may read slots other rows wrote in this call (the write finishes
- * first). q: row r starts at q + r * q_stride (elements), heads and dims contiguous; k, v
- * likewise with their strides ([rows, num_kv_heads, HEAD_DIM] each); slots [rows]: each
- * row's cache slot (block * block_size + offset); kv_cache as above; block_tables [requests,
- * max_blocks]; row_request [rows]: each row's request (table row); out [rows, heads,
- * HEAD_DIM]. Items are handed out a few at a time: a chunk's later rows cost more. */
+ * each row's length (a window > 0 also moves its first key, see above); rows may read slots
+ * other rows wrote in this call (the write finishes first). q: row r starts at q + r *
+ * q_stride (elements), heads and dims contiguous; k, v likewise with their strides ([rows,
+ * num_kv_heads, HEAD_DIM] each); slots [rows]: each row's cache slot (block * block_size +
+ * offset); kv_cache as above; block_tables [requests, max_blocks]; row_request [rows]: each
+ * row's request (table row); out [rows, heads, HEAD_DIM]. Items are handed out a few at a
+ * time: a chunk's later rows cost more. */
 void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t k_stride,
                      const elem_t *v, int64_t v_stride, const int64_t *slots, elem_t *kv_cache,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *row_request,
-                     const int64_t *kv_lens, int64_t num_rows, int64_t num_kv_heads,
-                     int64_t num_blocks, int64_t block_size, float scale, elem_t *out) {
+                     const int64_t *kv_lens, int64_t window, int64_t num_rows,
+                     int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, float scale,
+                     elem_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const int64_t value_offset = num_blocks * block_size * row_stride;
   const int64_t items = num_rows * num_kv_heads;
@@ -160,8 +167,9 @@ void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t
     for (int64_t item = 0; item < items; item++) {
       const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t first_head = (r * num_kv_heads + h) * GROUP * HEAD_DIM; /* in out */
+      const int64_t first = window > 0 && kv_lens[r] > window ? kv_lens[r] - window : 0;
       attend_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache,
-                  block_tables + row_request[r] * max_blocks, kv_lens[r], value_offset,
+                  block_tables + row_request[r] * max_blocks, first, kv_lens[r], value_offset,
                   block_size, row_stride, h, scale, out + first_head);
     }
   }

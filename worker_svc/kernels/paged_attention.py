@@ -1,8 +1,8 @@
 """`paged_attention.c`: attention for every row of a step (decodes and prefill tokens) read
 from the paged blocks where they lie. In torch that needs a gathered copy of every request's
 keys and values per layer, padded batches and masks; this is 2-3x faster for decodes
-(bench/cpu_kernels.py). The torch path is `worker_svc.attention.paged_attention` without a
-kernel.
+(bench/cpu_kernels.py). Its torch twin is `paged_attention_torch.py` (what
+`worker_svc.attention.paged_attention` runs without a kernel).
 
 At level amx in bfloat16, `paged_attention_amx.c` does the score and value products on AMX
 tiles for every step whose block size is a multiple of 16 (`AmxPagedAttentionKernel`): 1.3-2.7x
@@ -37,18 +37,21 @@ class PagedAttentionKernel:
         self.fn = library.paged_attention
         self.fn.restype = None
         self.fn.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
-                            _F, _P]
+                            _I, _F, _P]
         self.head_dim, self.group, self.dtype = head_dim, group, dtype
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 row_request: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+                 row_request: torch.Tensor, kv_lens: torch.Tensor, window: int = 0
+                 ) -> torch.Tensor:
         """Write k, v into their slots, then attend. q [rows, num_heads, head_dim], one query
         token per row; k, v [rows, num_kv_heads, head_dim] (rows may be strided; heads and
         dim contiguous); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]
         contiguous; slot_mapping [rows] int64: each row's cache slot; block_tables [requests,
         max_blocks] int64; row_request [rows] int64: each row's request; kv_lens [rows]
-        int64: the keys each row attends to (its position + 1). Returns [rows, heads * dim].
+        int64: the keys each row attends to (its position + 1); window > 0: only the last
+        `window` of them, and no block wholly before those is read (it may be the null block).
+        Returns [rows, heads * dim].
         """
         rows, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -60,13 +63,13 @@ class PagedAttentionKernel:
                 or not rows_ok or not index_ok or kv_cache.dtype != self.dtype
                 or k.shape != (rows, num_kv_heads, head_dim) or v.shape != k.shape
                 or not kv_cache.is_contiguous() or block_tables.dtype != torch.int64
-                or not block_tables.is_contiguous()):
+                or not block_tables.is_contiguous() or window < 0):
             raise ValueError("paged attention kernel: unexpected shapes, strides or dtypes")
         out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
         attend = self._pick(rows, block_size)
         attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                slot_mapping.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
-               block_tables.shape[1], row_request.data_ptr(), kv_lens.data_ptr(), rows,
+               block_tables.shape[1], row_request.data_ptr(), kv_lens.data_ptr(), window, rows,
                num_kv_heads, num_blocks, block_size, head_dim ** -0.5, out.data_ptr())
         return out
 

@@ -16,12 +16,13 @@
  * Work item = (up to RUN_TILES * ROWS_PER_TILE consecutive rows of one request, KV head): a
  * decode is one row, a prefill chunk many. Its query vectors n = (row, query head of the
  * group) go 16 to a query tile (a decode: GROUP of them). Per query tile, with len = its
- * longest row's keys, in two passes over the keys:
+ * longest row's keys and first = its earliest window start (0 without a window), in two
+ * passes over the keys [first rounded down to 16, len):
  *   1. scores: C [16 keys][16 n] = K Q^T with A = 16 key rows loaded straight from their
  *      block (tileloadd, stride num_kv_heads * head_dim), B = Q with pairs of dims side by
  *      side (built once per tile); each C is transposed (16 x 16 dwords) into rows
- *      scores[n][t], scaled, -inf past the row's own length (causal masking is each row's
- *      length), and their max kept;
+ *      scores[n][t], scaled, -inf outside the vector's own keys (causal masking is each
+ *      row's length; a window, its own start per vector), and their max kept;
  *   2. values: P = exp(score - max) in float32 (vexp, vec.h), summed, rounded to bfloat16;
  *      out [16 n][head_dim] = P V with B = 16 keys x 32 dims of V loaded straight from the
  *      block too, and A = P placed beside zeros so that the pair sum of TDPBF16PS keeps the
@@ -40,13 +41,18 @@
  * softmax on the tile layout (a key's 16 query vectors as one vector: no transposes, but
  * 16 lanes of exp per key where a decode needs GROUP): 2x slower for decodes.
  *
+ * Sliding window (window > 0): a row of kv_len keys attends [max(0, kv_len - window), kv_len).
+ * No block wholly before first is read (kvcache_svc frees those and the table holds the null
+ * block, garbage, there); the first run's keys before first lie in first's own block, and
+ * their V comes from a zeroed copy like a last partial run's (copy_edge).
+ *
  * Precision: P is rounded to bfloat16 before the value product (the twin keeps float32);
  * against a float32 reference the largest difference stays within an output's bfloat16
  * rounding plus one ulp (tests/worker_svc/test_paged_attention_amx.py).
  *
  * Each thread configures its own tiles (palette 1, all eight 16 rows x 64 bytes) and keeps
  * its buffers; an output element depends only on its own row's inputs (other query vectors
- * of a tile, and keys past its row's length, add exact zeros), so results do not depend on
+ * of a tile, and keys outside its row's window, add exact zeros), so results do not depend on
  * the thread count or on how rows are grouped.
  */
 #include <immintrin.h>
@@ -77,6 +83,7 @@
 typedef struct {
   const uint16_t *q, *kv;
   const int64_t *kv_lens;
+  int64_t window; /* > 0: a row of len keys attends keys [len - window, len) only */
   int64_t q_stride, num_kv_heads, block_size, row_stride, value_offset;
   float scale;
   uint16_t *out;
@@ -89,7 +96,8 @@ typedef struct {
   float *scores;        /* [16 n][keys] */
   uint32_t *queries;    /* [KSTEPS][16 dim pairs][16 n]: Q as B tiles */
   uint32_t *probs;      /* [keys / 16][2][16 n][16 keys]: P as the value product's A tiles */
-  uint16_t *tail;       /* [16 keys][HEAD_DIM]: a last partial run of V, zero-padded */
+  uint16_t *edge;       /* [2][16 keys][HEAD_DIM]: the first and last partial runs of V,
+                           zero outside the keys */
   float *acc;           /* [16 n][HEAD_DIM] */
   float *tile;          /* [2][16][16]: output tiles stored for the vector units */
 } scratch_t;
@@ -166,28 +174,31 @@ static void load_queries(const step_t *s, int64_t r0, int rows, int64_t head, ui
 #endif
 }
 
-/* Scores of keys [0, len) for the query tile's first nq vectors (Q in tmm4..), as rows
- * scores[n][t] (row stride w->keys, up to len rounded to 16): scaled, -inf where t is past
- * the vector's own length lens[n]; max[n] = their maximum. A tile product yields 16 keys x 16
+/* Scores of keys [lo, len) for the query tile's first nq vectors (Q in tmm4..), lo = first
+ * rounded down to 16, as rows scores[n][t - lo] (row stride w->keys, up to len rounded to
+ * 16): scaled, -inf where t is outside the vector's own keys [starts[n], lens[n]); max[n] =
+ * their maximum. A tile product yields 16 keys x 16
  * query vectors (keys as rows: A is K as it lies in the block); one 16 x 16 transpose per 16
  * keys turns them into query rows, so that the softmax runs on nq rows (a decode's GROUP),
  * not on all 16 lanes of every key. The tile unit runs one pair of runs ahead of the vector
  * units (w->raw holds two pairs), so that neither waits for the other. */
 static void score_keys(const step_t *s, const scratch_t *w, const int64_t *table, int64_t head,
-                       int64_t len, int nq, const int32_t *lens, float *max) {
-  const int64_t runs = round_up(len, 16) / 16;
+                       int64_t first, int64_t len, int nq, const int32_t *starts,
+                       const int32_t *lens, float *max) {
+  const int64_t lo = first / 16 * 16, runs = (round_up(len, 16) - lo) / 16;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(s->scale);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 row_max[16];
   for (int n = 0; n < nq; n++) row_max[n] = neg_inf;
-  for (int64_t t = 32; t < 64; t += 16) prefetch_run(s, table, head, t, len, 0);
+  for (int64_t t = lo + 32; t < lo + 64; t += 16) prefetch_run(s, table, head, t, len, 0);
   for (int64_t i = 0; i < runs + 2; i += 2) {
     if (i < runs) { /* the tile unit works on runs i, i + 1 ... */
       const int two = i + 1 < runs;
-      const uint16_t *k0 = key_row(s, table, head, i * 16);
-      const uint16_t *k1 = two ? key_row(s, table, head, i * 16 + 16) : NULL;
-      prefetch_run(s, table, head, i * 16 + 64, len, 0);
-      prefetch_run(s, table, head, i * 16 + 80, len, 0);
+      const int64_t t0 = lo + i * 16;
+      const uint16_t *k0 = key_row(s, table, head, t0);
+      const uint16_t *k1 = two ? key_row(s, table, head, t0 + 16) : NULL;
+      prefetch_run(s, table, head, t0 + 64, len, 0);
+      prefetch_run(s, table, head, t0 + 80, len, 0);
       _tile_zero(0);
       _tile_zero(1);
       for (int st = 0; st < KSTEPS; st++) {
@@ -208,16 +219,17 @@ static void score_keys(const step_t *s, const scratch_t *w, const int64_t *table
       __m512i rows[16]; /* rows[t][n] -> rows[n][t] */
       for (int t = 0; t < 16; t++) rows[t] = _mm512_loadu_si512(w->raw + (j % 4) * 256 + t * 16);
       transpose16(rows);
-      const __m512i t_vec = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(j * 16)));
+      const __m512i t_vec = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(lo + j * 16)));
       for (int n = 0; n < nq; n++) {
-        const __mmask16 visible = _mm512_cmplt_epi32_mask(t_vec, _mm512_set1_epi32(lens[n]));
+        const __mmask16 visible = _mm512_cmplt_epi32_mask(t_vec, _mm512_set1_epi32(lens[n]))
+                                  & _mm512_cmpge_epi32_mask(t_vec, _mm512_set1_epi32(starts[n]));
         const __m512 v = _mm512_mask_mul_ps(neg_inf, visible, (__m512)rows[n], scale);
         _mm512_storeu_ps(w->scores + n * w->keys + j * 16, v);
         row_max[n] = _mm512_max_ps(row_max[n], v);
       }
     }
   }
-  for (int64_t t = 0; t < 64; t += 16) /* for weigh_values */
+  for (int64_t t = lo; t < lo + 64; t += 16) /* for weigh_values */
     prefetch_run(s, table, head, t, len, s->value_offset);
   for (int n = 0; n < nq; n++) max[n] = _mm512_reduce_max_ps(row_max[n]);
 }
@@ -238,27 +250,36 @@ static inline void softmax_run(const scratch_t *w, int64_t i, int nq, const floa
   }
 }
 
+/* V rows of the run [t0, t0 + 16) into buf [16][HEAD_DIM], zeros outside keys [first, len):
+ * their slots may hold anything (stale keys, slots not yet written), and P = 0 times NaN
+ * would not be 0. The run's block holds first or len - 1, so it is one a row reads. */
+static void copy_edge(const step_t *s, const int64_t *table, int64_t head, int64_t t0,
+                      int64_t first, int64_t len, uint16_t *buf) {
+  const uint16_t *v = key_row(s, table, head, t0) + s->value_offset;
+  memset(buf, 0, 16 * HEAD_DIM * 2);
+  for (int64_t t = t0 > first ? t0 : first; t < t0 + 16 && t < len; t++)
+    memcpy(buf + (t - t0) * HEAD_DIM, v + (t - t0) * s->row_stride, HEAD_DIM * 2);
+}
+
 /* P = exp(score - max[n]) (softmax_run; sum[n] = its float32 sums) and acc[n][d] = sum_t
- * P[n][t] V[t][d] over keys [0, len), with V's tiles loaded where they lie:
- * B = 16 keys x 32 dims of V (a key's dims d, d + 1 side by side, as stored), so TDPBF16PS
- * would sum over pairs of dims; A = P with each value beside a zero instead (dword n, t =
- * P[n][t] in its low half for the even dims, its high half for the odd), which makes the
- * pair sum one term: C_even[n][j] = sum_t P[n][t] V[t][2j], C_odd the same for 2j + 1. That
- * costs twice the tile products of a repacked V, and saves the repacking (a load, a permute
- * and a store per key and 32 dims, and a buffer that outgrows L1). Keys from len to the
- * run's end come from a zero-padded copy (their slots may hold anything, and 0 * NaN would
- * not be 0). The vector units make run i + 1's P while the tile unit multiplies run i's. */
+ * P[n][t] V[t][d] over keys [lo, len), lo = first rounded down to 16, with V's tiles loaded
+ * where they lie: B = 16 keys x 32 dims of V (a key's dims d, d + 1 side by side, as
+ * stored), so TDPBF16PS would sum over pairs of dims; A = P with each value beside a zero
+ * instead (dword n, t = P[n][t] in its low half for the even dims, its high half for the
+ * odd), which makes the pair sum one term: C_even[n][j] = sum_t P[n][t] V[t][2j], C_odd the
+ * same for 2j + 1. That costs twice the tile products of a repacked V, and saves the
+ * repacking (a load, a permute and a store per key and 32 dims, and a buffer that outgrows
+ * L1). A run with keys before first or from len on comes from a copy with zeros there
+ * (copy_edge). The vector units make run i + 1's P while the tile unit multiplies run i's. */
 static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *table,
-                         int64_t head, int64_t len, int nq, const float *max, float *sum) {
-  const int64_t runs = round_up(len, 16) / 16;
+                         int64_t head, int64_t first, int64_t len, int nq, const float *max,
+                         float *sum) {
+  const int64_t lo = first / 16 * 16, runs = (round_up(len, 16) - lo) / 16;
   const int64_t stride = s->row_stride * 2;
-  if (len % 16) {
-    const int64_t t0 = len / 16 * 16;
-    const uint16_t *v = key_row(s, table, head, t0) + s->value_offset;
-    memset(w->tail, 0, 16 * HEAD_DIM * 2);
-    for (int64_t t = t0; t < len; t++)
-      memcpy(w->tail + (t - t0) * HEAD_DIM, v + (t - t0) * s->row_stride, HEAD_DIM * 2);
-  }
+  const int head_edge = first % 16 != 0 || (runs == 1 && len % 16 != 0);
+  const int tail_edge = len % 16 != 0 && runs > 1;
+  if (head_edge) copy_edge(s, table, head, lo, first, len, w->edge);
+  if (tail_edge) copy_edge(s, table, head, len / 16 * 16, first, len, w->edge + 16 * HEAD_DIM);
   uint16_t interleave[32]; /* word 2j <- even output j, 2j + 1 <- odd output j */
   for (int j = 0; j < 16; j++) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
   const __m512i pick_lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)interleave));
@@ -274,13 +295,15 @@ static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *tab
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t i = 0; i < runs; i++) {
-      const int64_t t0 = i * 16;
+      const int64_t t0 = lo + i * 16;
       if (d0 == 0 && i + 1 < runs) softmax_run(w, i + 1, nq, max, total);
       prefetch_run(s, table, head, t0 + 64, len, s->value_offset);
       _tile_loadd(4, w->probs + i * 512, 64);
       _tile_loadd(5, w->probs + i * 512 + 256, 64);
-      const uint16_t *v = t0 + 16 <= len ? key_row(s, table, head, t0) + s->value_offset : w->tail;
-      const int64_t v_stride = t0 + 16 <= len ? stride : HEAD_DIM * 2;
+      const int edge = (i == 0 && head_edge) || (i == runs - 1 && tail_edge);
+      const uint16_t *v = !edge ? key_row(s, table, head, t0) + s->value_offset
+                                : w->edge + (i == 0 && head_edge ? 0 : 16 * HEAD_DIM);
+      const int64_t v_stride = edge ? HEAD_DIM * 2 : stride;
       _tile_loadd(6, v + d0, v_stride);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
@@ -317,16 +340,18 @@ static void attend_item(const step_t *s, const scratch_t *w, int64_t r0, int64_t
   for (int64_t first = r0; first < r1; first += ROWS_PER_TILE) {
     const int rows = r1 - first < ROWS_PER_TILE ? (int)(r1 - first) : ROWS_PER_TILE;
     const int nq = rows * GROUP;
-    int32_t lens[16];
-    int64_t len = 0;
+    int32_t lens[16], starts[16]; /* each vector's keys: [starts[n], lens[n]) */
+    int64_t len = 0, start = INT64_MAX;
     for (int n = 0; n < nq; n++) {
       lens[n] = (int32_t)s->kv_lens[first + n / GROUP];
+      starts[n] = s->window > 0 && lens[n] > s->window ? lens[n] - (int32_t)s->window : 0;
       len = lens[n] > len ? lens[n] : len;
+      start = starts[n] < start ? starts[n] : start;
     }
     float max[16], sums[16];
     load_queries(s, first, rows, head, w->queries);
-    score_keys(s, w, table, head, len, nq, lens, max);
-    weigh_values(s, w, table, head, len, nq, max, sums);
+    score_keys(s, w, table, head, start, len, nq, starts, lens, max);
+    weigh_values(s, w, table, head, start, len, nq, max, sums);
     for (int n = 0; n < nq; n++) {
       const int64_t r = first + n / GROUP;
       uint16_t *dst = s->out + (r * num_heads + head * GROUP + n % GROUP) * HEAD_DIM;
@@ -361,11 +386,11 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                          int64_t k_stride, const uint16_t *v, int64_t v_stride,
                          const int64_t *slots, uint16_t *kv_cache, const int64_t *block_tables,
                          int64_t max_blocks, const int64_t *row_request, const int64_t *kv_lens,
-                         int64_t num_rows, int64_t num_kv_heads, int64_t num_blocks,
+                         int64_t window, int64_t num_rows, int64_t num_kv_heads, int64_t num_blocks,
                          int64_t block_size, float scale, uint16_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
-  const step_t step = {q, kv_cache, kv_lens, q_stride, num_kv_heads, block_size, row_stride,
-                       num_blocks * block_size * row_stride, scale, out};
+  const step_t step = {q, kv_cache, kv_lens, window, q_stride, num_kv_heads, block_size,
+                       row_stride, num_blocks * block_size * row_stride, scale, out};
   run_t *runs = malloc((num_rows + 1) * sizeof *runs);
   const int64_t num_runs = split_runs(row_request, num_rows, runs);
   int64_t longest = 1;
@@ -385,14 +410,14 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     _tile_loadconfig(&config);
     scratch_t w = {.keys = keys};
     char *memory = aligned_alloc(64, 4 * TILE_BYTES + keys * (16 * 4 + 32 * 4)
-                                         + KSTEPS * TILE_BYTES + 16 * HEAD_DIM * 2
+                                         + KSTEPS * TILE_BYTES + 2 * 16 * HEAD_DIM * 2
                                          + 16 * HEAD_DIM * 4 + 2 * TILE_BYTES);
     w.raw = (float *)memory;
     w.scores = w.raw + 4 * 256;
     w.queries = (uint32_t *)(w.scores + 16 * keys);
     w.probs = w.queries + KSTEPS * 256;
-    w.tail = (uint16_t *)(w.probs + keys * 32);
-    w.acc = (float *)(w.tail + 16 * HEAD_DIM);
+    w.edge = (uint16_t *)(w.probs + keys * 32);
+    w.acc = (float *)(w.edge + 2 * 16 * HEAD_DIM);
     w.tile = w.acc + 16 * HEAD_DIM;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_runs * num_kv_heads; item++) {

@@ -111,10 +111,11 @@ class TritonPagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 row_request: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+                 row_request: torch.Tensor, kv_lens: torch.Tensor, window: int = 0
+                 ) -> torch.Tensor:
         """Write k, v into their slots, then attend: the contract of the C kernel's
-        `PagedAttentionKernel.__call__` (shapes and meaning there), plus: a negative slot is
-        not written. Scale head_dim ** -0.5."""
+        `PagedAttentionKernel.__call__` (shapes, meaning and `window` there), plus: a negative
+        slot is not written. Scale head_dim ** -0.5."""
         num_heads, head_dim = q.shape[1:] if q.dim() == 3 else (0, 0)
         num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
         if (head_dim != self.head_dim or q.dtype != self.dtype
@@ -124,4 +125,5 @@ class TritonPagedAttention:
                              f"and kv_cache {tuple(kv_cache.shape)}")
         module = _kernel_module("paged_attention")
         return module.paged_attention_with_write(q, k, v, kv_cache, slot_mapping, block_tables,
-                                                 row_request, kv_lens, head_dim ** -0.5)
+                                                 row_request, kv_lens, head_dim ** -0.5,
+                                                 window)

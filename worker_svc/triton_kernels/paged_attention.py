@@ -20,6 +20,10 @@ Why not split long sequences across programs (flash-decoding): it needs a second
 pass; rows x KV heads programs already fill a GPU once a step has a few hundred rows, which is
 where the time goes. A lone long decode under-fills it: that is the known cost of this choice.
 
+Sliding window (`window` > 0): a row of kv_len keys attends [max(0, kv_len - window), kv_len);
+its key loop starts at the tile that holds that start, so no block wholly before it is read
+(kvcache_svc may free those and leave the null block, garbage, in the table). window 0: all.
+
 A row with kv_len 0 (a padding row) outputs zeros. `paged_attention_reference` is the
 vectorised torch twin, the tests' oracle.
 """
@@ -51,11 +55,12 @@ _MIN_TILE, _MAX_TILE = 4, 64
 # to Triton's default, an int argument is specialized (1 becomes a constant, a multiple of 16
 # gets a divisibility hint), so widths 1, 16 and others would each compile a variant mid-
 # serving. It is only a row stride into the table, so no hint is lost. Strides that are fixed
-# per model (q_row_stride) keep theirs.
-@triton.jit(do_not_specialize=["max_blocks"])
+# per model (q_row_stride) keep theirs. `window` likewise: a value of 1 or a multiple of 16
+# would compile its own variant, and it only offsets the loop's start.
+@triton.jit(do_not_specialize=["max_blocks", "window"])
 def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
-                            block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr, out_ptr,
-                            qk_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr, window,
+                            out_ptr, qk_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                             GROUP_PAD: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -74,9 +79,11 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, kv_len, TILE):
+    first = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)   # the window's first key
+    for start in range((first // TILE) * TILE, kv_len, TILE):
         positions = start + tl.arange(0, TILE)
-        visible = positions < kv_len                         # the first always: start < kv_len
+        # Every tile has a visible position: first < start + TILE and start < kv_len.
+        visible = (positions < kv_len) & (positions >= first)
         block = tl.load(table + positions // BLOCK_SIZE, mask=visible, other=0)   # int64
         slot = block * BLOCK_SIZE + positions % BLOCK_SIZE
         kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
@@ -84,7 +91,7 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
         v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_PAD, TILE]
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        # new_max is finite (a tile has a visible position): no -inf - -inf below.
+        # new_max is finite (every tile has a visible position): no -inf - -inf below.
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp2(running_max - new_max)             # 0 on the first tile
         probs = tl.exp2(scores - new_max[:, None])
@@ -99,8 +106,10 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
 
 
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-           row_request: torch.Tensor, kv_lens: torch.Tensor) -> None:
+           row_request: torch.Tensor, kv_lens: torch.Tensor, window: int) -> None:
     name = "paged_attention"
+    if window < 0:
+        raise ValueError(f"{name}: window must be >= 0, got {window}")
     check_float(name, "q", q)
     check_float(name, "kv_cache", kv_cache, q.dtype)
     check_contiguous(name, "kv_cache", kv_cache)
@@ -126,15 +135,16 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
-                    tile_tokens: int | None = None) -> torch.Tensor:
+                    row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                    window: int = 0, *, tile_tokens: int | None = None) -> torch.Tensor:
     """Attend every row of q [rows, num_heads, head_dim] (one query token per row; any row
     stride, heads and dim contiguous) over the first kv_lens[row] positions of request
     row_request[row] in kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], through
-    block_table [num_requests, max_blocks] (int64, contiguous). Returns [rows, num_heads *
-    head_dim] in q's dtype. `tile_tokens` (a power of two) overrides the positions per tile,
-    for tests. Table entries and lengths are not range-checked (that would cost a sync)."""
-    _check(q, kv_cache, block_table, row_request, kv_lens)
+    block_table [num_requests, max_blocks] (int64, contiguous); `window` > 0: only the last
+    `window` of those positions. Returns [rows, num_heads * head_dim] in q's dtype.
+    `tile_tokens` (a power of two) overrides the positions per tile, for tests. Table entries
+    and lengths are not range-checked (that would cost a sync)."""
+    _check(q, kv_cache, block_table, row_request, kv_lens, window)
     check_device("paged_attention", q, kv_cache, block_table, row_request, kv_lens)
     rows, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -152,31 +162,35 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         tile = tile_tokens
     _paged_attention_kernel[(rows, num_kv_heads)](
         q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
-        row_request, kv_lens, out, scale * math.log2(math.e), NUM_KV_HEADS=num_kv_heads,
+        row_request, kv_lens, window, out, scale * math.log2(math.e), NUM_KV_HEADS=num_kv_heads,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, TILE=tile)
     return out
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, row_request: torch.Tensor,
-                              kv_lens: torch.Tensor, scale: float, *,
+                              kv_lens: torch.Tensor, scale: float, window: int = 0, *,
                               tile_tokens: int | None = None) -> torch.Tensor:
     """Torch twin of `paged_attention` (the tests' oracle): gathers every row's keys and
-    values into a padded [rows, max_kv_len, ...] copy, masks past each length, softmax in
-    float32. `tile_tokens` is accepted and ignored (it only changes the summation order)."""
-    _check(q, kv_cache, block_table, row_request, kv_lens)
+    values into a padded [rows, max_kv_len, ...] copy, masks outside each row's keys (slots
+    there read as zeros), softmax in float32. `tile_tokens` is accepted and ignored (it only
+    changes the summation order)."""
+    _check(q, kv_cache, block_table, row_request, kv_lens, window)
     rows, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     max_len = int(kv_lens.max()) if rows else 0
     positions = torch.arange(max_len, device=q.device)                        # [max_len]
     visible = positions[None, :] < kv_lens[:, None]                           # [rows, max_len]
+    if window > 0:
+        visible &= positions[None, :] >= kv_lens[:, None] - window
     columns = (positions // block_size).clamp(max=block_table.shape[1] - 1)
     blocks = block_table[row_request][:, columns]                             # [rows, max_len]
     slots = torch.where(visible, blocks * block_size + positions % block_size, 0)
     cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    keys = cache[0][slots].float()                            # [rows, max_len, kv_heads, dim]
-    values = cache[1][slots].float()
+    hidden = ~visible[:, :, None, None]             # slot 0 stands in for them: never read it
+    keys = cache[0][slots].float().masked_fill(hidden, 0.0)   # [rows, max_len, kv_heads, dim]
+    values = cache[1][slots].float().masked_fill(hidden, 0.0)
     queries = q.float().reshape(rows, num_kv_heads, group, head_dim)
     scores = torch.einsum("rhgd,rnhd->rhgn", queries, keys) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -188,8 +202,9 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention_with_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                                block_table: torch.Tensor, row_request: torch.Tensor,
-                               kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               kv_lens: torch.Tensor, scale: float, window: int = 0
+                               ) -> torch.Tensor:
     """`write_kv(k, v, kv_cache, slot_mapping)`, then `paged_attention`: a layer's whole
     attention step, in the C kernel's argument order (PagedAttentionKernel.__call__)."""
     write_kv(k, v, kv_cache, slot_mapping)
-    return paged_attention(q, kv_cache, block_table, row_request, kv_lens, scale)
+    return paged_attention(q, kv_cache, block_table, row_request, kv_lens, scale, window)

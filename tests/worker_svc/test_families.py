@@ -160,3 +160,29 @@ def test_gguf_of_the_same_weights_matches_hf(built, name: str,  # type: ignore[n
         assert from_gguf.rope_scaling.rope_type == "freq_factors"
     for ours, (reference, near_tie) in zip(run(from_gguf, gguf, "c"), references, strict=True):
         assert_greedy_match(ours, reference, near_tie)
+
+
+def test_two_tp_ranks_slice_biases_and_share_qk_norms(tmp_path: Path) -> None:
+    """Qwen3 with q/k/v/o biases on 2 TP ranks (real processes, gloo): each rank's biases are
+    its heads' slice, the o_proj bias is added once after the all-reduce, the q/k norms are
+    replicated; the ranks give the tokens of one rank."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    from tests.e2e.harness import free_ports
+    from tests.worker_svc.test_tensor_parallel import BLOCK_SIZE as TP_BLOCK_SIZE
+    from tests.worker_svc.test_tensor_parallel import NUM_BLOCKS as TP_NUM_BLOCKS
+    from tests.worker_svc.test_tensor_parallel import _generate, _run_rank
+
+    path = tmp_path / "qwen3"
+    build_family_model(path, "qwen3", vocab_size=49152, attention_bias=True)  # PROMPTS' ids
+    single = ModelRunner(load_model_config(path), path, torch.float32, "tp-none")
+    single.init_cache(TP_NUM_BLOCKS, TP_BLOCK_SIZE)
+    expected = _generate(single)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_run_rank, args=(2, free_ports(1)[0], str(path), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank

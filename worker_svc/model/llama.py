@@ -221,9 +221,10 @@ class LlamaLayer:
         qkv rows, over its head_dim values (Qwen3's q_norm / k_norm)."""
         dim = self.head_dim
         cols = qkv[:, first_head * dim:(first_head + num_heads) * dim]
-        # The kernels take contiguous rows: one copy of these heads, one row per head.
-        _, normed = self.elementwise.add_rms_norm(cols.reshape(-1, dim), None, weight,
-                                                  self.eps)  # [num_tokens * num_heads, dim]
+        # The kernels take contiguous rows: one copy of these heads, one row per head (a
+        # single head's reshape is a strided view, hence contiguous()).
+        rows = cols.reshape(-1, dim).contiguous()          # [num_tokens * num_heads, dim]
+        _, normed = self.elementwise.add_rms_norm(rows, None, weight, self.eps)
         cols.copy_(normed.view(cols.shape))
 
 

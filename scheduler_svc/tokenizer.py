@@ -8,16 +8,25 @@ SmolLM2's own tokenizer.json does. Any other value (or none) is refused: the mer
 on that value's own split, and a different split gives other token ids without any error.
 tests/scheduler_svc/test_tokenizer.py checks the result against transformers' GGUF tokenizer.
 
+Chat templates render as transformers' `apply_chat_template` renders them (tests/scheduler_svc/
+test_chat_templates.py): a sandboxed Jinja with trim_blocks / lstrip_blocks, loop controls
+(`break`, `continue`), a `{% generation %}` block (marks assistant text for training masks;
+rendered as is), `tojson` without ASCII or HTML escaping, `strftime_now` and
+`raise_exception`; the variables are the messages, `add_generation_prompt`, `tools` and
+`documents` (None) and the special tokens of tokenizer_config.json.
+
 `encode` runs through `encode_batch`, which releases the GIL: the frontend tokenizes in a
 thread, and a long prompt must not stall the event loop that serves every other client.
 """
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
@@ -49,11 +58,15 @@ class TextTokenizer:
     """Encode/decode plus chat-template rendering; immutable after construction."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None,
-                 bos_token: str | None, eos_token: str | None) -> None:
+                 bos_token: str | None, eos_token: str | None,
+                 other_special_tokens: Mapping[str, str] | None = None) -> None:
+        """`other_special_tokens`: more template variables, e.g. pad_token / unk_token."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._special_tokens = {**(other_special_tokens or {}), "bos_token": bos_token or "",
+                                "eos_token": eos_token or ""}
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # UTF-8 bytes of the longest token's text (a partial character decodes to U+FFFD, 3
         # bytes, which only overestimates): no prompt of N tokens is longer than N times this.
@@ -64,11 +77,7 @@ class TextTokenizer:
             tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
             if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values()
                        if t.special})
-        self._template = None
-        if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(chat_template)
+        self._template = _compile_template(chat_template) if chat_template else None
 
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt froze
@@ -87,14 +96,49 @@ class TextTokenizer:
         try:
             return self._template.render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                **self._special_tokens)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
 
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: HF marks the assistant's tokens with it (for
+    training masks); for inference its body renders unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body,
+                                      lineno=lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _to_json(value: object, ensure_ascii: bool = False, indent: int | None = None,
+             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Jinja's own tojson escapes HTML characters; templates expect plain JSON."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _to_json
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"chat template does not parse: {exc}") from exc
 
 
 def load_tokenizer(model_path: str | Path) -> TextTokenizer:
@@ -175,5 +219,7 @@ def _from_hf_dir(path: Path) -> TextTokenizer:
             tok = tok.get("content")
         return tok if isinstance(tok, str) else None
 
+    others = {key: name for key in ("pad_token", "unk_token", "sep_token", "cls_token",
+                                    "mask_token") if (name := token_name(key)) is not None}
     return TextTokenizer(tokenizer, template if isinstance(template, str) else None,
-                         token_name("bos_token"), token_name("eos_token"))
+                         token_name("bos_token"), token_name("eos_token"), others)

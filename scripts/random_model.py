@@ -15,8 +15,8 @@ Shapes:
 - smollm2: SmolLM2-135M (576 hidden, 1536 intermediate, 30 layers, 9/3 heads, head_dim 64,
   vocab 49152, tied embeddings, rope theta 1e5).
 - llama-1b: Llama-3.2-1B (2048 hidden, 8192 intermediate, 16 layers, 32/8 heads, head_dim 64,
-  vocab 128256, tied embeddings, rope theta 5e5) without its rope_scaling, which splitserve
-  refuses. Its vocabulary is larger than the SmolLM2 tokenizer's 49152 ids: ids above 49151
+  vocab 128256, tied embeddings, rope theta 5e5) without its rope_scaling (the shape alone
+  sets the speed). Its vocabulary is larger than the SmolLM2 tokenizer's 49152 ids: ids above 49151
   never appear in a prompt, but the embedding and the head keep their full 128256 rows, so the
   memory traffic and the logits' cost per step are the 1B model's own.
 

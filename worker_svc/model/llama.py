@@ -10,7 +10,12 @@ Weights are plain tensors (no nn.Module) to keep per-layer Python overhead small
 matmul and gate/up another. Under tensor parallelism a rank holds the slices `TpShard` gives it
 (its heads, its part of the MLP and of the vocabulary; see model/tensor_parallel.py) and sums
 the row-parallel outputs (o_proj, down_proj, the embedding) over its `TpGroup`.
-RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2.
+RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2; its
+tables carry the model's frequency rule (model/rope.py). The families' variations are in the
+layer: q/k/v (and o_proj) biases, sliced with their heads under TP, and Qwen3's per-head q/k
+RMSNorm (replicated) before RoPE. Each layer keeps its attention window (`window`, 0 = full,
+from `ModelConfig.layer_windows`) for the attention call; it is not passed yet (see
+`LlamaLayer.window`).
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
 Matrices that the GGUF stores as Q4_0/Q4_1/Q8_0 also keep their blocks, and steps of a few
@@ -39,6 +44,7 @@ from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re
     apply_rotary,
     rotary_rows,
 )
+from worker_svc.model.rope import RotaryEmbedding
 from worker_svc.model.tensor_parallel import (
     TpGroup,
     TpShard,
@@ -111,24 +117,6 @@ def _concat_blocks(parts: list[QuantBlocks]) -> QuantBlocks | None:
                        torch.cat([b.offsets for b in parts]), parts[0].bits)
 
 
-class RotaryEmbedding:
-    """cos/sin tables for every position, in the model dtype, computed in float32 like HF."""
-
-    __slots__ = ("cos", "sin")
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | None = None):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)                # [max_positions, head_dim]
-        half = head_dim // 2
-        self.cos = angles.cos().to(device=device, dtype=dtype)
-        # rotate_half(x) * sin == roll(x, half) * sin_signed, with the first half negated.
-        sin = angles.sin()
-        sin[:, :half] = -sin[:, :half]
-        self.sin = sin.to(device=device, dtype=dtype)
-
-
 def elementwise_ops(kernels: LayerKernels) -> "ElementwiseKernels | TorchElementwise":
     """The elementwise C kernels, or their torch twin where they did not build."""
     return kernels.elementwise or TorchElementwise()
@@ -138,23 +126,31 @@ class LlamaLayer:
     """One decoder layer's weights and forward."""
 
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
-                 "o_proj", "post_attention_norm", "gate_up_proj", "down_proj", "tp",
-                 "rotary", "kernels", "elementwise")
+                 "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_attention_norm",
+                 "gate_up_proj", "down_proj", "tp", "rotary", "kernels", "elementwise",
+                 "window")
 
-    def __init__(self, shard: TpShard, head_dim: int, eps: float, weights: ModelWeights,
-                 prefix: str, rotary: RotaryEmbedding, tp: TpGroup | None = None,
+    def __init__(self, shard: TpShard, config: ModelConfig, weights: ModelWeights, layer: int,
+                 rotary: RotaryEmbedding, tp: TpGroup | None = None,
                  kernels: LayerKernels | None = None):
         """`shard`: the heads and MLP slice this rank holds (all of them without TP).
         `kernels`: the C kernels that built (None or None fields: torch ops)."""
+        head_dim = config.head_dim
         self.num_heads = shard.num_heads         # this rank's
         self.num_kv_heads = shard.num_kv_heads
         self.head_dim = head_dim
-        self.eps = eps
+        self.eps = config.rms_norm_eps
         self.tp = tp
         self.rotary = rotary
+        # The attention window (0: full). Not computed yet: the worker refuses a model whose
+        # window is shorter than its context (runner.refuse_unwired_windows) until the
+        # attention kernels take it.
+        self.window = config.layer_windows[layer]
         self.kernels = kernels or LayerKernels(CpuLevel.NONE)
         self.elementwise = elementwise_ops(self.kernels)
-        self.input_norm = weights.tensors[prefix + "input_layernorm.weight"]
+        prefix = f"model.layers.{layer}."
+        tensors = weights.tensors
+        self.input_norm = tensors[prefix + "input_layernorm.weight"]
         q0, q1 = (h * head_dim for h in shard.q_heads)
         kv0, kv1 = (h * head_dim for h in shard.kv_heads)
         i0, i1 = shard.intermediate
@@ -164,8 +160,20 @@ class LlamaLayer:
                                           (attn + "k_proj.weight", "rows", kv0, kv1),
                                           (attn + "v_proj.weight", "rows", kv0, kv1)], kern)
         # [(h + 2 * kv_h) * dim, hidden]
+        self.qkv_bias: torch.Tensor | None = None          # [(h + 2 * kv_h) * dim]
+        if config.attention_bias:
+            self.qkv_bias = torch.cat([slice_rows(tensors[attn + "q_proj.bias"], q0, q1),
+                                       slice_rows(tensors[attn + "k_proj.bias"], kv0, kv1),
+                                       slice_rows(tensors[attn + "v_proj.bias"], kv0, kv1)])
+        self.q_norm: torch.Tensor | None = None            # [head_dim], every rank
+        self.k_norm: torch.Tensor | None = None
+        if config.qk_norm:
+            self.q_norm = tensors[attn + "q_norm.weight"]
+            self.k_norm = tensors[attn + "k_norm.weight"]
         self.o_proj = _linear(weights, [(attn + "o_proj.weight", "cols", q0, q1)], kern)
-        self.post_attention_norm = weights.tensors[prefix + "post_attention_layernorm.weight"]
+        # [hidden]: added once, after the all-reduce of the partial sums
+        self.o_bias = tensors[attn + "o_proj.bias"] if config.o_proj_bias else None
+        self.post_attention_norm = tensors[prefix + "post_attention_layernorm.weight"]
         self.gate_up_proj = _linear(weights, [(prefix + "mlp.gate_proj.weight", "rows", i0, i1),
                                               (prefix + "mlp.up_proj.weight", "rows", i0, i1)],
                                      kern)
@@ -183,6 +191,11 @@ class LlamaLayer:
         ew = self.elementwise
         residual, x = ew.add_rms_norm(hidden, residual, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)                             # [num_tokens, (heads+2*kv_heads)*dim]
+        if self.qkv_bias is not None:
+            qkv += self.qkv_bias
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, 0, heads, self.q_norm)
+            self._norm_heads(qkv, heads, kv_heads, self.k_norm)
         ew.rotary_(qkv, heads + kv_heads, dim, positions, self.rotary.cos, self.rotary.sin)
         q = qkv[:, :heads * dim].view(num_tokens, heads, dim)
         k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
@@ -192,6 +205,8 @@ class LlamaLayer:
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads
+        if self.o_bias is not None:
+            hidden += self.o_bias
 
         residual, x = ew.add_rms_norm(hidden, residual, self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)                     # [num_tokens, 2*intermediate]
@@ -199,6 +214,18 @@ class LlamaLayer:
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
+
+    def _norm_heads(self, qkv: torch.Tensor, first_head: int, num_heads: int,
+                    weight: torch.Tensor) -> None:
+        """RMSNorm, in place, of each of heads [first_head, first_head + num_heads) of the
+        qkv rows, over its head_dim values (Qwen3's q_norm / k_norm)."""
+        dim = self.head_dim
+        cols = qkv[:, first_head * dim:(first_head + num_heads) * dim]
+        # The kernels take contiguous rows: one copy of these heads, one row per head (a
+        # single head's reshape is a strided view, hence contiguous()).
+        rows = cols.reshape(-1, dim).contiguous()          # [num_tokens * num_heads, dim]
+        _, normed = self.elementwise.add_rms_norm(rows, None, weight, self.eps)
+        cols.copy_(normed.view(cols.shape))
 
 
 def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
@@ -253,7 +280,7 @@ class LlamaModel:
         self.norm: torch.Tensor | None = None           # [hidden], last stage
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
-                                      dtype, self.device)
+                                      dtype, self.device, config.rope_scaling)
         if kernels is None:
             kernels = load_cpu_kernels(
                 detect_level() if cpu_level is None else cpu_level, config.head_dim,
@@ -265,6 +292,11 @@ class LlamaModel:
     def is_first_stage(self) -> bool:
         return self.first_layer == 0
 
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """This stage's layers' attention windows, in order (0: full; see `LlamaLayer.window`)."""
+        return self.config.layer_windows[self.first_layer:self.end_layer]
+
     def load_weights(self, weights: ModelWeights) -> None:
         """Take HF-named weights (see `weights.load_weights`) already in `self.dtype` and on
         `self.device`."""
@@ -275,8 +307,7 @@ class LlamaModel:
             if self.is_first_stage:
                 self.embed_tokens = slice_rows(tensors["model.embed_tokens.weight"], v0, v1)
             self.layers = [
-                LlamaLayer(self.shard, cfg.head_dim, cfg.rms_norm_eps, weights,
-                           f"model.layers.{i}.", self.rotary, self.tp, self.kernels)
+                LlamaLayer(self.shard, cfg, weights, i, self.rotary, self.tp, self.kernels)
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]

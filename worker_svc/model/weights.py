@@ -6,8 +6,10 @@
 Q4_1 or Q8_0, their quantized values with per-32 scales and offsets (`QuantBlocks`), which the
 model multiplies directly for small steps. `LlamaModel.load_weights` consumes both.
 
-GGUF files written by llama.cpp's converter store attn_q / attn_k with the rows of every head
-permuted for llama.cpp's interleaved RoPE; we undo that here so both sources give HF's layout.
+GGUF files written by llama.cpp's converter store attn_q / attn_k (weights and biases) of the
+`llama` architecture with the rows of every head permuted for llama.cpp's interleaved RoPE; we
+undo that here so both sources give HF's layout. `qwen2` / `qwen3` use llama.cpp's NEOX RoPE
+(HF's own pairing) and are stored unpermuted.
 """
 
 import json
@@ -32,7 +34,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Read into ModelConfig (services/gguf_config.py), not weights.
+_GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -136,6 +146,8 @@ def _load_gguf(path: Path, config: ModelConfig, wanted: Callable[[str], bool]) -
         raise ModelFormatError(str(exc)) from exc
     weights = ModelWeights({})
     for tensor in reader.tensors:
+        if tensor.name in _GGUF_CONFIG_TENSORS:
+            continue
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is None:
             # Non-weight tensors we know we do not need (e.g. precomputed rope factors) are
@@ -151,8 +163,10 @@ def _load_gguf(path: Path, config: ModelConfig, wanted: Callable[[str], bool]) -
                       + blocks.offsets.repeat_interleave(QUANT_BLOCK, dim=1))
         else:
             weight = torch.from_numpy(dequantize(tensor.data, tensor.type_id).copy())
-        num_heads = {"attn_q.weight": config.num_heads,
-                     "attn_k.weight": config.num_kv_heads}.get(tensor.name.split(".", 2)[-1])
+        num_heads = {"attn_q.weight": config.num_heads, "attn_q.bias": config.num_heads,
+                     "attn_k.weight": config.num_kv_heads, "attn_k.bias": config.num_kv_heads,
+                     }.get(tensor.name.split(".", 2)[-1]) if config.architecture == "llama" \
+            else None
         if num_heads is not None:
             weight = unpermute_llama_cpp_rows(weight, num_heads)
             if blocks is not None:

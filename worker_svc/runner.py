@@ -25,7 +25,6 @@ slots for those requests are freed by the scheduler. `failed_output` is the answ
 
 import gc
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from services.kv_chunks import KvSlice
-from services.model_config import ModelConfig, ModelFormatError
+from services.model_config import ModelConfig
 from services.wire import IDLE_GAP_S, StepInput, StepOutput
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
@@ -60,24 +59,6 @@ from worker_svc.pending_tokens import PendingTokens
 from worker_svc.step_output import failed_output, sample_step, step_output
 
 log = logging.getLogger(__name__)
-
-# Until the attention kernels take a window: set to 1 to load a model whose sliding window is
-# shorter than its context anyway (tests whose prompts fit the window; wrong past it).
-ALLOW_WINDOW_TODO = "SPLITSERVE_ALLOW_WINDOW_TODO"
-
-
-def refuse_unwired_windows(config: ModelConfig) -> None:
-    """Refuses a model with a layer window shorter than max_model_len: attention does not
-    apply windows yet, so a longer prompt would silently attend too far. TODO(windows): gone
-    once LlamaLayer passes `window` to the attention kernels."""
-    short = sorted({w for w in config.layer_windows if 0 < w < config.max_model_len})
-    if short and os.environ.get(ALLOW_WINDOW_TODO) != "1":
-        raise ModelFormatError(
-            f"{config.name}: sliding_window {short} (tokens, on "
-            f"{sum(0 < w < config.max_model_len for w in config.layer_windows)} of "
-            f"{config.num_layers} layers) is shorter than max_model_len "
-            f"{config.max_model_len}, and sliding-window attention is not implemented yet")
-
 
 class ModelRunner:
     """Runs steps for one pipeline stage (layers [first_layer, end_layer)) of one replica."""
@@ -108,7 +89,6 @@ class ModelRunner:
         if name is None:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype}")
         dtype_for(self.device, name)      # refuses what this device cannot compute in
-        refuse_unwired_windows(model_config)
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id

@@ -92,11 +92,15 @@ class RunningCluster:
 def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
                 worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
                 pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
-                ready_timeout_s: float = 180.0) -> Iterator[RunningCluster]:
+                ready_timeout_s: float = 180.0, model: str | None = None
+                ) -> Iterator[RunningCluster]:
+    """The services as processes on free ports; `model`: a model path (default: the default
+    model)."""
     port, control_port, plan_port, admin_port, events_port, metrics_port, store_port = \
         free_ports(7)
-    spec = ClusterSpec(port=port, control_port=control_port, kv_plan_port=plan_port,
-                       kv_admin_port=admin_port, kv_events_port=events_port,
+    spec = ClusterSpec(model=model, port=port, control_port=control_port,
+                       kv_plan_port=plan_port, kv_admin_port=admin_port,
+                       kv_events_port=events_port,
                        kv_store_port=store_port,
                        metrics_port=metrics_port,
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,

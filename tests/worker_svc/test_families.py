@@ -1,7 +1,8 @@
 """Every model family against HF transformers in fp32, greedy token for token: tiny random
 models (scripts/random_family.py) driven through `ModelRunner` (prefill, then decode steps),
-with the C kernels (the CPU default) and with the torch path forced. Windowed models run with
-prompts shorter than their window (windows are not applied yet: see runner's gate)."""
+with the C kernels (the CPU default) and with the torch path forced. The windowed models'
+window (16 tokens) is shorter than the longer prompt (48), in one prefill step and in chunks
+that cross the window's edge."""
 
 import dataclasses
 from pathlib import Path
@@ -10,10 +11,10 @@ import pytest
 import torch
 
 from scripts.random_family import build_family_model, write_gguf
-from services.model_config import ModelConfig, ModelFormatError, load_model_config
+from services.model_config import ModelConfig, load_model_config
 from services.wire import NewRequest, RunningRequest, StepInput, StepOutput
 from tests.worker_svc.common import GREEDY, assert_greedy_match, hf_greedy
-from worker_svc.runner import ALLOW_WINDOW_TODO, ModelRunner
+from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
@@ -21,6 +22,7 @@ NUM_NEW_TOKENS = 10
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 HYBRID_TYPES = ["full_attention", "sliding_attention", "full_attention"]
+WINDOW = 16       # shorter than the 48-token prompt: the windowed layers see a part of it
 
 # name -> (family, number of layers, config.json changes)
 CASES: dict[str, tuple[str, int, dict[str, object]]] = {
@@ -34,8 +36,8 @@ CASES: dict[str, tuple[str, int, dict[str, object]]] = {
     "qwen2": ("qwen2", 2, {}),
     "qwen3": ("qwen3", 2, {}),
     "qwen3-bias": ("qwen3", 2, {"attention_bias": True}),
-    "mistral": ("mistral", 2, {"sliding_window": 256}),
-    "hybrid": ("qwen3", 3, {"use_sliding_window": True, "sliding_window": 256,
+    "mistral": ("mistral", 2, {"sliding_window": WINDOW}),
+    "hybrid": ("qwen3", 3, {"use_sliding_window": True, "sliding_window": WINDOW,
                             "layer_types": HYBRID_TYPES}),
 }
 
@@ -63,22 +65,34 @@ def built(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     return get
 
 
-def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], num_new: int
-                  ) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode them together num_new - 1 times."""
+def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], num_new: int,
+                  first_chunk: int | None = None) -> list[list[int]]:
+    """Prefill every prompt in one step (or `first_chunk` tokens of each, then the rest),
+    then decode them together num_new - 1 times."""
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     per_request = NUM_BLOCKS // len(prompts) - 1
     tables = [list(range(1 + i * per_request, 1 + (i + 1) * per_request))
               for i in range(len(prompts))]
+    chunks = [min(len(p), first_chunk or len(p)) for p in prompts]
     out = runner.execute(StepInput(0, [
-        NewRequest(f"r{i}", p, len(p), GREEDY, tables[i], 0, len(p))
+        NewRequest(f"r{i}", p, len(p), GREEDY, tables[i], 0, chunks[i])
         for i, p in enumerate(prompts)], [], []))
     assert isinstance(out, StepOutput)
-    tokens = [[t] for t in out.sampled_token_ids]
-    for step in range(1, num_new):
+    step = 1
+    if first_chunk is not None:      # the rest of every prompt (0 tokens where it fit)
+        rest = [(i, p) for i, p in enumerate(prompts) if chunks[i] < len(p)]
         out = runner.execute(StepInput(step, [], [
-            RunningRequest(f"r{i}", len(p) + step - 1, 1, [], [])
+            RunningRequest(f"r{i}", chunks[i], len(p) - chunks[i], [], []) for i, p in rest],
+            []))
+        assert isinstance(out, StepOutput)
+        assert len(rest) == len(prompts), "every prompt must be longer than first_chunk"
+        step += 1
+    tokens = [[t] for t in out.sampled_token_ids]
+    for n in range(1, num_new):
+        out = runner.execute(StepInput(step, [], [
+            RunningRequest(f"r{i}", len(p) + n - 1, 1, [], [])
             for i, p in enumerate(prompts)], []))
+        step += 1
         assert isinstance(out, StepOutput)
         for i, t in enumerate(out.sampled_token_ids):
             tokens[i].append(t)
@@ -92,9 +106,8 @@ def run(config: ModelConfig, path: Path, kernels: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_tokens_match_hf(built, name: str, kernels: str,  # type: ignore[no-untyped-def]
-                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ALLOW_WINDOW_TODO, "1")     # prompts shorter than every window
+def test_greedy_tokens_match_hf(built, name: str, kernels: str  # type: ignore[no-untyped-def]
+                                ) -> None:
     path, _, references = built(name)
     config = load_model_config(path)
     assert config.architecture == CASES[name][0]
@@ -118,18 +131,30 @@ def test_leaving_the_variation_out_changes_the_tokens(built, name: str  # type: 
     assert [tokens[:NUM_NEW_TOKENS] for tokens in ours] != [r for r, _ in references]
 
 
-def test_a_window_shorter_than_the_context_is_refused_until_wired(
-        built, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.delenv(ALLOW_WINDOW_TODO, raising=False)
-    path, _, _ = built("hybrid")
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("name", ["mistral", "hybrid"])
+def test_chunked_prefill_across_the_window_edge_matches_hf(
+        built, name: str, kernels: str) -> None:  # type: ignore[no-untyped-def]
+    """Prompts of 48 and 13 tokens prefilled 10 tokens first, then the rest: the second
+    chunk's first rows read keys of the first chunk, its later rows' windows start inside
+    it."""
+    path, _, references = built(name)
     config = load_model_config(path)
-    assert config.layer_windows == (0, 256, 0)
-    with pytest.raises(ModelFormatError, match="sliding_window"):
-        ModelRunner(config, path, torch.float32, "w", kernels="torch")
-    # A window as long as the context is full attention: no gate.
-    wide = dataclasses.replace(config, layer_windows=(0, 512, 0))
-    assert ModelRunner(wide, path, torch.float32, "w", kernels="torch").model.layer_windows \
-        == (0, 512, 0)
+    runner = ModelRunner(config, path, torch.float32, "w", kernels=kernels)
+    ours = greedy_tokens(runner, _prompts(config.vocab_size), NUM_NEW_TOKENS, first_chunk=10)
+    for tokens, (reference, near_tie) in zip(ours, references, strict=True):
+        assert_greedy_match(tokens, reference, near_tie)
+
+
+@pytest.mark.parametrize("name", ["mistral", "hybrid"])
+def test_the_window_changes_the_tokens(built, name: str) -> None:  # type: ignore[no-untyped-def]
+    """The window checks above would notice a worker that attended past the window."""
+    path, _, references = built(name)
+    config = load_model_config(path)
+    assert any(0 < w < 48 for w in config.layer_windows), config.layer_windows
+    full = dataclasses.replace(config, layer_windows=(0,) * config.num_layers)
+    ours = run(full, path, "c")
+    assert [tokens[:NUM_NEW_TOKENS] for tokens in ours] != [r for r, _ in references]
 
 
 def test_hf_sliding_mask_keeps_the_last_window_keys() -> None:

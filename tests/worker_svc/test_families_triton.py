@@ -1,6 +1,7 @@
 """The families on the GPU's code path, checked on a CPU: the Triton kernel set (under
 TRITON_INTERPRET=1, as tests/worker_svc/test_gpu_path.py) runs Qwen3's q/k norms and biases
-and Llama 3's scaled RoPE tables, greedy token for token against HF in fp32."""
+and Llama 3's scaled RoPE tables, and a hybrid of sliding (window 16, shorter than the
+longer prompt) and full layers, greedy token for token against HF in fp32."""
 
 import os
 
@@ -22,7 +23,7 @@ from worker_svc.runner import ModelRunner  # noqa: E402
 NUM_NEW_TOKENS = 4
 
 
-@pytest.mark.parametrize("name", ["qwen3-bias", "llama3-rope"])
+@pytest.mark.parametrize("name", ["qwen3-bias", "llama3-rope", "hybrid"])
 def test_triton_path_matches_hf(tmp_path: Path, name: str) -> None:
     family, num_layers, changes = CASES[name]
     model = build_family_model(tmp_path / name, family, num_layers=num_layers, **changes)

@@ -13,9 +13,9 @@ the row-parallel outputs (o_proj, down_proj, the embedding) over its `TpGroup`.
 RoPE follows HF's non-interleaved convention: dimension i pairs with i + head_dim/2; its
 tables carry the model's frequency rule (model/rope.py). The families' variations are in the
 layer: q/k/v (and o_proj) biases, sliced with their heads under TP, and Qwen3's per-head q/k
-RMSNorm (replicated) before RoPE. Each layer keeps its attention window (`window`, 0 = full,
-from `ModelConfig.layer_windows`) for the attention call; it is not passed yet (see
-`LlamaLayer.window`).
+RMSNorm (replicated) before RoPE. Each layer attends within its own window (`window`, 0 =
+full, from `ModelConfig.layer_windows`): every attention kernel takes it and reads no key
+before it.
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
 Matrices that the GGUF stores as Q4_0/Q4_1/Q8_0 also keep their blocks, and steps of a few
@@ -142,10 +142,7 @@ class LlamaLayer:
         self.eps = config.rms_norm_eps
         self.tp = tp
         self.rotary = rotary
-        # The attention window (0: full). Not computed yet: the worker refuses a model whose
-        # window is shorter than its context (runner.refuse_unwired_windows) until the
-        # attention kernels take it.
-        self.window = config.layer_windows[layer]
+        self.window = config.layer_windows[layer]   # tokens a query reads back; 0 = all
         self.kernels = kernels or LayerKernels(CpuLevel.NONE)
         self.elementwise = elementwise_ops(self.kernels)
         prefix = f"model.layers.{layer}."
@@ -201,7 +198,7 @@ class LlamaLayer:
         k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta,    # [num_tokens, heads*dim]
-                               self.kernels.attention)
+                               self.kernels.attention, window=self.window)
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads

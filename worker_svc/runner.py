@@ -40,7 +40,6 @@ from worker_svc.device import dtype_for
 from worker_svc.input_batch import InputBatch
 from worker_svc.kernel_choice import choose_kernels
 from worker_svc.kernels import CpuLevel
-from worker_svc.kernels.cpu import detect_level
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
@@ -97,11 +96,10 @@ class ModelRunner:
         shard = tp.shard if tp is not None else TpShard.whole(
             model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size,
             model_config.vocab_size)
-        level = detect_level() if cpu_level is None else cpu_level
-        layer_kernels = choose_kernels(self.device, level, model_config.head_dim,
+        layer_kernels = choose_kernels(self.device, cpu_level, model_config.head_dim,
                                        shard.num_heads // shard.num_kv_heads, dtype, kernels)
         self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp,
-                                level, self.device, layer_kernels)
+                                self.device, kernels=layer_kernels)
         weights = load_weights(model_path, model_config, dtype, first_layer,
                                self.model.end_layer, is_last_stage)
         if not quant_kernels or not layer_kernels.quant:

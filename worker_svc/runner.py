@@ -47,7 +47,7 @@ from worker_svc.kv_cache import (
     num_blocks_for_budget,
 )
 from worker_svc.kv_loader import KvLoader, start_loads
-from worker_svc.kv_saver import KvSaver
+from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
 from worker_svc.memory_budget import KvBudget, measure_kv_budget
@@ -68,7 +68,7 @@ class ModelRunner:
                  tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
                  device: torch.device | None = None, kernels: str | None = None,
                  enforce_eager: bool = False, fail_request_prefix: str | None = None,
-                 kv_store: str = ""):
+                 kv_store: KvStoreOptions | None = None, padded_decode: bool = False):
         """`quant_kernels`: run small CPU steps on the GGUF's own quantized blocks (see
         worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
@@ -76,8 +76,9 @@ class ModelRunner:
         the CPU). `kernels`: auto / c / triton / torch (worker_svc.kernel_choice).
         `enforce_eager`: no CUDA graphs. `fail_request_prefix`: tests only, a step holding a
         request whose id starts with it raises before its forward. `kv_store`: kvcache_svc's
-        KV store (tcp://HOST:PORT) to save completed KV chunks to and load them from ("":
-        neither)."""
+        KV store to save completed KV chunks to and load them from (None: neither).
+        `padded_decode`: tests only, decode steps run through the padded persistent buffers
+        without capturing graphs (how graph padding is tested on a CPU)."""
         self.device = torch.device("cpu") if device is None else device
         if self.device.type == "cuda":
             # float32 means float32 (the oracle's precision): no TF32 in matmuls.
@@ -111,9 +112,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
-        # Test hook: run decode steps through the padded persistent buffers without capturing
-        # graphs (set before init_cache; how graph padding is tested on a CPU).
-        self.padded_decode = False
+        self.padded_decode = padded_decode
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
         self._pending_tokens = PendingTokens()      # greedy tokens still on the device
@@ -123,13 +122,14 @@ class ModelRunner:
         # Test-only fault injection (SPLITSERVE_TEST_FAIL_REQUEST_PREFIX): a step holding a
         # request whose id starts with this raises before its forward.
         self.fail_request_prefix = fail_request_prefix
-        # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off. Tests
-        # that share one runner across stores swap these in and out between steps.
+        # Saves completed KV chunks to the KV store (worker_svc.kv_saver), and loads them from
+        # it (worker_svc.kv_loader); None: no store.
         self.kv_saver: KvSaver | None = None
-        self.kv_loader: KvLoader | None = None     # loads from it (set with the saver)
-        if kv_store:
-            self.kv_saver = KvSaver(kv_store, self.kv_slice())
-            self.kv_loader = KvLoader(self.kv_saver)
+        self.kv_loader: KvLoader | None = None
+        if kv_store is not None:
+            self.kv_saver = KvSaver(kv_store.address, self.kv_slice(), kv_store.max_queued_chunks,
+                                    kv_store.codec)
+            self.kv_loader = KvLoader(self.kv_saver, kv_store.codec)
 
     def kv_slice(self) -> KvSlice:
         """This rank's part of the model's KV: what its KV store chunks hold."""

@@ -45,8 +45,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return path, model
 
 
-def _runner(path: Path, kernels: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
-    return ModelRunner(load_model_config(path), path, dtype, "w", kernels=kernels)
+def _runner(path: Path, kernels: str, dtype: torch.dtype = torch.float32,
+            padded_decode: bool = False) -> ModelRunner:
+    return ModelRunner(load_model_config(path), path, dtype, "w", kernels=kernels,
+                       padded_decode=padded_decode)
 
 
 def _greedy_steps(runner: ModelRunner, prompts: list[list[int]], num_new: int,
@@ -109,8 +111,7 @@ def test_padded_decode_buffers_give_the_same_tokens(tiny_model: tuple[Path, obje
     # write the null block and their outputs are dropped. Same tokens as plain steps.
     path, _ = tiny_model
     plain = _greedy_steps(_runner(path, kernels), PROMPTS, 5, max_num_seqs=6)
-    padded_runner = _runner(path, kernels)
-    padded_runner.padded_decode = True
+    padded_runner = _runner(path, kernels, padded_decode=True)
     padded = _greedy_steps(padded_runner, PROMPTS, 5, max_num_seqs=6)
     assert padded_runner.graphs is not None and padded_runner.graphs.sizes == [1, 2, 4, 6]
     assert padded == plain

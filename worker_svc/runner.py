@@ -50,11 +50,12 @@ from worker_svc.kv_loader import KvLoader, start_loads
 from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
-from worker_svc.memory_budget import KvBudget, measure_kv_budget
+from worker_svc.memory_budget import KvBudget, ShardFootprint, measure_kv_budget
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.tensor_parallel import TpGroup, TpShard
 from worker_svc.model.weights import load_weights
 from worker_svc.pending_tokens import PendingTokens
+from worker_svc.profile_step import profile_forward
 from worker_svc.step_output import failed_output, sample_step, step_output
 
 log = logging.getLogger(__name__)
@@ -159,14 +160,25 @@ class ModelRunner:
         """Blocks (null block included) that fit in `budget_bytes` for this worker's layers."""
         return num_blocks_for_budget(budget_bytes, self.kv_layer_specs(block_size))
 
+    def footprint(self) -> ShardFootprint:
+        """What this shard takes besides its KV cache: the memory budget's inputs."""
+        cfg, shard = self.config, self.model.shard
+        i0, i1 = shard.intermediate
+        return ShardFootprint(self.device, self.weight_bytes, cfg.hidden_size,
+                              (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim, i1 - i0,
+                              cfg.vocab_size, self.dtype.itemsize, self.is_last_stage)
+
     def measure_kv_budget(self, block_size: int, max_num_batched_tokens: int,
                           max_num_seqs: int, cpu_cap_bytes: int | None,
                           gpu_memory_utilization: float = 0.9) -> KvBudget:
         """The KV budget from measured memory (worker_svc.memory_budget): on a GPU after a
-        profiling forward of the largest step; on a CPU from the host's available memory,
-        capped at `cpu_cap_bytes`."""
-        return measure_kv_budget(self, block_size, max_num_batched_tokens, max_num_seqs,
-                                 cpu_cap_bytes, gpu_memory_utilization)
+        profiling forward of the largest step (worker_svc.profile_step); on a CPU from the
+        host's available memory, capped at `cpu_cap_bytes`."""
+        specs = self.kv_layer_specs(block_size)
+        return measure_kv_budget(
+            self.footprint(), max_num_batched_tokens, max_num_seqs, cpu_cap_bytes,
+            gpu_memory_utilization, lambda num_tokens, num_rows: profile_forward(
+                self.model, specs, num_tokens, num_rows, block_size))
 
     def release_cache(self) -> None:
         """Frees everything sized for the last placement: the KV tensors, the CUDA graphs and

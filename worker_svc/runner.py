@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
-from services.wire import IDLE_GAP_S, StepInput, StepOutput
+from services.wire import StepInput, StepOutput
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.device import dtype_for
@@ -56,6 +56,7 @@ from worker_svc.model.tensor_parallel import TpGroup, TpShard
 from worker_svc.model.weights import load_weights
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.profile_step import profile_forward
+from worker_svc.step_clock import StepTimer
 from worker_svc.step_output import failed_output, sample_step, step_output
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class ModelRunner:
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
         self._pending_tokens = PendingTokens()      # greedy tokens still on the device
-        self._last_end: LaunchedStep | float | None = None   # for the gap between forwards
+        self._timer = StepTimer(self.device)       # each step's timings, gaps between them
         # The current (or last) step's forward finished: its KV is all in the cache.
         self._kv_written = False
         # Test-only fault injection (SPLITSERVE_TEST_FAIL_REQUEST_PREFIX): a step holding a
@@ -192,7 +193,7 @@ class ModelRunner:
             self.kv_saver.release_buffers()
         self.kv_caches, self.graphs, self.input_batch = [], None, None
         self._pending_tokens.clear()
-        self._last_end = None
+        self._timer.reset()
         gc.collect()           # graphs and caches can sit in reference cycles (graph pools)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -220,7 +221,7 @@ class ModelRunner:
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
                                       self.config.max_model_len)
         self._pending_tokens.clear()
-        self._last_end = None
+        self._timer.reset()
         # The graphs' metadata is the kernels' (block table, keys per row); the torch
         # attention path needs per-step padded gathers and is never captured.
         eligible = self.model.is_first_stage and self.model.kernels.attention is not None
@@ -289,7 +290,7 @@ class ModelRunner:
         if self.kv_loader is not None:   # their blocks may be reused from this step on
             self.kv_loader.wait_for(step.finished_ids)
         scheduled = input_batch.apply(step)
-        launched = LaunchedStep(step, scheduled, token_ids=[], loads=start_loads(
+        launched = LaunchedStep(step, scheduled, loads=start_loads(
             self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
         if self.kv_loader is not None:   # this step may read blocks a finished load wrote
             self.kv_loader.join_loads()
@@ -305,7 +306,6 @@ class ModelRunner:
         # One-token queries first, then longer chunks by length (similar sizes share one
         # padded attention call on the torch path); output order is step order regardless.
         layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
-        on_gpu = self.device.type == "cuda"
         with torch.inference_mode():
             meta = build_attention_metadata(
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
@@ -319,11 +319,7 @@ class ModelRunner:
             else:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
             prepared = time.perf_counter()
-            if on_gpu:
-                launched.gpu_start = torch.cuda.Event(enable_timing=True)
-                launched.gpu_start.record()
-            elif isinstance(self._last_end, float) and start - self._last_end < IDLE_GAP_S:
-                launched.gap_ms = (prepared - self._last_end) * 1e3
+            launched.gpu = self._timer.forward_starts(launched.clock, start, prepared)
             if (self.graphs is not None and input_ids is not None
                     and meta.num_decodes == len(layout) and self.graphs.fits(len(layout))):
                 hidden, residual = self.graphs.run(input_ids, meta)
@@ -332,7 +328,7 @@ class ModelRunner:
                                                       meta.positions, meta, self.kv_caches)
             self._kv_written = True
             forwarded = time.perf_counter()
-            launched.num_tokens = int(meta.positions.shape[0])
+            launched.clock.num_tokens = int(meta.positions.shape[0])
             if not self.is_last_stage:
                 launched.activations = StageActivations(hidden, residual)
             else:
@@ -341,15 +337,5 @@ class ModelRunner:
             if self.kv_saver is not None:     # last to raise: copied before any later step
                 launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
                                                         input_batch.block_size)
-            if on_gpu:
-                launched.gpu_end = torch.cuda.Event(enable_timing=True)
-                launched.gpu_end.record()
-        done = time.perf_counter()
-        launched.prepare_ms = (prepared - start) * 1e3
-        launched.forward_ms = (forwarded - prepared) * 1e3
-        launched.sample_ms = (done - forwarded) * 1e3
-        launched.launched_at = done
-        if on_gpu and isinstance(self._last_end, LaunchedStep):
-            launched.previous_end = self._last_end.gpu_end   # the gap is read at finish
-        self._last_end = launched if on_gpu else done
+            self._timer.launched(launched.clock, launched.gpu, start, prepared, forwarded)
         return launched

@@ -1,8 +1,12 @@
 """`ModelRunner`: one worker's model shard, its KV cache and input batch; runs one step.
 
-The worker's service loop owns the sockets and calls, in order: `measure_kv_budget` (the
-capacity report), `init_cache` (after `InitCache`), then `launch` and `finish` once per
-`StepInput` (`execute` is the two back to back). The last pipeline stage returns a
+Built whole, once per placement, by worker_svc.placement (its model by
+worker_svc.model_loader, its KV store link from `KvStoreOptions`); nothing is set on it from
+outside afterwards. The worker's service loop owns the sockets and calls, in order:
+`measure_kv_budget` (the capacity report: the runner states its `ShardFootprint` and hands its
+profiling forward, worker_svc.profile_step, to worker_svc.memory_budget), `init_cache` (after
+`InitCache`), then `launch` and `finish` once per `StepInput` (`execute` is the two back to
+back). The last pipeline stage returns a
 `StepOutput`; an earlier stage returns the `StageActivations` its caller sends to the next
 stage, whose step takes them.
 
@@ -16,7 +20,7 @@ Launch and finish are apart so that a GPU never waits for the host: `launch` que
 step's work and returns; a greedy step's sampled ids stay on the device and the next step's
 `launch` may take them from there (worker_svc.pending_tokens); `finish` waits for the step's
 tokens and builds its `StepOutput`. Outputs still leave in step order. The step types
-themselves live in worker_svc.launched_step.
+themselves live in worker_svc.launched_step, their timings in worker_svc.step_clock.
 
 A step that raises leaves the runner consistent: the input batch forgets the step's requests
 (see `InputBatch.discard`), nothing else persists between steps but the KV tensors, whose
@@ -36,9 +40,7 @@ from services.model_config import ModelConfig
 from services.wire import StepInput, StepOutput
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
-from worker_svc.device import dtype_for
 from worker_svc.input_batch import InputBatch
-from worker_svc.kernel_choice import choose_kernels
 from worker_svc.kernels import CpuLevel
 from worker_svc.kv_cache import (
     KvLayerSpec,
@@ -51,9 +53,8 @@ from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
 from worker_svc.memory_budget import KvBudget, ShardFootprint, measure_kv_budget
-from worker_svc.model.llama import LlamaModel
-from worker_svc.model.tensor_parallel import TpGroup, TpShard
-from worker_svc.model.weights import load_weights
+from worker_svc.model.tensor_parallel import TpGroup
+from worker_svc.model_loader import load_model
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.profile_step import profile_forward
 from worker_svc.step_clock import StepTimer
@@ -82,35 +83,14 @@ class ModelRunner:
         `padded_decode`: tests only, decode steps run through the padded persistent buffers
         without capturing graphs (how graph padding is tested on a CPU)."""
         self.device = torch.device("cpu") if device is None else device
-        if self.device.type == "cuda":
-            # float32 means float32 (the oracle's precision): no TF32 in matmuls.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                torch.float16: "float16"}.get(dtype)
-        if name is None:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype}")
-        dtype_for(self.device, name)      # refuses what this device cannot compute in
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
         self.enforce_eager = enforce_eager
-        shard = tp.shard if tp is not None else TpShard.whole(
-            model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size,
-            model_config.vocab_size)
-        layer_kernels = choose_kernels(self.device, cpu_level, model_config.head_dim,
-                                       shard.num_heads // shard.num_kv_heads, dtype, kernels)
-        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp,
-                                self.device, kernels=layer_kernels)
-        weights = load_weights(model_path, model_config, dtype, first_layer,
-                               self.model.end_layer, is_last_stage)
-        if not quant_kernels or not layer_kernels.quant:
-            weights.quant.clear()            # only the CPU's quantized-block kernels use them
-        if self.device.type != "cpu":
-            weights.tensors = {k: t.to(self.device) for k, t in weights.tensors.items()}
-        self.model.load_weights(weights)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.model, self.weight_bytes = load_model(
+            model_config, model_path, dtype, self.device, first_layer, end_layer, is_last_stage,
+            tp, cpu_level, kernels, quant_kernels)
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None

@@ -1,5 +1,5 @@
 """Project-wide rules: services never import each other; `services` imports no service; the
-checked-in gRPC stubs are what the protos generate."""
+worker's kernel packages are leaves; the checked-in gRPC stubs are what the protos generate."""
 
 import ast
 import filecmp
@@ -39,6 +39,36 @@ def test_shared_library_imports_no_service() -> None:
     imports = imported_packages("services")
     for svc in SERVICES:
         assert svc not in imports, f"services imports {svc} in {imports[svc]}"
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """Every module the files under `package` (a dotted name) import, relative imports
+    resolved, mapped to the files that import it."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package.replace(".", "/")).rglob("*.py"):
+        home = list(path.relative_to(ROOT).parts[:-1])      # the file's own package
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = home[:len(home) - node.level + 1] if node.level else []
+                names = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_worker_kernels_are_leaves() -> None:
+    # The kernels and their twins take tensors and return tensors: they import nothing of the
+    # worker's outside their own package (not the sampler, not the model's weight format).
+    for package in ("worker_svc.kernels", "worker_svc.triton_kernels"):
+        for module, files in imported_modules(package).items():
+            if module == "worker_svc" or module.startswith("worker_svc."):
+                assert module == package or module.startswith(package + "."), \
+                    f"{sorted(files)} import {module}, outside {package}"
 
 
 def test_checked_in_stubs_are_current(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Which kernels a worker's layers run, chosen once by the runner at load.
+"""Which kernels a worker's layers run: the one place that decides, called once by the runner
+(worker_svc.runner) when it builds its model; the model takes the set it is given.
 
 - `c`: the CPU's C kernels at the worker's level (worker_svc.kernels), the CPU default;
 - `triton`: the Triton kernels (worker_svc.triton_kernels), the CUDA default; on a CPU they
@@ -14,19 +15,22 @@ import os
 import torch
 
 from worker_svc.kernels import CpuLevel, LayerKernels, load_cpu_kernels
+from worker_svc.kernels.cpu import detect_level
 
 CHOICES = ("auto", "c", "triton", "torch")
 
 
-def choose_kernels(device: torch.device, level: CpuLevel, head_dim: int, group: int,
+def choose_kernels(device: torch.device, level: CpuLevel | None, head_dim: int, group: int,
                    dtype: torch.dtype, choice: str | None = None) -> LayerKernels:
-    """The kernel set for this device and model shape. `group`: query heads per KV head on
-    this rank. `choice` None: `SPLITSERVE_KERNELS`, else auto."""
+    """The kernel set for this device and model shape. `level`: the C kernels' (None: the
+    best this CPU has). `group`: query heads per KV head on this rank. `choice` None:
+    `SPLITSERVE_KERNELS`, else auto."""
     choice = resolve_choice(device, choice)
     if choice == "c":
         if device.type != "cpu":
             raise ValueError("the C kernels run on the CPU only")
-        return load_cpu_kernels(level, head_dim, group, dtype)
+        return load_cpu_kernels(detect_level() if level is None else level, head_dim, group,
+                                dtype)
     if choice == "torch":
         return LayerKernels(CpuLevel.NONE)
     from worker_svc.triton_kernels import TritonKernels, TritonPagedAttention, triton_available

@@ -45,6 +45,16 @@ MAX_QUEUED_CHUNKS = 32         # staging buffers: chunks copied out and not yet 
 DESCRIBE_RETRY_S = 2.0         # until the store answers, nothing is saved
 
 
+@dataclass(frozen=True, slots=True)
+class KvStoreOptions:
+    """How a runner reaches kvcache_svc's KV store; it builds its `KvSaver` and `KvLoader`
+    from these (worker_svc.runner)."""
+
+    address: str                                    # the store's tcp://HOST:PORT
+    max_queued_chunks: int = MAX_QUEUED_CHUNKS      # staging buffers; past them, skip a save
+    codec: Codec[FromKvStore] | None = None         # the client's (None: this process's key)
+
+
 @dataclass(slots=True)
 class PendingSave:
     """One request's chunks copied out in one step, keyed at `KvSaver.submit`."""

@@ -1,9 +1,17 @@
 """The step types that pass between a worker's launch and finish of one step.
 
-`ModelRunner.launch` (worker_svc.runner) fills a `LaunchedStep`; `ModelRunner.finish` turns it
+`ModelRunner.launch` (worker_svc.runner) makes a `LaunchedStep`; `ModelRunner.finish` turns it
 into the stage's result; worker_svc.stage_step moves `StageActivations` between pipeline
-stages; worker_svc.pending_tokens and worker_svc.step_output read and write the sampled
-tokens it holds. Plain data: no method here touches a tensor's values.
+stages. Each part of a launched step is filled by one owner, in the step's order:
+
+- `activations`: a non-last stage's output (the runner);
+- `tokens` (`SampledTokens`): the last stage's sampled rows and their tokens
+  (worker_svc.step_output's `sample_step`; worker_svc.pending_tokens for tokens still on the
+  device);
+- `clock` and `gpu`: its timings (worker_svc.step_clock);
+- `saves` and `loads`: the KV store traffic it started (worker_svc.kv_saver, kv_loader).
+
+Plain data: no method here touches a tensor's values.
 """
 
 from dataclasses import dataclass, field
@@ -14,6 +22,7 @@ from services.wire import StepInput, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.kv_loader import LoadTicket
 from worker_svc.kv_saver import PendingSave
+from worker_svc.step_clock import GpuSpan, StepClock
 
 
 @dataclass(slots=True)
@@ -25,31 +34,37 @@ class StageActivations:
 
 
 @dataclass(slots=True)
+class SampledTokens:
+    """The rows of a step that sample (in the step's layout) and their tokens: on the host
+    (`token_ids`, sampled there), or still on the device (a greedy step: `device_tokens`, with
+    their copy to `host_tokens` complete at `copied`; see worker_svc.pending_tokens)."""
+
+    sampling: list[ScheduledRequest]                    # the rows that sample, in order
+    token_ids: list[int] | None = None                  # None: read from the device at finish
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    device_tokens: torch.Tensor | None = None           # [len(sampling)] int64, greedy steps
+    host_tokens: torch.Tensor | None = None             # their copy on the host
+    copied: torch.cuda.Event | None = None              # host_tokens complete
+    positions: list[int] = field(default_factory=list)  # each row's PENDING index
+
+    def ready(self) -> bool:
+        """Whether the tokens can be read without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step whose work is queued; `ModelRunner.finish` turns it into its result."""
 
     step: StepInput
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    sampling: list[ScheduledRequest] = field(default_factory=list)  # sampled rows, in order
-    activations: StageActivations | None = None        # non-last stages
-    device_tokens: torch.Tensor | None = None          # [len(sampling)] int64, greedy steps
-    host_tokens: torch.Tensor | None = None            # their copy on the host
-    token_ids: list[int] | None = None                 # already on the host (sampled there)
-    positions: list[int] = field(default_factory=list)  # each sampling row's PENDING index
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    copied: torch.cuda.Event | None = None             # host_tokens complete
-    gpu_start: torch.cuda.Event | None = None
-    gpu_end: torch.cuda.Event | None = None
-    previous_end: torch.cuda.Event | None = None       # the step before's gpu_end
-    num_tokens: int = 0
-    prepare_ms: float = 0.0
-    forward_ms: float = 0.0                            # host time; GPU time when on CUDA
-    sample_ms: float = 0.0
-    launched_at: float = 0.0                           # perf_counter() after the launch
-    gap_ms: float = 0.0
+    activations: StageActivations | None = None         # non-last stages
+    tokens: SampledTokens | None = None                 # last stage; None: no row samples
+    clock: StepClock = field(default_factory=StepClock)
+    gpu: GpuSpan | None = None                          # CUDA only
     saves: list[PendingSave] = field(default_factory=list)  # KV chunks copied out, to queue
-    loads: LoadTicket | None = None                    # KV store loads it started
+    loads: LoadTicket | None = None                     # KV store loads it started
 
     def ready(self) -> bool:
         """Whether `finish` would return without waiting for the device."""
-        return self.copied is None or self.copied.query()
+        return self.tokens is None or self.tokens.ready()

@@ -18,24 +18,40 @@ estimated from the shapes instead of measured (host allocations have no peak cou
 clients and other workers.
 
 Every term is logged; the replica takes the smallest block count over its ranks.
+
+Called by `ModelRunner.measure_kv_budget` (worker_svc.runner), which states what its shard
+takes (`ShardFootprint`) and hands over its profiling forward (worker_svc.profile_step): this
+module sees numbers and a callable, never the runner or its model.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from services.wire import MAX_TOP_LOGPROBS, SamplingSpec
-from worker_svc.attention import build_attention_metadata, metadata_to
-from worker_svc.kv_cache import allocate_kv_caches, bytes_per_block
-from worker_svc.sampler import sample
 
 GIB = 1 << 30
 GPU_MARGIN_BYTES = 512 << 20      # CUDA graphs' pool, allocator fragmentation
 CPU_MARGIN_BYTES = 1 << 30        # the process's own growth, the page cache's due
 # The sampler's worst case per logit (float32 logits, scaled copy, probabilities, top-k and
 # full-sort values with int64 indices, float64 CDF, log-softmax): measured 34 bytes above the
-# logits on a CPU (256 rows x 49152, `worst_case_sampling`), rounded up.
+# logits on a CPU (256 rows x 49152, worker_svc.profile_step's `worst_case_sampling`), rounded
+# up.
 SAMPLER_BYTES_PER_LOGIT = 40
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFootprint:
+    """What a loaded shard takes besides its KV cache, as its runner states it
+    (`ModelRunner.footprint`): the budget's inputs."""
+
+    device: torch.device
+    weight_bytes: int          # the shard's weights, as loaded
+    hidden_size: int
+    qkv_width: int             # this rank's query, key and value columns
+    intermediate_size: int     # this rank's slice of the MLP
+    vocab_size: int            # logits per sampled row (the full vocabulary on every rank)
+    itemsize: int              # bytes per activation element (the model's dtype)
+    samples: bool              # the last stage: logits and the sampler come on top
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,80 +124,30 @@ def estimate_activation_bytes(num_tokens: int, num_logit_rows: int, hidden_size:
     return num_tokens * per_token + num_logit_rows * vocab_size * SAMPLER_BYTES_PER_LOGIT
 
 
-def worst_case_sampling(logits: torch.Tensor) -> None:
-    """Samples every row of `logits` ([rows, vocab]) the most memory-hungry way a request
-    can ask for: temperature, top-k, a top-p nucleus wider than the sampler's candidates
-    (equal logits: the whole vocabulary is sorted), and the most logprobs."""
-    vocab = logits.shape[-1]
-    spec = SamplingSpec(temperature=1.0, top_p=0.99, top_k=vocab - 1, seed=None,
-                        num_logprobs=MAX_TOP_LOGPROBS)
-    rows = logits.shape[0]
-    sample(logits.float().fill_(0.0), [spec] * rows, [None] * rows)
-
-
-def measure_kv_budget(runner: "ModelRunner", block_size: int,  # noqa: F821
-                      max_num_batched_tokens: int, max_num_seqs: int,
-                      cpu_cap_bytes: int | None, gpu_memory_utilization: float = 0.9
+def measure_kv_budget(footprint: ShardFootprint, max_num_batched_tokens: int,
+                      max_num_seqs: int, cpu_cap_bytes: int | None,
+                      gpu_memory_utilization: float, profile: Callable[[int, int], int]
                       ) -> KvBudget:
-    """`runner`'s KV budget (worker_svc.runner.ModelRunner, weights loaded): on a GPU after a
-    profiling forward of the largest step; on a CPU from the host's available memory, capped
-    at `cpu_cap_bytes`."""
-    cfg, shard = runner.config, runner.model.shard
+    """The KV budget of a shard that takes `footprint`: on a GPU measured around
+    `profile(num_tokens, num_rows)`, which runs the largest step once on a scratch KV cache
+    and returns that cache's bytes; on a CPU from the host's available memory and an
+    estimate of the same step, capped at `cpu_cap_bytes`."""
     rows = max(1, min(max_num_seqs, max_num_batched_tokens))
-    if runner.device.type == "cpu":
-        qkv = (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim
-        inter = shard.intermediate[1] - shard.intermediate[0]
-        peak = estimate_activation_bytes(max_num_batched_tokens,
-                                         rows if runner.is_last_stage else 0,
-                                         cfg.hidden_size, qkv, inter, cfg.vocab_size,
-                                         torch.empty((), dtype=runner.dtype).element_size())
-        return cpu_budget(host_available_bytes(), runner.weight_bytes, peak, cpu_cap_bytes)
-    torch.cuda.synchronize(runner.device)
+    if footprint.device.type == "cpu":
+        peak = estimate_activation_bytes(max_num_batched_tokens, rows if footprint.samples else 0,
+                                         footprint.hidden_size, footprint.qkv_width,
+                                         footprint.intermediate_size, footprint.vocab_size,
+                                         footprint.itemsize)
+        return cpu_budget(host_available_bytes(), footprint.weight_bytes, peak, cpu_cap_bytes)
+    device = footprint.device
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated(runner.device)    # the weights and tables
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    scratch = _profile_forward(runner, max_num_batched_tokens, rows, block_size)
-    torch.cuda.synchronize(runner.device)
-    peak = torch.cuda.max_memory_allocated(runner.device) - before - scratch
+    before = torch.cuda.memory_allocated(device)    # the weights and tables
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = profile(max_num_batched_tokens, rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - scratch
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(runner.device)
-    other = max(0, (total - free) - torch.cuda.memory_reserved(runner.device))
-    return gpu_budget(str(runner.device), total, gpu_memory_utilization, before, max(0, peak),
-                      other)
-
-
-def _profile_forward(runner: "ModelRunner", num_tokens: int, num_rows: int,  # noqa: F821
-                     block_size: int) -> int:
-    """One forward of `num_tokens` tokens over `num_rows` new requests (logits for each, and
-    the sampler's worst case on them), on a scratch KV cache; returns the scratch cache's
-    bytes."""
-    lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
-            for i in range(num_rows)]
-    lens.sort()                              # one-token queries first
-    tables, next_block = [], 1
-    for n in lens:
-        need = -(-n // block_size)
-        tables.append(list(range(next_block, next_block + need)))
-        next_block += need
-    specs = runner.kv_layer_specs(block_size)
-    caches = allocate_kv_caches(specs, next_block, runner.device)
-    with torch.inference_mode():
-        meta = metadata_to(build_attention_metadata(
-            lens, [0] * num_rows, tables, block_size, next_block,
-            torch_path=runner.model.kernels.attention is None), runner.device)
-        hidden = residual = ids = None
-        if runner.model.is_first_stage:
-            ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
-        else:
-            hidden = torch.zeros(num_tokens, runner.config.hidden_size, dtype=runner.dtype,
-                                 device=runner.device)
-            residual = torch.zeros_like(hidden)
-        hidden, residual = runner.model.forward(ids, hidden, residual, meta.positions, meta,
-                                                caches)
-        if runner.is_last_stage:
-            last = torch.cumsum(torch.tensor(lens, device=runner.device), 0) - 1
-            logits = runner.model.compute_logits(hidden.index_select(0, last),
-                                                 residual.index_select(0, last))
-            worst_case_sampling(logits)
-    del caches
-    return bytes_per_block(specs) * next_block
+    free, total = torch.cuda.mem_get_info(device)
+    other = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return gpu_budget(str(device), total, gpu_memory_utilization, before, max(0, peak), other)

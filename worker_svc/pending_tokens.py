@@ -14,7 +14,7 @@ finish, `clear` whenever the input batch is dropped.
 import torch
 
 from worker_svc.input_batch import ScheduledRequest
-from worker_svc.launched_step import LaunchedStep
+from worker_svc.launched_step import SampledTokens
 
 PENDING = -1   # a token sampled on the device whose value the host has not read yet
 
@@ -25,7 +25,7 @@ class PendingTokens:
     __slots__ = ("_step", "_rows")
 
     def __init__(self) -> None:
-        self._step: LaunchedStep | None = None   # the latest step with tokens on the device
+        self._step: SampledTokens | None = None  # the latest step's, tokens on the device
         self._rows: dict[str, tuple[int, int]] = {}  # id -> (its row, token position)
 
     def clear(self) -> None:
@@ -53,38 +53,37 @@ class PendingTokens:
             input_ids.index_copy_(0, rows, self._step.device_tokens.index_select(0, source))
         return input_ids
 
-    def hold(self, launched: LaunchedStep, sampling: list[ScheduledRequest],
-             tokens: torch.Tensor, device: torch.device) -> None:
-        """`tokens` ([len(sampling)] int64, on `device`) are `launched`'s sampled ids: start
-        their copy to the host and give each request a placeholder for its new token."""
-        launched.token_ids = None          # read at finish
-        launched.device_tokens = tokens
-        launched.logprobs = [None] * len(sampling)
+    def hold(self, sampled: SampledTokens, tokens: torch.Tensor, device: torch.device) -> None:
+        """`tokens` ([len(sampled.sampling)] int64, on `device`) are a step's sampled ids:
+        start their copy to the host and give each request a placeholder for its new token."""
+        sampled.token_ids = None           # read at finish
+        sampled.device_tokens = tokens
+        sampled.logprobs = [None] * len(sampled.sampling)
         if device.type == "cuda":
-            launched.host_tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
-            launched.host_tokens.copy_(tokens, non_blocking=True)
-            launched.copied = torch.cuda.Event()
-            launched.copied.record()
+            sampled.host_tokens = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+            sampled.host_tokens.copy_(tokens, non_blocking=True)
+            sampled.copied = torch.cuda.Event()
+            sampled.copied.record()
         else:
-            launched.host_tokens = tokens
-        self._step = launched
+            sampled.host_tokens = tokens
+        self._step = sampled
         self._rows = {}
-        for i, s in enumerate(sampling):
+        for i, s in enumerate(sampled.sampling):
             position = len(s.state.token_ids)
             self._rows[s.state.request_id] = (i, position)
-            launched.positions.append(position)
+            sampled.positions.append(position)
             s.state.token_ids.append(PENDING)
 
-    def resolve(self, launched: LaunchedStep) -> list[int]:
-        """Wait for `launched`'s copy to the host, write its tokens over their placeholders
-        and return them (in `launched.sampling` order)."""
-        assert launched.host_tokens is not None
-        if launched.copied is not None:
-            launched.copied.synchronize()
-        token_ids: list[int] = launched.host_tokens.tolist()
-        for s, position, token_id in zip(launched.sampling, launched.positions, token_ids,
+    def resolve(self, sampled: SampledTokens) -> list[int]:
+        """Wait for `sampled`'s copy to the host, write its tokens over their placeholders
+        and return them (in `sampled.sampling` order)."""
+        assert sampled.host_tokens is not None
+        if sampled.copied is not None:
+            sampled.copied.synchronize()
+        token_ids: list[int] = sampled.host_tokens.tolist()
+        for s, position, token_id in zip(sampled.sampling, sampled.positions, token_ids,
                                          strict=True):
             s.state.token_ids[position] = token_id
-        if self._step is launched:
+        if self._step is sampled:
             self.clear()
         return token_ids

@@ -19,7 +19,7 @@ from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache, WorkerFailure
 from worker_svc.config import WorkerConfig
 from worker_svc.device import DeviceError, dtype_for
-from worker_svc.kv_saver import KvSaver
+from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.parallel import ParallelGroups
 from worker_svc.runner import ModelRunner
 
@@ -142,7 +142,7 @@ class Placer:
                              cpu_level=cfg.cpu_level, device=cfg.device,
                              enforce_eager=cfg.enforce_eager,
                              fail_request_prefix=cfg.fail_request_prefix,
-                             kv_store=cfg.kv_store)
+                             kv_store=KvStoreOptions(cfg.kv_store) if cfg.kv_store else None)
         if cfg.fail_request_prefix is not None:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)

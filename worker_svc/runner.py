@@ -1,8 +1,12 @@
 """`ModelRunner`: one worker's model shard, its KV cache and input batch; runs one step.
 
-The worker's service loop owns the sockets and calls, in order: `measure_kv_budget` (the
-capacity report), `init_cache` (after `InitCache`), then `launch` and `finish` once per
-`StepInput` (`execute` is the two back to back). The last pipeline stage returns a
+Built whole, once per placement, by worker_svc.placement (its model by
+worker_svc.model_loader, its KV store link from `KvStoreOptions`); nothing is set on it from
+outside afterwards. The worker's service loop owns the sockets and calls, in order:
+`measure_kv_budget` (the capacity report: the runner states its `ShardFootprint` and hands its
+profiling forward, worker_svc.profile_step, to worker_svc.memory_budget), `init_cache` (after
+`InitCache`), then `launch` and `finish` once per `StepInput` (`execute` is the two back to
+back). The last pipeline stage returns a
 `StepOutput`; an earlier stage returns the `StageActivations` its caller sends to the next
 stage, whose step takes them.
 
@@ -16,7 +20,7 @@ Launch and finish are apart so that a GPU never waits for the host: `launch` que
 step's work and returns; a greedy step's sampled ids stay on the device and the next step's
 `launch` may take them from there (worker_svc.pending_tokens); `finish` waits for the step's
 tokens and builds its `StepOutput`. Outputs still leave in step order. The step types
-themselves live in worker_svc.launched_step.
+themselves live in worker_svc.launched_step, their timings in worker_svc.step_clock.
 
 A step that raises leaves the runner consistent: the input batch forgets the step's requests
 (see `InputBatch.discard`), nothing else persists between steps but the KV tensors, whose
@@ -33,14 +37,11 @@ import torch.distributed as dist
 
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
-from services.wire import IDLE_GAP_S, StepInput, StepOutput
+from services.wire import StepInput, StepOutput
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
-from worker_svc.device import dtype_for
 from worker_svc.input_batch import InputBatch
-from worker_svc.kernel_choice import choose_kernels
 from worker_svc.kernels import CpuLevel
-from worker_svc.kernels.cpu import detect_level
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
@@ -48,14 +49,15 @@ from worker_svc.kv_cache import (
     num_blocks_for_budget,
 )
 from worker_svc.kv_loader import KvLoader, start_loads
-from worker_svc.kv_saver import KvSaver
+from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
-from worker_svc.memory_budget import KvBudget, measure_kv_budget
-from worker_svc.model.llama import LlamaModel
-from worker_svc.model.tensor_parallel import TpGroup, TpShard
-from worker_svc.model.weights import load_weights
+from worker_svc.memory_budget import KvBudget, ShardFootprint, measure_kv_budget
+from worker_svc.model.tensor_parallel import TpGroup
+from worker_svc.model_loader import load_model
 from worker_svc.pending_tokens import PendingTokens
+from worker_svc.profile_step import profile_forward
+from worker_svc.step_clock import StepTimer
 from worker_svc.step_output import failed_output, sample_step, step_output
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ class ModelRunner:
                  tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
                  device: torch.device | None = None, kernels: str | None = None,
                  enforce_eager: bool = False, fail_request_prefix: str | None = None,
-                 kv_store: str = ""):
+                 kv_store: KvStoreOptions | None = None, padded_decode: bool = False):
         """`quant_kernels`: run small CPU steps on the GGUF's own quantized blocks (see
         worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
@@ -77,61 +79,39 @@ class ModelRunner:
         the CPU). `kernels`: auto / c / triton / torch (worker_svc.kernel_choice).
         `enforce_eager`: no CUDA graphs. `fail_request_prefix`: tests only, a step holding a
         request whose id starts with it raises before its forward. `kv_store`: kvcache_svc's
-        KV store (tcp://HOST:PORT) to save completed KV chunks to and load them from ("":
-        neither)."""
+        KV store to save completed KV chunks to and load them from (None: neither).
+        `padded_decode`: tests only, decode steps run through the padded persistent buffers
+        without capturing graphs (how graph padding is tested on a CPU)."""
         self.device = torch.device("cpu") if device is None else device
-        if self.device.type == "cuda":
-            # float32 means float32 (the oracle's precision): no TF32 in matmuls.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                torch.float16: "float16"}.get(dtype)
-        if name is None:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype}")
-        dtype_for(self.device, name)      # refuses what this device cannot compute in
         self.config = model_config
         self.dtype = dtype
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
         self.enforce_eager = enforce_eager
-        shard = tp.shard if tp is not None else TpShard.whole(
-            model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size,
-            model_config.vocab_size)
-        level = detect_level() if cpu_level is None else cpu_level
-        layer_kernels = choose_kernels(self.device, level, model_config.head_dim,
-                                       shard.num_heads // shard.num_kv_heads, dtype, kernels)
-        self.model = LlamaModel(model_config, dtype, first_layer, end_layer, is_last_stage, tp,
-                                level, self.device, layer_kernels)
-        weights = load_weights(model_path, model_config, dtype, first_layer,
-                               self.model.end_layer, is_last_stage)
-        if not quant_kernels or not layer_kernels.quant:
-            weights.quant.clear()            # only the CPU's quantized-block kernels use them
-        if self.device.type != "cpu":
-            weights.tensors = {k: t.to(self.device) for k, t in weights.tensors.items()}
-        self.model.load_weights(weights)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.model, self.weight_bytes = load_model(
+            model_config, model_path, dtype, self.device, first_layer, end_layer, is_last_stage,
+            tp, cpu_level, kernels, quant_kernels)
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
-        # Test hook: run decode steps through the padded persistent buffers without capturing
-        # graphs (set before init_cache; how graph padding is tested on a CPU).
-        self.padded_decode = False
+        self.padded_decode = padded_decode
         # The token ids the last step fed the model (first stage), for inspection in tests.
         self.last_input_ids: torch.Tensor | None = None
         self._pending_tokens = PendingTokens()      # greedy tokens still on the device
-        self._last_end: LaunchedStep | float | None = None   # for the gap between forwards
+        self._timer = StepTimer(self.device)       # each step's timings, gaps between them
         # The current (or last) step's forward finished: its KV is all in the cache.
         self._kv_written = False
         # Test-only fault injection (SPLITSERVE_TEST_FAIL_REQUEST_PREFIX): a step holding a
         # request whose id starts with this raises before its forward.
         self.fail_request_prefix = fail_request_prefix
-        # Saves completed KV chunks to the KV store (worker_svc.kv_saver); None: off. Tests
-        # that share one runner across stores swap these in and out between steps.
+        # Saves completed KV chunks to the KV store (worker_svc.kv_saver), and loads them from
+        # it (worker_svc.kv_loader); None: no store.
         self.kv_saver: KvSaver | None = None
-        self.kv_loader: KvLoader | None = None     # loads from it (set with the saver)
-        if kv_store:
-            self.kv_saver = KvSaver(kv_store, self.kv_slice())
-            self.kv_loader = KvLoader(self.kv_saver)
+        self.kv_loader: KvLoader | None = None
+        if kv_store is not None:
+            self.kv_saver = KvSaver(kv_store.address, self.kv_slice(), kv_store.max_queued_chunks,
+                                    kv_store.codec)
+            self.kv_loader = KvLoader(self.kv_saver, kv_store.codec)
 
     def kv_slice(self) -> KvSlice:
         """This rank's part of the model's KV: what its KV store chunks hold."""
@@ -161,14 +141,25 @@ class ModelRunner:
         """Blocks (null block included) that fit in `budget_bytes` for this worker's layers."""
         return num_blocks_for_budget(budget_bytes, self.kv_layer_specs(block_size))
 
+    def footprint(self) -> ShardFootprint:
+        """What this shard takes besides its KV cache: the memory budget's inputs."""
+        cfg, shard = self.config, self.model.shard
+        i0, i1 = shard.intermediate
+        return ShardFootprint(self.device, self.weight_bytes, cfg.hidden_size,
+                              (shard.num_heads + 2 * shard.num_kv_heads) * cfg.head_dim, i1 - i0,
+                              cfg.vocab_size, self.dtype.itemsize, self.is_last_stage)
+
     def measure_kv_budget(self, block_size: int, max_num_batched_tokens: int,
                           max_num_seqs: int, cpu_cap_bytes: int | None,
                           gpu_memory_utilization: float = 0.9) -> KvBudget:
         """The KV budget from measured memory (worker_svc.memory_budget): on a GPU after a
-        profiling forward of the largest step; on a CPU from the host's available memory,
-        capped at `cpu_cap_bytes`."""
-        return measure_kv_budget(self, block_size, max_num_batched_tokens, max_num_seqs,
-                                 cpu_cap_bytes, gpu_memory_utilization)
+        profiling forward of the largest step (worker_svc.profile_step); on a CPU from the
+        host's available memory, capped at `cpu_cap_bytes`."""
+        specs = self.kv_layer_specs(block_size)
+        return measure_kv_budget(
+            self.footprint(), max_num_batched_tokens, max_num_seqs, cpu_cap_bytes,
+            gpu_memory_utilization, lambda num_tokens, num_rows: profile_forward(
+                self.model, specs, num_tokens, num_rows, block_size))
 
     def release_cache(self) -> None:
         """Frees everything sized for the last placement: the KV tensors, the CUDA graphs and
@@ -182,7 +173,7 @@ class ModelRunner:
             self.kv_saver.release_buffers()
         self.kv_caches, self.graphs, self.input_batch = [], None, None
         self._pending_tokens.clear()
-        self._last_end = None
+        self._timer.reset()
         gc.collect()           # graphs and caches can sit in reference cycles (graph pools)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -210,7 +201,7 @@ class ModelRunner:
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
                                       self.config.max_model_len)
         self._pending_tokens.clear()
-        self._last_end = None
+        self._timer.reset()
         # The graphs' metadata is the kernels' (block table, keys per row); the torch
         # attention path needs per-step padded gathers and is never captured.
         eligible = self.model.is_first_stage and self.model.kernels.attention is not None
@@ -279,7 +270,7 @@ class ModelRunner:
         if self.kv_loader is not None:   # their blocks may be reused from this step on
             self.kv_loader.wait_for(step.finished_ids)
         scheduled = input_batch.apply(step)
-        launched = LaunchedStep(step, scheduled, token_ids=[], loads=start_loads(
+        launched = LaunchedStep(step, scheduled, loads=start_loads(
             self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
         if self.kv_loader is not None:   # this step may read blocks a finished load wrote
             self.kv_loader.join_loads()
@@ -295,7 +286,6 @@ class ModelRunner:
         # One-token queries first, then longer chunks by length (similar sizes share one
         # padded attention call on the torch path); output order is step order regardless.
         layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
-        on_gpu = self.device.type == "cuda"
         with torch.inference_mode():
             meta = build_attention_metadata(
                 [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
@@ -309,11 +299,7 @@ class ModelRunner:
             else:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
             prepared = time.perf_counter()
-            if on_gpu:
-                launched.gpu_start = torch.cuda.Event(enable_timing=True)
-                launched.gpu_start.record()
-            elif isinstance(self._last_end, float) and start - self._last_end < IDLE_GAP_S:
-                launched.gap_ms = (prepared - self._last_end) * 1e3
+            launched.gpu = self._timer.forward_starts(launched.clock, start, prepared)
             if (self.graphs is not None and input_ids is not None
                     and meta.num_decodes == len(layout) and self.graphs.fits(len(layout))):
                 hidden, residual = self.graphs.run(input_ids, meta)
@@ -322,7 +308,7 @@ class ModelRunner:
                                                       meta.positions, meta, self.kv_caches)
             self._kv_written = True
             forwarded = time.perf_counter()
-            launched.num_tokens = int(meta.positions.shape[0])
+            launched.clock.num_tokens = int(meta.positions.shape[0])
             if not self.is_last_stage:
                 launched.activations = StageActivations(hidden, residual)
             else:
@@ -331,15 +317,5 @@ class ModelRunner:
             if self.kv_saver is not None:     # last to raise: copied before any later step
                 launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
                                                         input_batch.block_size)
-            if on_gpu:
-                launched.gpu_end = torch.cuda.Event(enable_timing=True)
-                launched.gpu_end.record()
-        done = time.perf_counter()
-        launched.prepare_ms = (prepared - start) * 1e3
-        launched.forward_ms = (forwarded - prepared) * 1e3
-        launched.sample_ms = (done - forwarded) * 1e3
-        launched.launched_at = done
-        if on_gpu and isinstance(self._last_end, LaunchedStep):
-            launched.previous_end = self._last_end.gpu_end   # the gap is read at finish
-        self._last_end = launched if on_gpu else done
+            self._timer.launched(launched.clock, launched.gpu, start, prepared, forwarded)
         return launched

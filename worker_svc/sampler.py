@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from services.wire import SamplingSpec, TokenLogprobs
+from worker_svc.kernels.elementwise import argmax_float
 
 # Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
 # a full sort (slow on CPU: a 49k-entry row takes milliseconds).
@@ -84,11 +85,6 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                 logits.index_select(0, rows), [specs[i] for i in random_rows],
                 [generators[i] for i in random_rows])
     return token_ids.tolist(), _logprobs(logits, token_ids, specs)
-
-
-def argmax_float(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> [rows], first maximum, in torch (TorchElementwise.argmax too)."""
-    return logits.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
 
 
 def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],

@@ -5,24 +5,27 @@ reports a failed step.
 Called by `ModelRunner` (worker_svc.runner): `sample_step` at launch, after the forward;
 `step_output` at finish; `failed_output` for the server's answer to a step that raised.
 Greedy steps keep their tokens on the device (worker_svc.pending_tokens); any other step is
-sampled on the host's terms by worker_svc.sampler and appended to its requests at once.
+sampled on the host's terms by worker_svc.sampler and appended to its requests at once. The
+timings come from worker_svc.step_clock.
 """
 
 import torch
 
-from services.wire import IDLE_GAP_S, StepError, StepInput, StepOutput, StepTimings
+from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
-from worker_svc.launched_step import LaunchedStep
+from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.sampler import is_greedy, sample
+from worker_svc.step_clock import step_timings
 
 
 def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[ScheduledRequest],
                 hidden: torch.Tensor, residual: torch.Tensor, pending: PendingTokens,
                 device: torch.device) -> None:
     """Logits for the rows that sample, then greedy on the device (tokens stay there,
-    copied back asynchronously) or the full sampler (on the host's terms)."""
+    copied back asynchronously) or the full sampler (on the host's terms); fills
+    `launched.tokens` (left None when no row samples)."""
     rows, sampling = [], []
     end = 0
     for s in layout:
@@ -30,52 +33,39 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
         if s.samples:
             rows.append(end - 1)      # the request's last row in the flat batch
             sampling.append(s)
-    launched.sampling = sampling
     if not sampling:
         return
+    launched.tokens = sampled = SampledTokens(sampling)
     index = torch.tensor(rows).to(device, non_blocking=True)
     logits = model.compute_logits(hidden.index_select(0, index),
                                   residual.index_select(0, index))  # [rows, vocab]
     specs = [s.state.sampling for s in sampling]
     if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
-        token_ids, launched.logprobs = sample(logits, specs,
-                                              [s.state.generator for s in sampling])
-        launched.token_ids = token_ids
+        token_ids, sampled.logprobs = sample(logits, specs,
+                                             [s.state.generator for s in sampling])
+        sampled.token_ids = token_ids
         for s, token_id in zip(sampling, token_ids, strict=True):
             s.state.token_ids.append(token_id)
         return
-    pending.hold(launched, sampling, model.elementwise.argmax(logits), device)  # [rows] int64
+    pending.hold(sampled, model.elementwise.argmax(logits), device)  # [rows] int64
 
 
 def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) -> StepOutput:
     """Wait for `launched`'s tokens and timings; its `StepOutput`, requests in step order."""
-    sampling = launched.sampling
-    token_ids = launched.token_ids
-    if token_ids is None:
-        token_ids = pending.resolve(launched)
-    by_request = {s.state.request_id: (t, lp) for s, t, lp in
-                  zip(sampling, token_ids, launched.logprobs, strict=True)}
+    by_request: dict[str, tuple[int, TokenLogprobs | None]] = {}
+    sampled = launched.tokens
+    if sampled is not None:
+        token_ids = sampled.token_ids
+        if token_ids is None:
+            token_ids = pending.resolve(sampled)
+        by_request = {s.state.request_id: (t, lp) for s, t, lp in
+                      zip(sampled.sampling, token_ids, sampled.logprobs, strict=True)}
     ordered = [s.state.request_id for s in launched.scheduled if s.samples]
     return StepOutput(
         step_id=launched.step.step_id, worker_id=worker_id, request_ids=ordered,
         sampled_token_ids=[by_request[r][0] for r in ordered],
-        logprobs=[by_request[r][1] for r in ordered], timings=_timings(launched))
-
-
-def _timings(launched: LaunchedStep) -> StepTimings:
-    forward_ms, sample_ms, gap_ms = launched.forward_ms, launched.sample_ms, launched.gap_ms
-    if launched.gpu_end is not None and launched.gpu_start is not None:
-        # On a GPU the host only queued the work: report the GPU's own clock, and the
-        # gap as the GPU's idle time since the step before ended.
-        launched.gpu_end.synchronize()
-        forward_ms, sample_ms = launched.gpu_start.elapsed_time(launched.gpu_end), 0.0
-        previous = launched.previous_end
-        gap_ms = 0.0 if previous is None else max(0.0, previous.elapsed_time(
-            launched.gpu_start))
-        if gap_ms > IDLE_GAP_S * 1e3:
-            gap_ms = 0.0
-    return StepTimings(prepare_ms=launched.prepare_ms, forward_ms=forward_ms,
-                       sample_ms=sample_ms, num_tokens=launched.num_tokens, gap_ms=gap_ms)
+        logprobs=[by_request[r][1] for r in ordered],
+        timings=step_timings(launched.clock, launched.gpu))
 
 
 def failed_output(step: StepInput, exc: Exception, worker_id: str,

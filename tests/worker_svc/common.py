@@ -1,9 +1,13 @@
-"""Shared by the worker tests: prompts, sampling specs, and greedy comparison against HF."""
+"""Shared by the worker tests: prompts, sampling specs, greedy comparison against HF, and the
+C kernels a model is built with."""
 
 import pytest
 import torch
 
+from services.model_config import ModelConfig
 from services.wire import SamplingSpec
+from worker_svc.kernel_choice import choose_kernels
+from worker_svc.kernels import LayerKernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 
 # Token ids from HF's tokenizer for the default GGUF (fixed here: loading it takes seconds).
@@ -62,3 +66,11 @@ def level_params(with_none: bool = False) -> list:  # type: ignore[type-arg]
     return [pytest.param(level, id=level.label, marks=pytest.mark.skipif(
         level > detected, reason=f"this CPU's best level is {detected.label}"))
         for level in levels]
+
+
+def cpu_kernels(config: ModelConfig, dtype: torch.dtype, level: CpuLevel | None = None
+                ) -> LayerKernels:
+    """The C kernels a whole-width model of `config` runs at `level` (None: this CPU's best),
+    as worker_svc.kernel_choice gives them to a CPU worker."""
+    return choose_kernels(torch.device("cpu"), level, config.head_dim,
+                          config.num_heads // config.num_kv_heads, dtype, "c")

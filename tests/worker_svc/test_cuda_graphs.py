@@ -90,8 +90,7 @@ def test_padding_rows_skip_the_cache_and_attend_nothing_with_triton(
     # of plain steps.
     path, _ = tiny_model
     plain = _greedy_steps(_runner(path, "triton"), PROMPTS, 3, max_num_seqs=6)
-    runner = _runner(path, "triton")
-    runner.padded_decode = True
+    runner = _runner(path, "triton", padded_decode=True)
     assert _greedy_steps(runner, PROMPTS, 3, max_num_seqs=6) == plain
     graphs = runner.graphs
     assert graphs is not None and graphs.padding == (-1, 0)
@@ -104,8 +103,7 @@ def test_c_kernel_padding_uses_the_null_slot(tiny_model: tuple[Path, object]) ->
     # The C kernels take no negative slot and no empty row: their padding row writes and
     # attends the null block's slot 0, which real rows never read.
     path, _ = tiny_model
-    runner = _runner(path, "c")
-    runner.padded_decode = True
+    runner = _runner(path, "c", padded_decode=True)
     _greedy_steps(runner, PROMPTS, 2, max_num_seqs=6)
     graphs = runner.graphs
     assert graphs is not None and graphs.padding == (0, 1)

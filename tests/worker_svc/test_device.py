@@ -8,10 +8,12 @@ import torch
 from worker_svc.device import DeviceError, device_label, device_uuid, dtype_for, resolve_device
 from worker_svc.memory_budget import (
     GIB,
+    ShardFootprint,
     cpu_budget,
     estimate_activation_bytes,
     gpu_budget,
     host_available_bytes,
+    measure_kv_budget,
 )
 
 
@@ -78,3 +80,19 @@ def test_activation_estimate_grows_with_tokens_and_rows() -> None:
     base = estimate_activation_bytes(2048, 256, 576, 960, 1536, 49152, 4)
     assert estimate_activation_bytes(4096, 256, 576, 960, 1536, 49152, 4) > base
     assert estimate_activation_bytes(2048, 0, 576, 960, 1536, 49152, 4) < base
+
+
+def test_a_cpu_shards_budget_comes_from_its_footprint_alone() -> None:
+    # No runner, no model: the footprint's numbers and the host's MemAvailable. The
+    # profiling forward is a GPU's; a CPU estimates the same step instead.
+    def profile(num_tokens: int, num_rows: int) -> int:
+        raise AssertionError("a CPU budget runs no profiling forward")
+
+    last = ShardFootprint(torch.device("cpu"), GIB, 576, 960, 1536, 49152, 4, samples=True)
+    budget = measure_kv_budget(last, 2048, 256, 1 << 20, 0.9, profile)
+    assert budget.budget == 1 << 20 and budget.weights == GIB
+    assert budget.peak_activation == estimate_activation_bytes(2048, 256, 576, 960, 1536,
+                                                               49152, 4)
+    middle = ShardFootprint(torch.device("cpu"), GIB, 576, 960, 1536, 49152, 4, samples=False)
+    assert measure_kv_budget(middle, 2048, 256, None, 0.9, profile).peak_activation == \
+        estimate_activation_bytes(2048, 0, 576, 960, 1536, 49152, 4)

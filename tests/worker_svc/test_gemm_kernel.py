@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from services.model_config import ModelConfig
-from tests.worker_svc.common import PROMPTS
+from tests.worker_svc.common import PROMPTS, cpu_kernels
 from worker_svc.attention import build_attention_metadata
 from worker_svc.kernels import AmxGemm, Bf16Gemm, FmaGemm, Gemm, TorchInt4, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.kernels.gemm import bf16_gemm, fma_gemm, quant_gemm, quant_kernels
+from worker_svc.kernels.quant_blocks import QuantBlocks
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model import llama
-from worker_svc.model.weights import QuantBlocks, load_weights
+from worker_svc.model.weights import load_weights
 
 
 def _gemm(level: CpuLevel, dtype: torch.dtype, kind: str = "fma") -> Gemm:
@@ -136,14 +137,17 @@ def test_model_logits_at_each_level_agree_with_float32(
     # every matmul of the model (LM head included) through the level's kernel, against the
     # torch-only model (level none).
     weights = load_weights(model_path, model_config, torch.bfloat16)
-    ours = llama.LlamaModel(model_config, torch.bfloat16, cpu_level=kernel_level)
+    ours = llama.LlamaModel(model_config, torch.bfloat16,
+                            kernels=cpu_kernels(model_config, torch.bfloat16, kernel_level))
     ours.load_weights(weights)
     assert ours.kernels.gemm is not None and ours.lm_head.gemm is not None
     assert all(layer.gate_up_proj.gemm is not None for layer in ours.layers)
-    plain = llama.LlamaModel(model_config, torch.bfloat16, cpu_level=CpuLevel.NONE)
+    plain = llama.LlamaModel(model_config, torch.bfloat16,
+                             kernels=cpu_kernels(model_config, torch.bfloat16, CpuLevel.NONE))
     plain.load_weights(weights)
     assert plain.lm_head.gemm is None
-    fp32 = llama.LlamaModel(model_config, torch.float32, cpu_level=CpuLevel.NONE)
+    fp32 = llama.LlamaModel(model_config, torch.float32,
+                            kernels=cpu_kernels(model_config, torch.float32, CpuLevel.NONE))
     fp32.load_weights(load_weights(model_path, model_config, torch.float32))
 
     prompts = list(PROMPTS.values())[:4]

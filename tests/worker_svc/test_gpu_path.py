@@ -45,8 +45,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return path, model
 
 
-def _runner(path: Path, kernels: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
-    return ModelRunner(load_model_config(path), path, dtype, "w", kernels=kernels)
+def _runner(path: Path, kernels: str, dtype: torch.dtype = torch.float32,
+            padded_decode: bool = False) -> ModelRunner:
+    return ModelRunner(load_model_config(path), path, dtype, "w", kernels=kernels,
+                       padded_decode=padded_decode)
 
 
 def _greedy_steps(runner: ModelRunner, prompts: list[list[int]], num_new: int,
@@ -109,8 +111,7 @@ def test_padded_decode_buffers_give_the_same_tokens(tiny_model: tuple[Path, obje
     # write the null block and their outputs are dropped. Same tokens as plain steps.
     path, _ = tiny_model
     plain = _greedy_steps(_runner(path, kernels), PROMPTS, 5, max_num_seqs=6)
-    padded_runner = _runner(path, kernels)
-    padded_runner.padded_decode = True
+    padded_runner = _runner(path, kernels, padded_decode=True)
     padded = _greedy_steps(padded_runner, PROMPTS, 5, max_num_seqs=6)
     assert padded_runner.graphs is not None and padded_runner.graphs.sizes == [1, 2, 4, 6]
     assert padded == plain
@@ -172,12 +173,13 @@ def test_the_profiling_forward_runs_the_largest_step(tiny_model: tuple[Path, obj
     # What a GPU worker runs before sizing its KV cache (its peak memory is measured there):
     # 50 tokens over 8 new requests (lengths 6 and 7), logits for each, on a scratch cache
     # of 8 x 2 blocks plus the null block.
-    from worker_svc.memory_budget import _profile_forward
+    from worker_svc.profile_step import profile_forward
 
     path, _ = tiny_model
     runner = _runner(path, kernels)
-    assert _profile_forward(runner, 50, 8, BLOCK_SIZE) == 17 * runner.kv_bytes_per_block(
-        BLOCK_SIZE)
+    specs = runner.kv_layer_specs(BLOCK_SIZE)
+    assert profile_forward(runner.model, specs, 50, 8, BLOCK_SIZE) == \
+        17 * runner.kv_bytes_per_block(BLOCK_SIZE)
 
 
 def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, object],
@@ -186,7 +188,7 @@ def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, ob
     # max_num_seqs rows over the whole vocabulary with temperature, top-k, top-p past the
     # sampler's candidates (the full sort) and the most logprobs.
     from services.wire import MAX_TOP_LOGPROBS
-    from worker_svc import memory_budget, sampler
+    from worker_svc import profile_step, sampler
 
     calls = []
     sorts = []
@@ -200,12 +202,13 @@ def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, ob
         sorts.append(tuple(self.shape))
         return real_sort(self, *args, **kwargs)
 
-    monkeypatch.setattr(memory_budget, "sample", sample)
+    monkeypatch.setattr(profile_step, "sample", sample)
     monkeypatch.setattr(torch.Tensor, "sort", sort)
     monkeypatch.setattr(sampler, "_TOP_P_CANDIDATES", 16)   # below the tiny vocabulary
     path, _ = tiny_model
     runner = _runner(path, "c")
-    memory_budget._profile_forward(runner, 50, 8, BLOCK_SIZE)
+    profile_step.profile_forward(runner.model, runner.kv_layer_specs(BLOCK_SIZE), 50, 8,
+                                 BLOCK_SIZE)
     ((shape, specs),) = calls
     assert shape == (8, 128) and len(specs) == 8
     spec = specs[0]

@@ -28,7 +28,7 @@ from tests.worker_svc.test_runner import MiniScheduler
 from worker_svc import kv_loader
 from worker_svc.input_batch import InputBatch
 from worker_svc.kv_loader import KvLoader
-from worker_svc.kv_saver import KvSaver
+from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -334,24 +334,19 @@ E2E_LOAD = 64
 MAX_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def runner(model_path: Path, model_config: ModelConfig) -> ModelRunner:
-    return ModelRunner(model_config, model_path, torch.float32, "worker-0")
-
-
 def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
-        ctx: zmq.Context, runner: ModelRunner, model_config: ModelConfig) -> None:
+        ctx: zmq.Context, model_path: Path, model_config: ModelConfig) -> None:
     generator = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, model_config.vocab_size, (E2E_PROMPT_LEN,),
                            generator=generator).tolist()
     store = KvStore([MemoryTier(256 << 20)], chunk_tokens=E2E_CHUNK)
     with serving(ctx, store) as loop:
-        saver = KvSaver(loop.address, runner.kv_slice(), codec=client_codec())
-        loader = KvLoader(saver, codec=client_codec())
+        runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
+                             kv_store=KvStoreOptions(loop.address, codec=client_codec()))
+        saver = runner.kv_saver
         try:
-            assert saver.ready.wait(10)
+            assert saver is not None and saver.ready.wait(10)
             runner.init_cache(128, E2E_BLOCK)
-            runner.kv_saver = saver
             # B computes the prompt in two steps, split where C's load will end, so that C's
             # computed tail runs exactly as B's did; then decodes.
             scheduler = MiniScheduler(token_budget=E2E_LOAD, send_tokens=False)
@@ -365,7 +360,6 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
             expected = scheduler.outputs("b")
             b_blocks = scheduler.requests["b"].block_ids
 
-            runner.kv_loader = loader
             c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
             num_load_blocks = E2E_LOAD // E2E_BLOCK
             launched = runner.launch(StepInput(100, [NewRequest(
@@ -391,6 +385,4 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
                 num_computed, num_new = num_computed + num_new, 1
             assert tokens == expected
         finally:
-            runner.kv_saver = runner.kv_loader = None
-            loader.close()
-            saver.close()
+            runner.close()

@@ -24,7 +24,7 @@ from tests.kvcache_svc.kv_store.serving import client_codec, serving
 from tests.worker_svc.common import GREEDY
 from tests.worker_svc.test_runner import BLOCK_SIZE, MiniScheduler
 from worker_svc.input_batch import InputBatch
-from worker_svc.kv_saver import KvSaver, extend_block_hashes, gather_blocks
+from worker_svc.kv_saver import KvSaver, KvStoreOptions, extend_block_hashes, gather_blocks
 from worker_svc.runner import ModelRunner
 
 CHUNK_TOKENS = 256
@@ -34,6 +34,7 @@ MAX_TOKENS = 3
 
 @pytest.fixture(scope="module")
 def runner(model_path: Path, model_config: ModelConfig) -> ModelRunner:
+    """A runner without a store: what saving must not change."""
     return ModelRunner(model_config, model_path, torch.float32, "worker-0")
 
 
@@ -50,11 +51,15 @@ def client(ctx: zmq.Context, address: str) -> Iterator[KvStoreClient]:
     store_client.close()
 
 
-def _saver(runner: ModelRunner, address: str, max_queued_chunks: int = 32) -> KvSaver:
-    saver = KvSaver(address, runner.kv_slice(), max_queued_chunks, codec=client_codec())
-    assert saver.ready.wait(10), "the store never described itself"
+def _saving_runner(model_path: Path, model_config: ModelConfig, address: str,
+                   max_queued_chunks: int = 32) -> tuple[ModelRunner, KvSaver]:
+    """A runner built with the store at `address`, and its saver once the store answered."""
+    runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
+                         kv_store=KvStoreOptions(address, max_queued_chunks, client_codec()))
+    saver = runner.kv_saver
+    assert saver is not None and saver.ready.wait(10), "the store never described itself"
     assert saver.chunk_tokens == CHUNK_TOKENS
-    return saver
+    return runner, saver
 
 
 def _prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
@@ -89,8 +94,9 @@ def _keys(token_ids: list[int], kv_slice: KvSlice) -> list:
                       kv_slice)
 
 
-def test_saves_whole_chunks_and_only_new_ones(runner: ModelRunner, model_config: ModelConfig,
-                                             address: str, client: KvStoreClient,
+def test_saves_whole_chunks_and_only_new_ones(runner: ModelRunner, model_path: Path,
+                                             model_config: ModelConfig, address: str,
+                                             client: KvStoreClient,
                                              caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="worker_svc.kv_saver")
     prompt = _prompt(600, model_config.vocab_size, seed=1)
@@ -99,8 +105,8 @@ def test_saves_whole_chunks_and_only_new_ones(runner: ModelRunner, model_config:
     plain.add("a", prompt, MAX_TOKENS)
     _run(runner, plain)
 
+    runner, saver = _saving_runner(model_path, model_config, address)
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    runner.kv_saver = saver = _saver(runner, address)
     try:
         # Chunked prefill (steps of 200 tokens): chunk ends fall inside steps.
         scheduler = MiniScheduler(token_budget=200, send_tokens=False)
@@ -141,14 +147,13 @@ def test_saves_whole_chunks_and_only_new_ones(runner: ModelRunner, model_config:
         stored = [r.getMessage() for r in caplog.records if "stored KV" in r.getMessage()]
         assert stored == ["stored KV for 256 of 768 tokens (skip_leading_tokens=512)"]
     finally:
-        runner.kv_saver = None
-        saver.close()
+        runner.close()
 
 
-def test_full_queue_skips_and_counts(runner: ModelRunner, model_config: ModelConfig,
+def test_full_queue_skips_and_counts(model_path: Path, model_config: ModelConfig,
                                      address: str) -> None:
+    runner, saver = _saving_runner(model_path, model_config, address, max_queued_chunks=1)
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    runner.kv_saver = saver = _saver(runner, address, max_queued_chunks=1)
     try:
         scheduler = MiniScheduler(token_budget=2048, send_tokens=False)
         scheduler.add("a", _prompt(600, model_config.vocab_size, seed=3), 1)
@@ -156,8 +161,7 @@ def test_full_queue_skips_and_counts(runner: ModelRunner, model_config: ModelCon
         _drain(saver)
         assert (saver.num_chunks_stored, saver.num_saves_skipped) == (1, 1)
     finally:
-        runner.kv_saver = None
-        saver.close()
+        runner.close()
 
 
 @pytest.mark.parametrize("salt", [b"", b"tenant-7"])

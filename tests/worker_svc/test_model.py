@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.model_config import ModelConfig
-from tests.worker_svc.common import PROMPTS, level_params
+from tests.worker_svc.common import PROMPTS, cpu_kernels, level_params
 from worker_svc.attention import AttentionMetadata, build_attention_metadata
 from worker_svc.kernels.cpu import CpuLevel
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
@@ -24,7 +24,8 @@ def fp32_weights(model_path: Path, model_config: ModelConfig) -> ModelWeights:
 def _model(config: ModelConfig, weights: ModelWeights, first: int = 0,
            end: int | None = None, last: bool = True, level: CpuLevel | None = None
            ) -> LlamaModel:
-    model = LlamaModel(config, torch.float32, first, end, last, cpu_level=level)
+    model = LlamaModel(config, torch.float32, first, end, last,
+                       kernels=cpu_kernels(config, torch.float32, level))
     model.load_weights(weights)
     return model
 
@@ -96,7 +97,8 @@ def test_bfloat16_agrees_with_float32_where_clear(
         level: CpuLevel) -> None:
     # bfloat16 runs at every level: natively (avx512_bf16), else computed in float32.
     fp32 = _model(model_config, fp32_weights)
-    bf16 = LlamaModel(model_config, torch.bfloat16, cpu_level=level)
+    bf16 = LlamaModel(model_config, torch.bfloat16,
+                      kernels=cpu_kernels(model_config, torch.bfloat16, level))
     bf16.load_weights(ModelWeights({n: t.bfloat16() for n, t in fp32_weights.tensors.items()}))
     input_ids, meta, caches = _prefill_all(model_config, model_config.num_layers)
     _, _, bf16_caches = _prefill_all(model_config, model_config.num_layers, torch.bfloat16)
@@ -117,7 +119,7 @@ def test_small_steps_on_quantized_blocks_agree_with_float32(
         dtype: torch.dtype) -> None:
     # Every prompt in chunks of at most 4 tokens: every matmul takes the small-step kernel on
     # the GGUF's own blocks (Q4_1 layers, the Q8_0 tied head).
-    ours = LlamaModel(model_config, dtype)
+    ours = LlamaModel(model_config, dtype, kernels=cpu_kernels(model_config, dtype))
     ours.load_weights(load_weights(model_path, model_config, dtype))
     if ours.kernels.quant:
         assert ours.layers[0].qkv_proj.quant_max_rows >= 4

@@ -18,11 +18,10 @@ from kvcache_svc.kv_store.store import KvStore
 from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache
 from tests.kvcache_svc.kv_store.serving import client_codec, serving
-from worker_svc import runner as runner_module
+from worker_svc import placement as placement_module
 from worker_svc.config import WorkerConfig
 from worker_svc.kernels.cpu import CpuLevel
-from worker_svc.kv_loader import KvLoader
-from worker_svc.kv_saver import KvSaver
+from worker_svc.kv_saver import KvStoreOptions
 from worker_svc.placement import Placer
 
 BLOCK_SIZE = 256
@@ -65,10 +64,8 @@ def store_address(ctx: zmq.Context) -> Iterator[str]:
 def placer(tiny_model: Path, store_address: str, monkeypatch: pytest.MonkeyPatch
            ) -> Iterator[Placer]:
     # The store in this process speaks the test cluster's frame key.
-    monkeypatch.setattr(runner_module, "KvSaver", functools.partial(KvSaver,
-                                                                   codec=client_codec()))
-    monkeypatch.setattr(runner_module, "KvLoader", functools.partial(KvLoader,
-                                                                    codec=client_codec()))
+    monkeypatch.setattr(placement_module, "KvStoreOptions",
+                        functools.partial(KvStoreOptions, codec=client_codec()))
     placer = Placer(WorkerConfig(
         scheduler_address="localhost:1", model_path=str(tiny_model), host="127.0.0.1",
         advertise_host="127.0.0.1", port=0, worker_id="w", epoch=1,

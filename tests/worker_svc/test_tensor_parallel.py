@@ -15,6 +15,7 @@ from tests.worker_svc.common import PROMPTS
 from tests.worker_svc.test_runner import BLOCK_SIZE, NUM_BLOCKS, MiniScheduler
 from worker_svc.kernels import load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
+from worker_svc.kernels.quant_blocks import QuantBlocks
 from worker_svc.model.llama import Linear
 from worker_svc.model.tensor_parallel import (
     TpShard,
@@ -22,7 +23,6 @@ from worker_svc.model.tensor_parallel import (
     slice_quant_rows,
     split_sizes,
 )
-from worker_svc.model.weights import QuantBlocks
 from worker_svc.runner import ModelRunner
 
 

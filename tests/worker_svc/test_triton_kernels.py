@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from worker_svc.kernels.elementwise import argmax_float  # noqa: E402
 from worker_svc.kernels.paged_attention_torch import reference_paged_attention  # noqa: E402
 from worker_svc.model.llama import RotaryEmbedding, TorchElementwise  # noqa: E402
-from worker_svc.sampler import argmax_float  # noqa: E402
 from worker_svc.triton_kernels import (  # noqa: E402
     TritonKernels,
     TritonPagedAttention,

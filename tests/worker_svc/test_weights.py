@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from services.model_config import ModelConfig, load_model_config
+from tests.worker_svc.common import cpu_kernels
 from worker_svc.attention import build_attention_metadata
+from worker_svc.kernels.quant_blocks import QUANT_BLOCK
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches
 from worker_svc.model.llama import LlamaModel
 from worker_svc.model.weights import (
-    QUANT_BLOCK,
     ModelWeights,
     load_weights,
     unpermute_llama_cpp_rows,
@@ -93,7 +94,7 @@ def _tiny_hf_model(tmp_path: Path, tie: bool, max_shard_size: str | None):  # ty
 
 def _our_logits(path: Path, config: ModelConfig, token_ids: list[int], first: int = 0,
                 end: int | None = None) -> torch.Tensor:
-    model = LlamaModel(config, torch.float32)
+    model = LlamaModel(config, torch.float32, kernels=cpu_kernels(config, torch.float32))
     weights = load_weights(path, config, torch.float32)
     assert not weights.quant
     model.load_weights(weights)

@@ -8,13 +8,16 @@
   their torch twin `TorchElementwise`.
 - `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
   small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles.
+- `quant_blocks.py`: those quantized blocks' format (the weights loader produces it).
+
+The package is a leaf: nothing here imports the rest of worker_svc (tests/test_structure.py
+checks). Which kernels a worker runs is decided once, by worker_svc.kernel_choice.
 
 Why compiled here: a level's `-march` and the model's head size as constants give GCC
 fixed-size loops over vector registers, and a build takes well under a second with only a C
 compiler (no torch headers, no Python extension module). At level `none`, or where a kernel
 does not build, the model uses the torch twin of that part (same results, slower). The GPU's
-kernels are Triton, in worker_svc/triton_kernels; the runner picks one set once
-(worker_svc.kernel_choice).
+kernels are Triton, in worker_svc/triton_kernels.
 """
 
 from dataclasses import dataclass, field
@@ -37,10 +40,11 @@ from worker_svc.kernels.gemm import (
 )
 from worker_svc.kernels.gemm_amx import AmxGemm, amx_gemm
 from worker_svc.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
+from worker_svc.kernels.quant_blocks import QUANT_BLOCK, QuantBlocks
 
-__all__ = ["AmxGemm", "Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels", "FmaGemm",
-           "Gemm", "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantGemm",
-           "QuantKernel", "TorchInt4", "load_cpu_kernels"]
+__all__ = ["QUANT_BLOCK", "AmxGemm", "Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels",
+           "FmaGemm", "Gemm", "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantBlocks",
+           "QuantGemm", "QuantKernel", "TorchInt4", "load_cpu_kernels"]
 
 
 @dataclass(frozen=True, slots=True)

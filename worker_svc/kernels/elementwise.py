@@ -2,7 +2,8 @@
 rotary embedding) and greedy argmax, one pass each instead of several torch kernels whose
 per-call overhead dominates at decode sizes. Its torch twin, `TorchElementwise` (same methods),
 is below: the model uses it where the C kernels do not build or are off, and tests compare
-the two."""
+the two. `argmax_float`, the argmax twin, is also the sampler's (worker_svc.sampler) default
+greedy path."""
 
 import ctypes
 
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 
 from worker_svc.kernels.build import build
 from worker_svc.kernels.cpu import CpuLevel
-from worker_svc.sampler import argmax_float
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -101,6 +101,11 @@ def rotary_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, heads, head_dim] -> rotated copy (HF rotate_half convention)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def argmax_float(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows], first maximum, in torch (TorchElementwise.argmax too)."""
+    return logits.float().argmax(dim=-1)   # (argmax over bfloat16 is ~3x slower on CPU)
 
 
 class TorchElementwise:

@@ -20,7 +20,7 @@ import torch
 
 from worker_svc.kernels.build import build
 from worker_svc.kernels.cpu import CpuLevel
-from worker_svc.model.weights import QUANT_BLOCK, QuantBlocks
+from worker_svc.kernels.quant_blocks import QUANT_BLOCK, QuantBlocks
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

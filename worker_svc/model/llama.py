@@ -35,10 +35,9 @@ from worker_svc.kernels import (
     LayerKernels,
     PackedQuant,
     PackedWeight,
+    QuantBlocks,
     QuantKernel,
-    load_cpu_kernels,
 )
-from worker_svc.kernels.cpu import detect_level
 from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re-exported)
     TorchElementwise,
     apply_rotary,
@@ -53,7 +52,7 @@ from worker_svc.model.tensor_parallel import (
     slice_quant_rows,
     slice_rows,
 )
-from worker_svc.model.weights import ModelWeights, QuantBlocks
+from worker_svc.model.weights import ModelWeights
 
 
 class Linear:
@@ -257,12 +256,12 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
-                 tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
-                 device: torch.device | None = None, kernels: LayerKernels | None = None):
+                 tp: TpGroup | None = None, device: torch.device | None = None, *,
+                 kernels: LayerKernels):
         """`device`: where weights, tables and activations live (default the CPU).
-        `kernels`: the layers' kernel set (worker_svc.kernel_choice; None: the C kernels at
-        `cpu_level`, None meaning the best this CPU has). At level none, or where a kernel
-        does not build, its torch twin runs (same results, slower)."""
+        `kernels`: the layers' kernel set, chosen by worker_svc.kernel_choice; where a field
+        is None (level none, or a kernel that did not build) its torch twin runs (same
+        results, slower)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device("cpu") if device is None else device
@@ -278,10 +277,6 @@ class LlamaModel:
         self.lm_head: Linear | None = None              # [vocab slice, hidden], last stage
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype, self.device, config.rope_scaling)
-        if kernels is None:
-            kernels = load_cpu_kernels(
-                detect_level() if cpu_level is None else cpu_level, config.head_dim,
-                self.shard.num_heads // self.shard.num_kv_heads, dtype)
         self.kernels = kernels
         self.elementwise = elementwise_ops(self.kernels)
 

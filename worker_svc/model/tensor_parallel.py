@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from worker_svc.model.weights import QUANT_BLOCK, QuantBlocks
+from worker_svc.kernels.quant_blocks import QUANT_BLOCK, QuantBlocks
 from worker_svc.parallel import peer_lost
 
 

@@ -22,6 +22,7 @@ import torch
 
 from services.gguf_file import GgufError, GgufFile
 from services.model_config import ModelConfig, ModelFormatError
+from worker_svc.kernels.quant_blocks import QUANT_BLOCK, QuantBlocks
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {
@@ -48,21 +49,6 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-QUANT_BLOCK = 32  # weights per scale/offset pair along the input dimension (ggml's block)
-
-
-@dataclass(frozen=True, slots=True)
-class QuantBlocks:
-    """A matrix as quantized values in blocks of 32 along the input dimension, as the GGUF
-    stores it: weight[o, i] = scales[o, i // 32] * values[o, i] + offsets[o, i // 32]
-    (computed in float32, this is gguf's own dequantization)."""
-
-    values: torch.Tensor     # [out_features, in_features]: bits 4 uint8 in 0..15, 8 int8
-    scales: torch.Tensor     # [out_features, in_features // 32] float32
-    offsets: torch.Tensor    # [out_features, in_features // 32] float32 (zero for Q8_0)
-    bits: int                # 4 (Q4_0, Q4_1) or 8 (Q8_0)
 
 
 @dataclass(slots=True)

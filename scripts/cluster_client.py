@@ -9,17 +9,20 @@ through its load).
   underneath (a worker killed, replicas added or removed, a scheduler draining) and count
   every answer that is late, short, wrong or an error.
 - `fetch_metrics`: the Prometheus text of the metrics port.
+- `Timer`: each step of a scenario announced, timed, and the times listed at the end.
 
 A check that fails raises `CheckFailed` with what was expected and what was seen.
 """
 
+import json
 import socket
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -106,6 +109,37 @@ def reference_answers(prompts: Sequence[str] = PROMPTS, max_tokens: int = MAX_TO
             raise CheckFailed(f"the local reference cluster failed: {exc}\n{text}") from exc
         finally:
             procs.stop()
+
+
+def load_references(path: Path | None) -> dict[str, list[int]]:
+    """The reference answers from `path` when it exists; else computed (and saved there, so
+    the next scenario of the same run reuses them)."""
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    references = reference_answers()
+    if path is not None:
+        path.write_text(json.dumps(references))
+    return references
+
+
+class Timer:
+    """`with timer.step("name"):` prints the step's start and end with its seconds;
+    `report()` lists every finished step."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[str, float]] = []
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        print(f"compose-check: {name} ...", flush=True)
+        t0 = time.monotonic()
+        yield
+        self.times.append((name, time.monotonic() - t0))
+        print(f"compose-check: {name} ok ({time.monotonic() - t0:.1f} s)", flush=True)
+
+    def report(self) -> None:
+        for name, seconds in self.times:
+            print(f"compose-check:   {name:<11} {seconds:6.1f} s", flush=True)
 
 
 def server_info(stub: generation_pb2_grpc.GenerationStub,

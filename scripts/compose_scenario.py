@@ -33,8 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -42,11 +40,12 @@ from cluster_client import (
     PROMPTS,
     CheckFailed,
     RequestLoad,
+    Timer,
     describe,
     fetch_metrics,
     free_port,
     generate,
-    reference_answers,
+    load_references,
     server_info,
     wait_replicas,
     wait_until,
@@ -140,20 +139,14 @@ def restarts(containers: list[dict]) -> dict[str, tuple[str, int]]:
 
 
 class Scenario:
-    def __init__(self, project: Project) -> None:
+    def __init__(self, project: Project, references_file: Path | None) -> None:
         self.project = project
-        self.times: list[tuple[str, float]] = []
+        self.references_file = references_file
+        self.timer = Timer()
+        self.step = self.timer.step
         self.references: dict[str, list[int]] = {}
         self.channel = grpc.insecure_channel(project.address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-
-    @contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        print(f"compose-check: {name} ...", flush=True)
-        t0 = time.monotonic()
-        yield
-        self.times.append((name, time.monotonic() - t0))
-        print(f"compose-check: {name} ok ({time.monotonic() - t0:.1f} s)", flush=True)
 
     def load(self, num_clients: int = 2) -> RequestLoad:
         return RequestLoad(self.project.address, self.references, num_clients)
@@ -161,7 +154,7 @@ class Scenario:
     def run(self) -> None:
         p = self.project
         with self.step("reference"):
-            self.references = reference_answers()
+            self.references = load_references(self.references_file)
         with self.step("up"):
             p.compose("up", "-d", "--wait", "--scale", "worker=2", timeout_s=420)
         with self.step("replicas"):
@@ -326,11 +319,13 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--project", default="splitserve-check")
     parser.add_argument("--keep", action="store_true", help="leave the project up on failure")
+    parser.add_argument("--references", type=Path,
+                        help="the local cluster's answers (JSON), made when missing")
     args = parser.parse_args()
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"{args.project}-{os.getpid()}"
     workdir.mkdir(parents=True)
     project = Project(args.project, workdir)
-    scenario = Scenario(project)
+    scenario = Scenario(project, args.references)
     try:
         scenario.run()
     except (CheckFailed, subprocess.TimeoutExpired) as exc:
@@ -344,8 +339,7 @@ def main() -> int:
         for path in workdir.iterdir():
             path.unlink()
         workdir.rmdir()
-        for name, seconds in scenario.times:
-            print(f"compose-check:   {name:<11} {seconds:6.1f} s")
+        scenario.timer.report()
     return 0
 
 

@@ -156,6 +156,8 @@ class Scenario:
         with self.step("reference"):
             self.references = load_references(self.references_file)
         with self.step("up"):
+            # A clean slate: what an interrupted earlier run may have left of this project.
+            p.compose("down", "-v", "--remove-orphans", timeout_s=120, check=False)
             p.compose("up", "-d", "--wait", "--scale", "worker=2", timeout_s=420)
         with self.step("replicas"):
             wait_replicas(self.stub, 2, timeout_s=120)

@@ -128,6 +128,8 @@ def run(stack: Stack, references: dict[str, list[int]], step) -> None:  # type: 
     with step("swarm"):
         stack.join_swarm()
     with step("deploy"):
+        if stack.leftovers():                 # an interrupted earlier run's stack
+            stack.remove()
         stack.deploy()
     channel = grpc.insecure_channel(stack.address)
     stub = generation_pb2_grpc.GenerationStub(channel)

@@ -12,6 +12,8 @@ container's logs and `down -v`:
  replicas    ServerInfo: two ready replicas
  greedy      every prompt answered token-exact against the reference
  metrics     /metrics on the published metrics port, two replicas up
+ listeners   every process listens on its container's own address only, but for the
+             scheduler's two published ports
  kill        one worker container's process SIGKILLed under a load of requests: the engine
              restarts the container, the worker registers again (a new epoch) and two replicas
              serve; not one request of the load fails
@@ -52,6 +54,7 @@ from cluster_client import (
 )
 
 from services.rpc.splitserve.v1 import generation_pb2_grpc
+from tests.e2e.listeners import WILDCARDS, descendants, listening
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_LABEL = "com.docker.compose.project"
@@ -173,6 +176,8 @@ class Scenario:
                 raise CheckFailed("/metrics does not say splitserve:replicas_up 2.0:\n" +
                                   "\n".join(line for line in text.splitlines()
                                             if line.startswith("splitserve:replicas")))
+        with self.step("listeners"):
+            self.check_listeners()
         with self.step("kill"):
             self.kill_a_worker()
         with self.step("scale-up"):
@@ -186,6 +191,29 @@ class Scenario:
             p.compose("down", "-v", "--remove-orphans", timeout_s=120)
             if left := p.leftovers():
                 raise CheckFailed(f"down -v left {left}")
+
+    def check_listeners(self) -> None:
+        """Every process of every container listens on its container's own address, except
+        the scheduler's published client and metrics ports (every interface, as published
+        ports are); nothing else on a wildcard, nothing on the container's loopback."""
+        public = {50051, 8000}
+        found = []
+        for c in self.project.containers():
+            if not c["State"]["Running"]:
+                continue
+            service = c["Config"]["Labels"][SERVICE_LABEL]
+            own = {n["IPAddress"] for n in c["NetworkSettings"]["Networks"].values()}
+            sockets = sorted({a for pid in descendants([c["State"]["Pid"]])
+                              for a in listening(pid)})
+            for host, port in sockets:
+                allowed = host in own or (service == "scheduler" and port in public
+                                          and host in WILDCARDS)
+                if not allowed:
+                    raise CheckFailed(f"{c['Name']} listens on {host}:{port}; its own address "
+                                      f"is {own} (all its listeners: {sockets})")
+            found.append(f"{c['Name'].lstrip('/')} {len(sockets)}")
+        print(f"compose-check:   listeners on own addresses only: {', '.join(found)}",
+              flush=True)
 
     def kill_a_worker(self) -> None:
         p = self.project

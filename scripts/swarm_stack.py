@@ -15,6 +15,11 @@ required as always), then each service keeps what a swarm uses, translated:
 - every service resolves by DNS to its task's own address (`endpoint_mode: dnsrr`), since each
   binds its internal listeners to the address its name resolves to (a virtual IP is nobody's);
   so the scheduler's published ports are host-mode ports of the node that runs it;
+- a swarm puts a task's name in its DNS only once the task runs, so kvcache and the scheduler
+  cannot bind their internal listeners to their own names at start as they do in compose:
+  here they bind every interface of their container (its network namespace holds the stack's
+  network and loopback only), and kvcache's healthcheck asks 127.0.0.1; a worker binds its
+  own address (`auto` reads /etc/hosts, not the DNS);
 - names of networks and volumes are left to the stack (STACK_default, STACK_models).
 
 The image must be on every node already (or in a registry they pull from); a stack never
@@ -32,6 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 KEPT = ("image", "command", "environment", "healthcheck", "init", "volumes",
         "stop_grace_period")
+# Listeners bound by service name in compose.yaml, and what they bind in a swarm (above).
+SWARM_BIND = {"SPLITSERVE_KV_HOST": "0.0.0.0", "SPLITSERVE_CONTROL_HOST": "0.0.0.0"}
 
 
 def compose_config(files: list[str]) -> dict[str, Any]:
@@ -47,6 +54,13 @@ def compose_config(files: list[str]) -> dict[str, Any]:
 
 def stack_service(name: str, svc: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:
     out = {key: svc[key] for key in KEPT if key in svc}
+    if "environment" in out:
+        out["environment"] = {k: SWARM_BIND.get(k, v) for k, v in out["environment"].items()}
+    if "healthcheck" in out:
+        test = out["healthcheck"]["test"]
+        out["healthcheck"] = {**out["healthcheck"], "test": [
+            arg.replace(f"{name}:", "127.0.0.1:", 1) if arg.startswith(f"{name}:") else arg
+            for arg in test]}
     once = svc.get("restart") in ("no", None) and name == "model-init"
     out["deploy"] = {"endpoint_mode": "dnsrr",
                      "restart_policy": {"condition": "none" if once else "any"}}

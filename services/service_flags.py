@@ -100,7 +100,8 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
                help="the scheduler's control listener HOST:PORT (its --control-port)")
     p.add_flag("--model", env="MODEL", help="GGUF file or HF directory")
     p.add_flag("--host", env="WORKER_HOST", default="127.0.0.1",
-               help="interface to bind the step socket on")
+               help="address to bind the step socket on (auto: the one this host's name "
+                    "resolves to, e.g. a container's own)")
     p.add_flag("--advertise-host", env="WORKER_ADVERTISE_HOST",
                help="address the scheduler uses to reach this worker (default: --host)")
     p.add_flag("--port", env="WORKER_PORT", type=int, default=0,

@@ -116,7 +116,7 @@ def test_every_member_gets_the_token_and_the_control_plane_stays_unpublished(
         published = {p["published"] for svc in services.values() for p in svc.get("ports", [])}
         assert published == {"50051", "8000"}         # clients and Prometheus, nothing else
         scheduler = services["scheduler"]["environment"]
-        assert scheduler["SPLITSERVE_CONTROL_HOST"] == "0.0.0.0"    # the project network
+        assert scheduler["SPLITSERVE_CONTROL_HOST"] == "scheduler"  # its address there
         assert scheduler["SPLITSERVE_CONTROL_PORT"] == "50052"
         assert services["worker"]["environment"]["SPLITSERVE_SCHEDULER"] == "scheduler:50052"
 
@@ -134,7 +134,7 @@ def test_services_and_modules(config: dict[str, Any]) -> None:
 
 def test_healthchecks_and_restart_policies(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert probe_args(services["kvcache"]) == ["127.0.0.1:50054"]       # admin gRPC liveness
+    assert probe_args(services["kvcache"]) == ["kvcache:50054"]         # admin gRPC liveness
     assert probe_args(services["scheduler"]) == ["127.0.0.1:50051"]     # client gRPC liveness
     worker_probe = probe_args(services["worker"])
     assert worker_probe[:2] == ["--file", services["worker"]["environment"][
@@ -264,9 +264,10 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
     assert server.kvcache_address == f"tcp://kvcache:{kv.plan_port}"
     # Workers register on the control listener, a port of its own that is not published.
     assert worker.scheduler_address == f"scheduler:{server.control_port}"
-    assert server.control_port != server.port and server.control_host == "0.0.0.0"
-    assert server.advertise_host == "scheduler"
-    assert worker.host == "0.0.0.0" and worker.advertise_host not in ("0.0.0.0", "")
+    # Internal listeners on each container's own address, never on every interface.
+    assert server.control_port != server.port and server.control_host == "scheduler"
+    assert server.advertise_host == "scheduler" and kv.host == "kvcache"
+    assert worker.host not in ("0.0.0.0", "::", "auto") and worker.advertise_host == worker.host
     assert server.model_path == worker.model_path == f"/models/{DEFAULT_MODEL_FILE}"
     published = {(p["target"], p["published"]) for p in services["scheduler"]["ports"]}
     assert server.metrics_port is not None
@@ -275,7 +276,7 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
     assert kv.events_port == 50055
     assert kv.store is not None and kv.store.port == 50057
     assert worker.kv_store == f"tcp://kvcache:{kv.store.port}"   # workers save KV there
-    assert probe_args(services["kvcache"]) == [f"127.0.0.1:{kv.admin_port}"]
+    assert probe_args(services["kvcache"]) == [f"kvcache:{kv.admin_port}"]
     assert probe_args(services["scheduler"]) == [f"127.0.0.1:{server.port}"]
 
 
@@ -326,6 +327,7 @@ class LocalCompose:
                         for k, v in self.services[name].get("environment", {}).items()})
         if name == "worker":
             env["SPLITSERVE_KV_CACHE_MEMORY_GIB"] = "0.25"
+            env["SPLITSERVE_WORKER_HOST"] = "127.0.0.1"      # `auto`: this host's own address
         env["PYTHONPATH"] = str(ROOT)
         env["PYTHONUNBUFFERED"] = "1"
         return env

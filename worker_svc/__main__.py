@@ -59,13 +59,15 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     log.info("%s", describe(cpu_level))
     overlap = p.env("OVERLAP_STEPS", parse_bool, None)    # tests: force on (1) or off (0)
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    advertise = a.advertise_host or a.host
+    # `auto`: this host's own address (a scaled container's, which no static name tells).
+    host = socket.gethostbyname(socket.gethostname()) if a.host == "auto" else a.host
+    advertise = a.advertise_host or host
     if advertise in ("0.0.0.0", "::"):
         # Bound to every interface (a container): advertise this host's own address.
         advertise = socket.gethostbyname(socket.gethostname())
     return WorkerConfig(
         scheduler_address=a.scheduler, model_path=str(a.model or default_model_path()),
-        host=a.host, advertise_host=advertise, port=a.port,
+        host=host, advertise_host=advertise, port=a.port,
         worker_id=worker_id, epoch=time.time_ns(), device=device,
         kv_cache_bytes=int(a.kv_cache_memory_gib * (1 << 30)),
         gpu_memory_utilization=a.gpu_memory_utilization, num_threads=a.threads,

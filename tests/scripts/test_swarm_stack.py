@@ -47,6 +47,11 @@ def test_every_service_keeps_what_a_swarm_runs(tmp_path: Path) -> None:
             assert svc["environment"]["SPLITSERVE_CLUSTER_TOKEN"] == TOKEN, name
             assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m",
                                                       "services.healthcheck"], name
+    # Names resolve in a swarm only once a task runs: nothing binds its own name at start.
+    assert services["kvcache"]["environment"]["SPLITSERVE_KV_HOST"] == "0.0.0.0"
+    assert services["scheduler"]["environment"]["SPLITSERVE_CONTROL_HOST"] == "0.0.0.0"
+    assert services["kvcache"]["healthcheck"]["test"][-1] == "127.0.0.1:50054"
+    assert services["worker"]["environment"]["SPLITSERVE_WORKER_HOST"] == "auto"
     ports = {(p["target"], p["published"], p["mode"]) for p in services["scheduler"]["ports"]}
     assert ports == {(50051, 51051, "host"), (8000, 8000, "host")}
     assert stack["volumes"] == {"models": {}}           # the stack names it STACK_models

@@ -18,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kvcache_svc's KV store: `splitserve up`'s --port + 6, after kvcache_svc's plan, admin and
 # events ports and the scheduler's metrics port (port + 2 .. port + 5).
 KV_STORE_PORT = 50057
+# The scheduler's Prometheus port: `splitserve up`'s --port + 5, and not 8000, the HTTP API's.
+METRICS_PORT = 50056
 # The OpenAI-compatible HTTP API (http_svc): the port such servers (vLLM's too) use.
 HTTP_PORT = 8000
 
@@ -88,7 +90,7 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--route-tokens-per-request", env="ROUTE_TOKENS_PER_REQUEST", type=float,
                default=64.0, help="routing across replicas: how many cached prefix tokens "
                                   "outweigh one more live request on a replica")
-    p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=8000,
+    p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=METRICS_PORT,
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds live requests may take to finish after SIGTERM")

@@ -156,8 +156,9 @@ def build_app(config: HttpConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not serving(request).readiness.ready:
-            raise ApiError(503, "not ready: no replica can serve")
+        readiness = serving(request).readiness
+        if not readiness.ready:
+            raise ApiError(503, f"not ready: {readiness.why_not}")
         return Response(status_code=200)
 
     @app.get("/version")

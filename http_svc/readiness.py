@@ -26,6 +26,7 @@ class Readiness:
         self._on_connect = on_connect
         self._retry_s = retry_s
         self.ready = False
+        self.why_not = "the scheduler has not answered yet"   # while not ready
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -47,11 +48,14 @@ class Readiness:
                         connected = True
                         self._on_connect()
                     self.ready = response.status == health_pb2.HealthCheckResponse.SERVING
+                    self.why_not = ("the scheduler has no ready replica (no worker has joined, "
+                                    "or kvcache_svc is unreachable)")
                     if self.ready != was_ready:
                         log.info("scheduler readiness: %s",
                                  "ready" if self.ready else "not ready (no replica can serve)")
                         was_ready = self.ready
             except grpc.aio.AioRpcError as exc:
+                self.why_not = f"the scheduler cannot be reached ({exc.code().name})"
                 if was_ready is not False:
                     log.warning("scheduler readiness watch: %s: %s", exc.code().name,
                                 exc.details())

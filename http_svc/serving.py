@@ -71,8 +71,7 @@ class OpenAIServing:
 
     def _require_ready(self) -> None:
         if not self.readiness.ready:
-            raise ApiError(503, "no replica can serve right now (the scheduler is not ready: "
-                                "no worker has joined, or kvcache_svc is unreachable)")
+            raise ApiError(503, f"no replica can serve right now: {self.readiness.why_not}")
 
     @staticmethod
     def _check_text(num_bytes: int, card: ModelCard, param: str) -> None:

@@ -68,6 +68,7 @@ class FakeClient:
 class Ready:
     def __init__(self, ready: bool = True) -> None:
         self.ready = ready
+        self.why_not = "no worker"
 
 
 def serve(method: str, body: Any, client: FakeClient | None = None,
@@ -159,7 +160,7 @@ def test_refusals_before_anything_is_sent(method: str, body: Any, status: int,
 def test_no_ready_replica_is_503_after_the_checks_of_the_request() -> None:
     with pytest.raises(ApiError) as refused:
         serve("completions", completion(), ready=False)
-    assert refused.value.status == 503
+    assert refused.value.status == 503 and refused.value.message.endswith(": no worker")
     with pytest.raises(ApiError) as refused:             # a bad request is still a 400
         serve("completions", completion(n=3), ready=False)
     assert refused.value.status == 400

@@ -109,3 +109,11 @@ def test_the_longest_request_counts_every_group(windows: tuple[int, ...],
         with pytest.raises(ValueError, match="pool holds"):
             add(sched, "long", list(range(10, 20)), max_tokens=expected)
     add(sched, "fits", list(range(10, 20)), max_tokens=min(expected, 1 << 20) - 10)
+
+
+def test_a_reply_for_another_number_of_groups_is_refused() -> None:
+    sched, _ = make_scheduler(num_blocks=50, kv_group_windows=WINDOWS)
+    add(sched, "a", list(range(100, 110)))
+    uniform = make_scheduler(num_blocks=50)[1]          # a pool configured without groups
+    with pytest.raises(RuntimeError, match="KV groups"):
+        sched.apply_plan(uniform.apply(sched.schedule()))

@@ -174,12 +174,14 @@ class ReplicaBlockManager:
         """The block ids appended to each group, or None (and no change) when they do not
         fit. Sliding groups give back what the step's window left before allocating."""
         state = self.requests[op.request_id]
-        num_new_blocks = max(0, cdiv(op.num_tokens, self.block_size) - state.num_table_blocks)
+        num_new_blocks = max(0, cdiv(op.num_tokens, self.block_size) - len(state.tables[0]))
+        committing = self.enable_prefix_caching and op.new_block_hashes
+        if not self.has_sliding and not num_new_blocks and not committing:
+            return [[]] if self.num_groups == 1 else [[] for _ in state.tables]  # most decodes
         first_kept = self._first_kept(op.num_computed_tokens) if self.has_sliding else None
         num_returning = 0 if first_kept is None else state.num_returning(first_kept)
         if num_new_blocks * self.num_groups > self.pool.num_free_blocks + num_returning:
             return None
-        committing = self.enable_prefix_caching and op.new_block_hashes
         if committing:      # entries the window leaves go back cached (evictable)
             self._commit(state, op.new_block_hashes, state.num_table_blocks)
         if first_kept is not None:

@@ -32,7 +32,8 @@ class KvBlocks:
         """Free blocks growing `request` by `num_new_tokens` takes: new entries in every group,
         less what its sliding groups give back first (negative: it gives back more)."""
         end = request.num_computed_tokens + num_new_tokens
-        num_new = max(0, -(-end // self.block_size) - request.num_table_blocks)
+        tables = request.block_ids
+        num_new = max(0, -(-end // self.block_size) - (len(tables[0]) if tables else 0))
         cost = num_new * self.num_groups
         if self.has_sliding and request.block_ids:
             first_kept = self.first_kept(request.num_computed_tokens)
@@ -47,8 +48,15 @@ class KvBlocks:
 
     def grown(self, request: Request, new_block_ids: list[list[int]]) -> None:
         """Applies a grow's reply (the step starts at `request.num_computed_tokens`)."""
-        self.check(new_block_ids)
-        request.append_blocks(new_block_ids, self.first_kept(request.num_computed_tokens))
+        if len(new_block_ids) != self.num_groups:
+            self.check(new_block_ids)
+        if self.has_sliding:
+            request.append_blocks(new_block_ids, self.first_kept(request.num_computed_tokens))
+        elif self.num_groups == 1:
+            request.block_ids[0] += new_block_ids[0]
+        else:
+            for ids, new_ids in zip(request.block_ids, new_block_ids, strict=True):
+                ids += new_ids
 
     def check(self, block_ids: list[list[int]]) -> None:
         if len(block_ids) != self.num_groups:

@@ -118,7 +118,8 @@ class InputBatch:
         for update in updates:
             state, request = update.state, update.request
             for ids, new_ids in zip(state.block_ids, request.new_block_ids, strict=True):
-                ids.extend(new_ids)
+                if new_ids:
+                    ids += new_ids
             start = request.num_computed_tokens
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
             state.load_start = None
@@ -217,13 +218,14 @@ class InputBatch:
         if len(block_ids) != len(self.kv_windows):
             raise ValueError(f"request {request_id!r}: block ids for {len(block_ids)} KV "
                              f"groups; the model has {len(self.kv_windows)}")
-        if len({len(ids) for ids in block_ids}) > 1:
-            raise ValueError(f"request {request_id!r}: KV groups' block lists differ in "
-                             f"length: {[len(ids) for ids in block_ids]}")
+        length = len(block_ids[0])
         for ids, window in zip(block_ids, self.kv_windows, strict=True):
+            if len(ids) != length:
+                raise ValueError(f"request {request_id!r}: KV groups' block lists differ in "
+                                 f"length: {[len(each) for each in block_ids]}")
             if not ids:
                 continue
-            if new and window:
+            if new and window and not ids[0]:
                 ids = ids[next((i for i, b in enumerate(ids) if b), len(ids)):]
             if ids and not (min(ids) >= 1 and max(ids) < self.num_blocks):
                 raise ValueError(f"request {request_id!r}: block ids {ids} not all in "

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
 from services.wire import StepInput, StepOutput
-from worker_svc.attention import AttentionMetadata, build_attention_metadata, metadata_to
+from worker_svc.attention import AttentionMetadata, build_group_metadata
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.input_batch import InputBatch, ScheduledRequest
 from worker_svc.kernels import CpuLevel
@@ -344,10 +344,9 @@ class ModelRunner:
                             ) -> list[AttentionMetadata]:
         """One metadata per KV group, on the device: the groups' block tables, hence their
         slots and tables, differ; positions and lengths are the same."""
-        query_lens = [s.num_new_tokens for s in layout]
-        context_lens = [s.num_computed_tokens for s in layout]
-        torch_path = self.model.kernels.attention is None
-        return [metadata_to(build_attention_metadata(
-            query_lens, context_lens, [s.state.block_ids[group] for s in layout],
-            input_batch.block_size, input_batch.num_blocks, torch_path=torch_path), self.device)
-            for group in range(self.model.kv_layout.num_groups)]
+        return build_group_metadata(
+            [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
+            [[s.state.block_ids[group] for s in layout]
+             for group in range(self.model.kv_layout.num_groups)],
+            input_batch.block_size, input_batch.num_blocks, self.device,
+            torch_path=self.model.kernels.attention is None)

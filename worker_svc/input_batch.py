@@ -117,8 +117,8 @@ class InputBatch:
                                             request.num_new_tokens))
         for update in updates:
             state, request = update.state, update.request
-            for ids, new_ids in zip(state.block_ids, request.new_block_ids, strict=True):
-                if new_ids:
+            if any(request.new_block_ids):
+                for ids, new_ids in zip(state.block_ids, request.new_block_ids, strict=True):
                     ids += new_ids
             start = request.num_computed_tokens
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
@@ -218,6 +218,8 @@ class InputBatch:
         if len(block_ids) != len(self.kv_windows):
             raise ValueError(f"request {request_id!r}: block ids for {len(block_ids)} KV "
                              f"groups; the model has {len(self.kv_windows)}")
+        if not any(block_ids):
+            return                            # nothing appended: most decode steps
         length = len(block_ids[0])
         for ids, window in zip(block_ids, self.kv_windows, strict=True):
             if len(ids) != length:

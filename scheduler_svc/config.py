@@ -14,6 +14,9 @@ class SchedulerConfig:
     prefix_caching: bool = True
     block_size: int = 16                  # tokens per KV block
     max_model_len: int = 8192             # context length in tokens
+    # The model's KV groups' windows (services.kv_groups `KvGroupLayout.windows`; 0 = full
+    # attention): one block table per group per request.
+    kv_group_windows: tuple[int, ...] = (0,)
 
     @property
     def token_budget(self) -> int:

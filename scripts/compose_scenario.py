@@ -74,14 +74,16 @@ class Project:
 
     def __init__(self, name: str, workdir: Path) -> None:
         self.name = name
-        self.api_port, self.metrics_port = free_port(), free_port()
+        self.api_port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         override = workdir / "compose.check.yaml"
         # The published ports on the loopback only, at ports free here; !override replaces
         # compose.yaml's list instead of adding to it.
         override.write_text(
             "services:\n  scheduler:\n    ports: !override\n"
             f'      - "127.0.0.1:{self.api_port}:50051"\n'
-            f'      - "127.0.0.1:{self.metrics_port}:8000"\n')
+            f'      - "127.0.0.1:{self.metrics_port}:50056"\n'
+            "  http:\n    ports: !override\n"
+            f'      - "127.0.0.1:{self.http_port}:8000"\n')
         self.files = ["-f", str(ROOT / "compose.yaml"), "-f", str(override)]
         self.env = {**os.environ,
                     "SPLITSERVE_CLUSTER_TOKEN": secrets.token_hex(32),

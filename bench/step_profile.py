@@ -105,7 +105,7 @@ def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps:
               for i in range(rows)}
     # Prefill in steps of 16 requests (the prompts are random ids: only the shapes matter).
     new = [NewRequest(rid, torch.randint(0, config.vocab_size, (context,), generator=gen)
-                      .tolist(), context, greedy, ids, 0, context)
+                      .tolist(), context, greedy, [ids], 0, context)
            for rid, ids in blocks.items()]
     timers = Timers()
     instrument(runner, timers)
@@ -121,7 +121,7 @@ def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps:
                                            for s in prefill])
     per_step = []
     for i in range(steps + 2):              # two untimed warm-up steps
-        running = [RunningRequest(rid, context + i, 1, [], []) for rid in blocks]
+        running = [RunningRequest(rid, context + i, 1, [[]], []) for rid in blocks]
         timers.take()
         start = time.perf_counter()
         runner.execute(StepInput(step_id, [], running, []))

@@ -8,14 +8,25 @@ refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
 
 It also answers the read-only prefix query (`num_cached_prefix_blocks`) and, when recording,
 hands out the prefix-index changes of each operation as wire KV events (`drain_events`).
+
+KV groups (services.kv_groups, shared/DESIGN.md section 4): every request holds one block table
+per group (request_blocks), all drawn from the one pool. An admission fills every table; a
+grow appends to every table, and a sliding group first gives back the blocks its window left
+(`first_kept_block` of the step's start, `GrowOp.num_computed_tokens`), so the grow may reuse
+them. Prefix hits are per group (prefix_hits). A model of one group behaves as before groups.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcache_svc.block_pool import BlockPool, IndexLog, KVBlock
+from kvcache_svc.block_pool import BlockPool, IndexLog
 from kvcache_svc.kv_store.view import StoreView
+from kvcache_svc.prefix_hits import hit_tables, longest_hit
+from kvcache_svc.request_blocks import RequestBlocks
+from services.kv_groups import FULL_ATTENTION, first_kept_block
 from services.wire import (
     MAX_BLOCKS_PER_REQUEST,
+    MAX_KV_GROUPS,
     AdmitOp,
     AdmitResult,
     BlockRemoved,
@@ -48,18 +59,6 @@ class PoolStats:
         return self.num_hits / self.num_queries if self.num_queries else 0.0
 
 
-class RequestBlocks:
-    """The blocks one request holds, in token order."""
-
-    __slots__ = ("blocks", "num_committed_blocks")
-
-    def __init__(self, blocks: list[KVBlock], num_committed_blocks: int) -> None:
-        self.blocks = blocks
-        # Leading blocks whose hashes were handed to the prefix index (the scheduler keeps the
-        # same count and sends hashes for the blocks after them).
-        self.num_committed_blocks = num_committed_blocks
-
-
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
@@ -69,11 +68,26 @@ class ReplicaBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, *,
                  epoch: int = 0, record_events: bool = False,
-                 store: StoreView | None = None) -> None:
-        """`store`: the KV store as this replica sees it (None: admissions never load)."""
+                 store: StoreView | None = None, group_windows: Sequence[int] = (0,),
+                 save_chunk_tokens: int = 0) -> None:
+        """`store`: the KV store as this replica sees it (None: admissions never load).
+        `group_windows`: the model's KV groups (`KvGroupLayout.windows`). `save_chunk_tokens`:
+        the chunk size of the KV store the workers save to (0: none), whose chunk in progress
+        a sliding group keeps (`first_kept_block`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks, IndexLog() if record_events else None)
+        if not 1 <= len(group_windows) <= MAX_KV_GROUPS or min(group_windows) < 0:
+            raise ValueError(f"group windows must be 1 to {MAX_KV_GROUPS} windows >= 0, got "
+                             f"{list(group_windows)}")
+        if save_chunk_tokens % block_size:
+            raise ValueError(f"store chunks of {save_chunk_tokens} tokens are no multiple of "
+                             f"the block size {block_size}")
+        self.windows = tuple(group_windows)
+        self.num_groups = len(self.windows)
+        self.has_sliding = any(w != FULL_ATTENTION for w in self.windows)
+        self.save_chunk_tokens = save_chunk_tokens
+        self.pool = BlockPool(num_blocks, IndexLog() if record_events else None,
+                              self.num_groups)
         self.epoch = epoch                  # of the kvcache_svc instance, put in every reply
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -124,6 +138,9 @@ class ReplicaBlockManager:
         if cdiv(op.num_tokens, self.block_size) > MAX_BLOCKS_PER_REQUEST:
             raise PlanError(f"grow of {op.request_id!r} to {op.num_tokens} tokens exceeds "
                             f"{MAX_BLOCKS_PER_REQUEST} blocks")
+        if op.num_computed_tokens > op.num_tokens:
+            raise PlanError(f"grow of {op.request_id!r} to {op.num_tokens} tokens from "
+                            f"{op.num_computed_tokens} computed ones")
         num_full = state.num_committed_blocks + len(op.new_block_hashes)
         if self.enable_prefix_caching and num_full * self.block_size > op.num_tokens:
             raise PlanError(f"grow of {op.request_id!r} commits {num_full} blocks, but "
@@ -146,57 +163,91 @@ class ReplicaBlockManager:
 
     def _free(self, request_id: str) -> None:
         state = self.requests.pop(request_id)
-        self.pool.free_blocks(reversed(state.blocks))
+        self.pool.free_blocks(state.held())
 
-    def _grow(self, op: GrowOp) -> list[int] | None:
-        """The appended block ids, or None (and no change) when they do not fit."""
+    def _first_kept(self, num_computed_tokens: int) -> list[int]:
+        """Per group, the first table entry a request still needs (`first_kept_block`)."""
+        return [first_kept_block(window, num_computed_tokens, self.block_size,
+                                 self.save_chunk_tokens) for window in self.windows]
+
+    def _grow(self, op: GrowOp) -> list[list[int]] | None:
+        """The block ids appended to each group, or None (and no change) when they do not
+        fit. Sliding groups give back what the step's window left before allocating."""
         state = self.requests[op.request_id]
-        num_new_blocks = max(0, cdiv(op.num_tokens, self.block_size) - len(state.blocks))
-        if num_new_blocks > self.pool.num_free_blocks:
+        num_new_blocks = max(0, cdiv(op.num_tokens, self.block_size) - len(state.tables[0]))
+        committing = self.enable_prefix_caching and op.new_block_hashes
+        if not self.has_sliding and not num_new_blocks and not committing:
+            return [[]] if self.num_groups == 1 else [[] for _ in state.tables]  # most decodes
+        first_kept = self._first_kept(op.num_computed_tokens) if self.has_sliding else None
+        num_returning = 0 if first_kept is None else state.num_returning(first_kept)
+        if num_new_blocks * self.num_groups > self.pool.num_free_blocks + num_returning:
             return None
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        state.blocks.extend(new_blocks)
-        if self.enable_prefix_caching and op.new_block_hashes:
-            start = state.num_committed_blocks
-            for i, block_hash in enumerate(op.new_block_hashes, start):
-                self.pool.cache_block(state.blocks[i], block_hash)
+        if committing:      # entries the window leaves go back cached (evictable)
+            self._commit(state, op.new_block_hashes, state.num_table_blocks)
+        if first_kept is not None:
+            state.release(first_kept, self.pool)
+        new_blocks = [self.pool.get_new_blocks(num_new_blocks) for _ in state.tables]
+        for table, blocks in zip(state.tables, new_blocks, strict=True):
+            table.extend(blocks)
+        if committing:
+            self._commit(state, op.new_block_hashes, state.num_table_blocks,
+                         state.num_table_blocks - num_new_blocks)
             state.num_committed_blocks += len(op.new_block_hashes)
-        return [block.block_id for block in new_blocks]
+        return [[block.block_id for block in blocks] for blocks in new_blocks]
+
+    def _commit(self, state: RequestBlocks, block_hashes: list[bytes], end: int,
+                start: int = 0) -> None:
+        """Enters the hashes of entries num_committed_blocks ... (those in [start, end)) into
+        each group's index; an entry already given back (null) is skipped."""
+        first = state.num_committed_blocks
+        lo, hi = max(first, start), min(first + len(block_hashes), end)
+        null = self.pool.null_block
+        for group, table in enumerate(state.tables):
+            for i in range(lo, hi):
+                if table[i] is not null:
+                    self.pool.cache_block(table[i], block_hashes[i - first], group)
 
     def _admit(self, op: AdmitOp) -> AdmitResult | None:
         """Admits one request, or returns None (and changes nothing) when it does not fit."""
-        hit_blocks = self._find_hits(op)
-        num_cached = len(hit_blocks) * self.block_size
-        num_load = self._num_store_tokens(op, len(hit_blocks))
+        num_hit_blocks = self._num_hit_blocks(op)
+        num_cached = num_hit_blocks * self.block_size
+        num_load = self._num_store_tokens(op, num_hit_blocks)
         num_new = 0 if num_load else op.num_tokens - num_cached
         if num_new > op.max_num_new_tokens:
             if not op.allow_partial:
                 return None
             num_new = op.max_num_new_tokens
         num_covered = num_cached + num_load + num_new
-        num_new_blocks = cdiv(num_covered, self.block_size) - len(hit_blocks)
+        tables = hit_tables(self.pool, self.windows, op.block_hashes, self.block_size,
+                            num_hit_blocks)
+        hits = [block for table in tables for block in table if block is not self.pool.null_block]
+        num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
         # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
-        num_evictable_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+        num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new_blocks * self.num_groups > self.pool.num_free_blocks - num_evictable_hits:
             return None
 
-        self.pool.touch(hit_blocks)
-        blocks = hit_blocks + self.pool.get_new_blocks(num_new_blocks)
-        num_committed = 0
+        self.pool.touch(hits)
+        num_freed = [sum(1 for block in table if block is self.pool.null_block)
+                     for table in tables]
+        for table in tables:
+            table.extend(self.pool.get_new_blocks(num_new_blocks))
+        state = RequestBlocks(tables, num_freed, 0)
         if self.enable_prefix_caching:
             # Blocks being loaded hold no KV yet: the grow after the load commits them.
-            num_committed = len(hit_blocks) if num_load else min(
+            num_committed = num_hit_blocks if num_load else min(
                 len(op.block_hashes), num_covered // self.block_size)
-            for i in range(len(hit_blocks), num_committed):
-                self.pool.cache_block(blocks[i], op.block_hashes[i])
+            state.num_committed_blocks = num_hit_blocks
+            self._commit(state, op.block_hashes[num_hit_blocks:num_committed], num_committed)
+            state.num_committed_blocks = num_committed
             self.num_queries += op.num_tokens
             self.num_hits += num_cached
         self.num_store_hits += num_load
         if self.store is not None:
             self.store.count_last_lookup()
-        self.requests[op.request_id] = RequestBlocks(blocks, num_committed)
-        return AdmitResult(op.request_id, num_cached, num_new,
-                           [block.block_id for block in blocks], num_committed, num_load)
+        self.requests[op.request_id] = state
+        return AdmitResult(op.request_id, num_cached, num_new, state.block_ids(),
+                           state.num_committed_blocks, num_load)
 
     def _num_store_tokens(self, op: AdmitOp, num_hit_blocks: int) -> int:
         """Tokens after the cached prefix to load from the KV store (0: compute them), leaving
@@ -210,27 +261,21 @@ class ReplicaBlockManager:
         num_stored = min(num_held * self.block_size, op.num_tokens - 1)
         return max(0, num_stored - num_hit_blocks * self.block_size)
 
-    def _find_hits(self, op: AdmitOp) -> list[KVBlock]:
-        """The blocks of the longest cached prefix of `op`, leaving at least one token to
-        compute (its logits are needed to sample)."""
+    def _num_hit_blocks(self, op: AdmitOp) -> int:
+        """Blocks of the longest prefix of `op` every group serves from cache, leaving at
+        least one token to compute (its logits are needed to sample)."""
         if not self.enable_prefix_caching:
-            return []
-        hits: list[KVBlock] = []
-        for block_hash in op.block_hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        if hits and len(hits) * self.block_size >= op.num_tokens:
-            hits.pop()
-        return hits
+            return 0
+        return longest_hit(self.pool, self.windows, op.block_hashes, self.block_size,
+                           (op.num_tokens - 1) // self.block_size)
 
     # ------------------------------------------------------------------------------ queries
 
     def num_cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
-        """Leading `block_hashes` in the prefix index; changes nothing (0 with caching off,
-        as the index is then always empty)."""
-        return self.pool.num_cached_prefix_blocks(block_hashes)
+        """Leading `block_hashes` every group's index serves (as an admission would, uncapped);
+        changes nothing (0 with caching off, as the index is then always empty)."""
+        return longest_hit(self.pool, self.windows, block_hashes, self.block_size,
+                           len(block_hashes))
 
     def num_stored_prefix_blocks(self, block_hashes: list[bytes]) -> int:
         """Leading `block_hashes` whose KV the store holds for this replica (whole chunks);
@@ -246,10 +291,10 @@ class ReplicaBlockManager:
             return []
         events: list[KvEvent] = []
         limit = MAX_BLOCKS_PER_REQUEST
-        for stored, block_hashes in self.pool.index_log.drain():
+        for stored, group, block_hashes in self.pool.index_log.drain():
             chunks = ([block_hashes] if len(block_hashes) <= limit else
                       [block_hashes[i:i + limit] for i in range(0, len(block_hashes), limit)])
-            events.extend(BlockStored(chunk) if stored else BlockRemoved(chunk)
+            events.extend(BlockStored(chunk, group) if stored else BlockRemoved(chunk, group)
                           for chunk in chunks)
         return events
 

@@ -5,6 +5,9 @@ null block: it is never handed out and never freed. A free block may still carry
 (it is then "evictable"): it stays findable in the index until it is handed out again, at which
 point its hash is dropped. The free queue is in eviction order: the head goes first.
 
+Every KV group (services.kv_groups) draws from the one free queue, but has its own prefix index:
+a block holds one group's layers' KV, so a hash found in group g's index serves group g only.
+
 A pool given an `IndexLog` records every change to its prefix index there, in order: the
 hashes entered by `cache_block` and those dropped by eviction or `clear_cache`. kvcache_svc
 publishes them as KV events; recording costs one list append per changed hash.
@@ -19,12 +22,13 @@ MAX_NUM_BLOCKS = 1 << 22  # blocks per pool, null block included: bounds this pr
 class KVBlock:
     """One page of `block_size` token slots, as bookkeeping (the tensors live on the workers)."""
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "cache_group", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0                          # requests holding this block
         self.block_hash: bytes | None = None      # set while the block is in the prefix index
+        self.cache_group = 0                      # the KV group whose index holds that hash
         self.prev_free: KVBlock | None = None     # links of the free queue; None when not in it
         self.next_free: KVBlock | None = None
 
@@ -98,41 +102,44 @@ class FreeBlockQueue:
 class IndexLog:
     """Changes to one pool's prefix index since the last `drain`, in order.
 
-    Kept as runs: (stored, hashes) with `stored` False for removals, consecutive changes of one
-    kind merged into one run. Order across runs matters: within one plan a hash can be evicted
-    and then stored again (on another block).
+    Kept as runs: (stored, group, hashes) with `stored` False for removals, consecutive changes
+    of one kind in one KV group merged into one run. Order across runs matters: within one plan
+    a hash can be evicted and then stored again (on another block).
     """
 
     __slots__ = ("runs",)
 
     def __init__(self) -> None:
-        self.runs: list[tuple[bool, list[bytes]]] = []
+        self.runs: list[tuple[bool, int, list[bytes]]] = []
 
-    def add(self, stored: bool, block_hash: bytes) -> None:
-        if self.runs and self.runs[-1][0] is stored:
-            self.runs[-1][1].append(block_hash)
+    def add(self, stored: bool, group: int, block_hash: bytes) -> None:
+        if self.runs and self.runs[-1][0] is stored and self.runs[-1][1] == group:
+            self.runs[-1][2].append(block_hash)
         else:
-            self.runs.append((stored, [block_hash]))
+            self.runs.append((stored, group, [block_hash]))
 
-    def drain(self) -> list[tuple[bool, list[bytes]]]:
+    def drain(self) -> list[tuple[bool, int, list[bytes]]]:
         runs, self.runs = self.runs, []
         return runs
 
 
 class BlockPool:
-    """Every block of one replica, the free queue and the prefix-hash index."""
+    """Every block of one replica, the free queue and one prefix-hash index per KV group."""
 
     __slots__ = ("_cached", "blocks", "free_queue", "index_log", "null_block")
 
-    def __init__(self, num_blocks: int, index_log: IndexLog | None = None) -> None:
+    def __init__(self, num_blocks: int, index_log: IndexLog | None = None,
+                 num_groups: int = 1) -> None:
         if not 2 <= num_blocks <= MAX_NUM_BLOCKS:
             raise ValueError(f"num_blocks must be in [2, {MAX_NUM_BLOCKS}], got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be at least 1, got {num_groups}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1:])
-        # Prefix hash -> the one block holding it. A second block computed with the same hash
-        # (two requests missed the same prefix at once) is simply left out of the index.
-        self._cached: dict[bytes, KVBlock] = {}
+        # Per KV group, prefix hash -> the one block holding it. A second block computed with
+        # the same hash (two requests missed the same prefix at once) is left out of the index.
+        self._cached: list[dict[bytes, KVBlock]] = [{} for _ in range(num_groups)]
         self.index_log = index_log              # None: changes are not recorded
 
     @property
@@ -151,8 +158,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks in the prefix index, referenced or not."""
-        return len(self._cached)
+        """Blocks in the prefix index (every group's), referenced or not."""
+        return sum(len(index) for index in self._cached)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Takes `num_blocks` blocks from the head of the free queue (ref_cnt 1 each), evicting
@@ -164,9 +171,9 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                del self._cached[block.block_hash]
+                del self._cached[block.cache_group][block.block_hash]
                 if self.index_log is not None:
-                    self.index_log.add(False, block.block_hash)
+                    self.index_log.add(False, block.cache_group, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
@@ -194,26 +201,33 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
-        """Enters `block` into the prefix index under `block_hash`. False when another block
-        already holds that hash (this one then stays out of the index) or `block` has one."""
-        if block_hash in self._cached or block.block_hash is not None:
+    def cache_block(self, block: KVBlock, block_hash: bytes, group: int = 0) -> bool:
+        """Enters `block` into KV group `group`'s prefix index under `block_hash`. False when
+        another block already holds that hash there (this one then stays out of the index) or
+        `block` has one."""
+        index = self._cached[group]
+        if block_hash in index or block.block_hash is not None:
             return False
         block.block_hash = block_hash
-        self._cached[block_hash] = block
+        block.cache_group = group
+        index[block_hash] = block
         if self.index_log is not None:
-            self.index_log.add(True, block_hash)
+            self.index_log.add(True, group, block_hash)
         return True
 
-    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
-        return self._cached.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group: int = 0) -> KVBlock | None:
+        return self._cached[group].get(block_hash)
 
-    def num_cached_prefix_blocks(self, block_hashes: Iterable[bytes]) -> int:
-        """How many leading `block_hashes` the index holds, stopping at the first miss.
-        Read-only: no block is touched or moved in the free queue."""
+    def is_cached(self, block_hash: bytes, group: int = 0) -> bool:
+        return block_hash in self._cached[group]
+
+    def num_cached_prefix_blocks(self, block_hashes: Iterable[bytes], group: int = 0) -> int:
+        """How many leading `block_hashes` group `group`'s index holds, stopping at the first
+        miss. Read-only: no block is touched or moved in the free queue."""
+        index = self._cached[group]
         num_found = 0
         for block_hash in block_hashes:
-            if block_hash not in self._cached:
+            if block_hash not in index:
                 break
             num_found += 1
         return num_found
@@ -221,12 +235,12 @@ class BlockPool:
     def clear_cache(self) -> int:
         """Drops the hashes of every unreferenced cached block; returns how many. Blocks in use
         keep theirs."""
-        dropped = [(block_hash, block) for block_hash, block in self._cached.items()
-                   if block.ref_cnt == 0]
-        for block_hash, block in dropped:
-            del self._cached[block_hash]
+        dropped = [(group, block_hash, block) for group, index in enumerate(self._cached)
+                   for block_hash, block in index.items() if block.ref_cnt == 0]
+        for group, block_hash, block in dropped:
+            del self._cached[group][block_hash]
             if self.index_log is not None:
-                self.index_log.add(False, block_hash)
+                self.index_log.add(False, group, block_hash)
             block.block_hash = None
             # Now worth nothing: reuse before the blocks that still hold a prefix.
             self.free_queue.remove(block)

@@ -131,11 +131,14 @@ class KvCachePools:
         if message.replica_id not in self._managers and len(self._managers) >= MAX_REPLICAS:
             return KvAck(f"cannot configure replica {message.replica_id}: already "
                          f"{MAX_REPLICAS} pools", self.epoch)
+        save_chunk_tokens = self._save_chunk_tokens(message)
         try:
             manager = ReplicaBlockManager(message.num_blocks, message.block_size,
                                           message.enable_prefix_caching, epoch=self.epoch,
                                           record_events=self._publish is not None,
-                                          store=self._store_view(message))
+                                          store=self._store_view(message),
+                                          group_windows=message.group_windows,
+                                          save_chunk_tokens=save_chunk_tokens)
         except ValueError as exc:
             return KvAck(str(exc)[:MAX_ERROR_LEN], self.epoch)
         # A restarted scheduler re-uses replica ids from 0: the old pool and its index go.
@@ -143,12 +146,26 @@ class KvCachePools:
         self._managers[message.replica_id] = manager
         if replaced:
             self._publish_events(message.replica_id, [AllBlocksCleared()])
-        log.info("%s pool of replica %d: %d blocks of %d tokens, prefix caching %s, loads "
-                 "from the KV store %s", "re-created" if replaced else "created",
-                 message.replica_id, message.num_blocks, message.block_size,
+        log.info("%s pool of replica %d: %d blocks of %d tokens, KV group windows %s, prefix "
+                 "caching %s, loads from the KV store %s%s",
+                 "re-created" if replaced else "created", message.replica_id,
+                 message.num_blocks, message.block_size, list(message.group_windows),
                  "on" if message.enable_prefix_caching else "off",
-                 "on" if manager.store is not None else "off")
-        return KvAck(None, self.epoch)
+                 "on" if manager.store is not None else "off",
+                 f"; sliding groups keep the store chunk in progress ({save_chunk_tokens} "
+                 f"tokens)" if save_chunk_tokens else "")
+        return KvAck(None, self.epoch, save_chunk_tokens)
+
+    def _save_chunk_tokens(self, message: ConfigurePool) -> int:
+        """The chunk size the replica's workers save KV in, when they save (this process runs
+        the store, in whole blocks) and a sliding group must keep a chunk's blocks until it
+        is complete; else 0. Workers that are not told of a store save nothing, so holding
+        for them costs at most one chunk per request and is never wrong."""
+        if self.store is None or not any(message.group_windows):   # no sliding group
+            return 0
+        if self.store.chunk_tokens % message.block_size:
+            return 0
+        return self.store.chunk_tokens
 
     def _store_view(self, message: ConfigurePool) -> StoreView | None:
         if self.store is None or not message.store_slices:

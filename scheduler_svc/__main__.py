@@ -27,6 +27,7 @@ from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_reque
 from services import cluster_token
 from services.flags import FlagParser
 from services.grpc_server import Health, bind, make_server
+from services.kv_groups import KvGroupLayout
 from services.model_config import default_model_path, load_model_config
 from services.rpc.splitserve.v1 import control_pb2_grpc, generation_pb2_grpc
 from services.service_flags import add_scheduler_flags
@@ -97,7 +98,9 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     served_name = config.model_name or model.name
     max_model_len = min(sched.max_model_len or model.max_model_len, model.max_model_len)
     sched = type(sched)(**{**{f: getattr(sched, f) for f in sched.__slots__},
-                           "max_model_len": max_model_len})
+                           "max_model_len": max_model_len,
+                           "kv_group_windows": KvGroupLayout.from_windows(
+                               model.layer_windows).windows})
     max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(
         max_model_len, tokenizer.max_token_bytes)
     ctx = zmq.Context()

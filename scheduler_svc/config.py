@@ -14,6 +14,9 @@ class SchedulerConfig:
     prefix_caching: bool = True
     block_size: int = 16                  # tokens per KV block
     max_model_len: int = 8192             # context length in tokens
+    # The model's KV groups' windows (services.kv_groups `KvGroupLayout.windows`; 0 = full
+    # attention): one block table per group per request.
+    kv_group_windows: tuple[int, ...] = (0,)
 
     @property
     def token_budget(self) -> int:
@@ -47,7 +50,7 @@ class ServerConfig:
     replica_wait_s: float = 60.0          # how long a request may wait for a ready replica
     route_tokens_per_request: float = 64.0  # routing: one live request weighs this many
                                             # cached prefix tokens (see Router.route)
-    metrics_port: int | None = 8000       # Prometheus /metrics over HTTP (None: off)
+    metrics_port: int | None = 50056      # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs

@@ -239,7 +239,8 @@ class ReplicaEngine:
                              block_size=cfg.scheduler.block_size,
                              enable_prefix_caching=cfg.scheduler.prefix_caching,
                              scheduler_epoch=cfg.scheduler_epoch,
-                             store_slices=list(cfg.store_slices))
+                             store_slices=list(cfg.store_slices),
+                             group_windows=list(cfg.scheduler.kv_group_windows))
 
     def _bring_up(self, io: EngineTransport) -> None:
         cfg = self.config
@@ -247,6 +248,7 @@ class ReplicaEngine:
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
         self.kv_epoch = ack.epoch
+        self.scheduler.kv_blocks.save_chunk_tokens = ack.save_chunk_tokens
         io.send_to_ranks(InitCache(num_blocks=cfg.num_kv_blocks,
                                    block_size=cfg.scheduler.block_size))
         ready = 0
@@ -440,6 +442,7 @@ class ReplicaEngine:
             ack = io.call_kv(configure, timeout_ms=int(KV_RETRY_S * 1000))
             if isinstance(ack, KvAck) and ack.error is None:
                 self.kv_epoch = ack.epoch
+                self.scheduler.kv_blocks.save_chunk_tokens = ack.save_chunk_tokens
                 self.num_kv_recoveries += 1
                 self._reset_pool = False
                 log.info("replica %d: pool re-created in kvcache_svc (epoch %d); %d requests "

@@ -161,6 +161,22 @@ class Frontend:
         text = prompt.text or ""
         return text, self.tokenizer.encode(text) if text else []
 
+    async def detokenize(self, sequences: Sequence[Sequence[int]],
+                         skip_special_tokens: bool) -> list[str]:
+        """Each sequence's text, decoded on its own, on the tokenizer threads (a vocabulary's
+        worth of one-token sequences takes tens of milliseconds)."""
+        vocab_size = self.limits.vocab_size
+        for i, ids in enumerate(sequences):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"sequences[{i}]: token id {bad} is outside the "
+                                     f"vocabulary (0..{vocab_size - 1})")
+        lists = [list(ids) for ids in sequences]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenize_pool, lambda: self.tokenizer.tokenizer.decode_batch(
+                lists, skip_special_tokens=skip_special_tokens))
+
     async def prepare(self, request_id: str, model: str, prompt: PromptInput,
                       raw: RawSampling, cache_salt: str = "") -> PreparedRequest:
         validate_model(model, self.limits)

@@ -46,6 +46,7 @@ from scheduler_svc.placement import (
 from scheduler_svc.request import Request
 from services.channels import Receiver, RequestClient, tcp_address
 from services.codec import Codec
+from services.kv_groups import max_tokens_per_request
 from services.kv_store_wire import KvSlice, StoreStats
 from services.model_config import ModelConfig
 from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
@@ -351,7 +352,16 @@ class Membership:
                   if r.engine is not None]
         if self.config.num_kv_blocks is not None:
             blocks.append(self.config.num_kv_blocks)
-        return (min(blocks) - 1) * self.sched_config.block_size if blocks else None
+        if not blocks:
+            return None
+        sc = self.sched_config
+        max_step = sc.token_budget
+        if sc.chunked_prefill and sc.long_prefill_token_threshold > 0:
+            max_step = min(max_step, sc.long_prefill_token_threshold)
+        # Every KV group counted; a sliding group holds at most a window of blocks (the
+        # replica's scheduler checks again, with the KV store's chunks kept).
+        return max_tokens_per_request(sc.kv_group_windows, min(blocks) - 1, sc.block_size,
+                                      max_step)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -72,7 +72,7 @@ class Request:
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
-        "cache_salt",
+        "cache_salt", "num_freed_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -88,7 +88,10 @@ class Request:
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        # Per KV group, the block table kvcache_svc gave it (services.kv_groups); a sliding
+        # group's leading `num_freed_blocks[group]` entries are the null block 0 (given back).
+        self.block_ids: list[list[int]] = []
+        self.num_freed_blocks: list[int] = []
         self.block_size = block_size
         self.hash_blocks = hash_blocks
         # The client's tenant salt (UTF-8; empty = none), hashed into block 0: requests with
@@ -111,6 +114,35 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_table_blocks(self) -> int:
+        """Entries of each group's block table: the tokens its blocks cover, in blocks."""
+        return len(self.block_ids[0]) if self.block_ids else 0
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks it holds over all groups (what preempting it gives back, shared prefix
+        blocks aside)."""
+        return sum(len(ids) - num_freed
+                   for ids, num_freed in zip(self.block_ids, self.num_freed_blocks, strict=True))
+
+    def set_blocks(self, block_ids: list[list[int]]) -> None:
+        """Its tables as admitted: every group's leading null entries are given back."""
+        self.block_ids = [list(ids) for ids in block_ids]
+        self.num_freed_blocks = [next((i for i, b in enumerate(ids) if b), len(ids))
+                                 for ids in block_ids]
+
+    def append_blocks(self, new_block_ids: list[list[int]], first_kept: list[int]) -> None:
+        """A grow's appended blocks, after each group gave back its entries before
+        `first_kept[group]` (as kvcache_svc does: `kv_groups.first_kept_block`)."""
+        for group, (ids, new_ids) in enumerate(zip(self.block_ids, new_block_ids,
+                                                   strict=True)):
+            first, end = self.num_freed_blocks[group], min(first_kept[group], len(ids))
+            if end > first:
+                ids[first:end] = [0] * (end - first)
+                self.num_freed_blocks[group] = end
+            ids.extend(new_ids)
 
     @property
     def in_flight(self) -> bool:
@@ -158,7 +190,7 @@ class Request:
                 "preempted")
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids = []
+        self.block_ids, self.num_freed_blocks = [], []
         self.num_committed_blocks = 0
         self.on_worker = False
         self.num_preemptions += 1
@@ -169,7 +201,7 @@ class Request:
         keeps what was streamed, so the stream continues without a gap or a repeat)."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids = []
+        self.block_ids, self.num_freed_blocks = [], []
         self.num_committed_blocks = 0
         self.on_worker = False
         self.num_in_flight = 0

@@ -16,6 +16,11 @@ a step (an idle replica sends nothing once its last frees are planned). The free
 is an estimate between plans (blocks shared through the prefix cache free nothing when one
 holder lets go); kvcache_svc is the authority: a grow it refuses simply does not run this
 step, and the next plan starts from its exact count.
+
+KV groups (services.kv_groups): a request holds one block table per group; a grow appends to
+each, and a sliding group gives back the blocks its window left (kvcache_svc does it, from the
+grow's `num_computed_tokens`; the scheduler mirrors it with the same `first_kept_block`, so its
+estimates count a sliding group's blocks as bounded by the window).
 """
 
 from collections import deque
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer, stop_check
+from scheduler_svc.kv_blocks import KvBlocks
 from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.store_loads import StoreLoads
 from services.wire import (
@@ -83,6 +89,7 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.loads = StoreLoads()           # KV loaded from the store (store_loads.py)
+        self.kv_blocks = KvBlocks(config)    # what steps take over the KV groups
         self.num_prompt_tokens_admitted = 0
         self.num_cached_tokens_admitted = 0
 
@@ -96,7 +103,7 @@ class Scheduler:
         moved to a smaller replica, is caught here)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already live")
-        pool_tokens = self.num_total_blocks * self.config.block_size
+        pool_tokens = self.max_request_tokens()
         if request.max_num_tokens > pool_tokens:
             raise ValueError(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
@@ -142,6 +149,15 @@ class Scheduler:
         self.num_total_blocks = num_blocks - 1
         self.num_free_blocks = num_blocks - 1
 
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + outputs) whose blocks fit the pool in its largest
+        step, every KV group counted."""
+        cfg = self.config
+        max_step = cfg.token_budget
+        if cfg.chunked_prefill and cfg.long_prefill_token_threshold > 0:
+            max_step = min(max_step, cfg.long_prefill_token_threshold)
+        return self.kv_blocks.max_request_tokens(self.num_total_blocks, max_step)
+
     def discard_draft(self) -> None:
         """The plan call failed: nothing of the drafted plan happened."""
         self._draft = None
@@ -184,13 +200,12 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            needed = -(-(request.num_computed_tokens + num_new) // cfg.block_size) - len(
-                request.block_ids)
+            needed = self.kv_blocks.grow_cost(request, num_new)
             while needed > free:
                 if queue[-1].in_flight:   # its blocks are in use by a step in flight
                     break
                 victim = queue.pop()       # the latest arrival gives its blocks back
-                free += len(victim.block_ids)
+                free += victim.num_held_blocks
                 self._preempt(victim, release_blocks=True)
                 self.running.remove(victim)
                 preempted = True
@@ -201,13 +216,14 @@ class Scheduler:
             if needed > free:
                 i += 1
                 continue
-            free -= max(0, needed)
+            free -= needed
             budget -= num_new
             grow_reqs.append((request, num_new))
             grows.append(GrowOp(request_id=request.request_id,
                                 num_tokens=request.num_computed_tokens + num_new,
                                 new_block_hashes=self._hashes_to_commit(
-                                    request, request.num_computed_tokens + num_new)))
+                                    request, request.num_computed_tokens + num_new),
+                                num_computed_tokens=request.num_computed_tokens))
             i += 1
 
         admit_reqs: list[Request] = []
@@ -223,7 +239,7 @@ class Scheduler:
                 max_new = min(max_new, cfg.long_prefill_token_threshold)
             if not cfg.chunked_prefill and num_tokens > budget:
                 break
-            needed = -(-max_new // cfg.block_size)
+            needed = self.kv_blocks.admit_cost(max_new)
             if needed > free:
                 break
             free -= needed
@@ -282,7 +298,7 @@ class Scheduler:
         for (request, num_new), new_blocks in zip(draft.grow_reqs, reply.grown, strict=True):
             if new_blocks is None or request.status is not RequestStatus.RUNNING:
                 continue  # did not fit this step; it keeps its place and retries
-            request.block_ids.extend(new_blocks)
+            self.kv_blocks.grown(request, new_blocks)
             num_commits = len(self._hashes_to_commit(request,
                                                      request.num_computed_tokens + num_new))
             request.num_committed_blocks += num_commits
@@ -307,7 +323,8 @@ class Scheduler:
                 raise RuntimeError("admitted request is not at the head of the waiting queue")
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.block_ids = list(result.block_ids)
+            self.kv_blocks.check(result.block_ids)
+            request.set_blocks(result.block_ids)
             request.num_committed_blocks = result.num_committed_blocks
             if result.num_committed_blocks * self.config.block_size > result.num_cached_tokens:
                 committing.add(request.request_id)
@@ -322,7 +339,7 @@ class Scheduler:
             new_requests.append(NewRequest(
                 request_id=request.request_id, token_ids=list(request.token_ids),
                 num_prompt_tokens=request.num_prompt_tokens,
-                sampling=request.sampling.to_spec(), block_ids=list(result.block_ids),
+                sampling=request.sampling.to_spec(), block_ids=result.block_ids,
                 num_computed_tokens=result.num_cached_tokens,
                 num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
                 num_load_tokens=result.num_load_tokens))

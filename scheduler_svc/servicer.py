@@ -147,6 +147,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text)
 
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
+        try:
+            validate_model(request.model, self.frontend.limits)
+            texts = await self.frontend.detokenize([s.ids for s in request.sequences],
+                                                   request.skip_special_tokens)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generation_pb2.DetokenizeResponse(texts=texts)
+
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
         return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request.request_id))

@@ -13,7 +13,7 @@ container's logs and `down -v`:
  greedy      every prompt answered token-exact against the reference
  metrics     /metrics on the published metrics port, two replicas up
  listeners   every process listens on its container's own address only, but for the
-             scheduler's two published ports
+             ports its container publishes
  kill        one worker container's process SIGKILLed under a load of requests: the engine
              restarts the container, the worker registers again (a new epoch) and two replicas
              serve; not one request of the load fails
@@ -77,14 +77,16 @@ class Project:
 
     def __init__(self, name: str, workdir: Path) -> None:
         self.name = name
-        self.api_port, self.metrics_port = free_port(), free_port()
+        self.api_port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         override = workdir / "compose.check.yaml"
         # The published ports on the loopback only, at ports free here; !override replaces
         # compose.yaml's list instead of adding to it.
         override.write_text(
             "services:\n  scheduler:\n    ports: !override\n"
             f'      - "127.0.0.1:{self.api_port}:50051"\n'
-            f'      - "127.0.0.1:{self.metrics_port}:8000"\n')
+            f'      - "127.0.0.1:{self.metrics_port}:50056"\n'
+            "  http:\n    ports: !override\n"
+            f'      - "127.0.0.1:{self.http_port}:8000"\n')
         self.files = ["-f", str(ROOT / "compose.yaml"), "-f", str(override)]
         self.env = {**os.environ,
                     "SPLITSERVE_CLUSTER_TOKEN": secrets.token_hex(32),
@@ -193,24 +195,23 @@ class Scenario:
                 raise CheckFailed(f"down -v left {left}")
 
     def check_listeners(self) -> None:
-        """Every process of every container listens on its container's own address, except
-        the scheduler's published client and metrics ports (every interface, as published
-        ports are); nothing else on a wildcard, nothing on the container's loopback."""
-        public = {50051, 8000}
+        """Every process of every container listens on its container's own address, except on
+        the container ports it publishes (every interface, as published ports are); nothing
+        else on a wildcard, nothing on the container's loopback."""
         found = []
         for c in self.project.containers():
             if not c["State"]["Running"]:
                 continue
-            service = c["Config"]["Labels"][SERVICE_LABEL]
             own = {n["IPAddress"] for n in c["NetworkSettings"]["Networks"].values()}
+            published = {int(key.split("/")[0])
+                         for key in (c["HostConfig"].get("PortBindings") or {})}
             sockets = sorted({a for pid in descendants([c["State"]["Pid"]])
                               for a in listening(pid)})
             for host, port in sockets:
-                allowed = host in own or (service == "scheduler" and port in public
-                                          and host in WILDCARDS)
-                if not allowed:
+                if host not in own and not (host in WILDCARDS and port in published):
                     raise CheckFailed(f"{c['Name']} listens on {host}:{port}; its own address "
-                                      f"is {own} (all its listeners: {sockets})")
+                                      f"is {own}, it publishes {sorted(published)} (all its "
+                                      f"listeners: {sockets})")
             found.append(f"{c['Name'].lstrip('/')} {len(sockets)}")
         print(f"compose-check:   listeners on own addresses only: {', '.join(found)}",
               flush=True)

@@ -54,7 +54,7 @@ def advertise_address() -> str:
 class Stack:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.api_port, self.metrics_port = free_port(), free_port()
+        self.api_port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.api_port}"
         self.env = {**os.environ,
                     "SPLITSERVE_CLUSTER_TOKEN": os.urandom(32).hex(),
@@ -73,7 +73,8 @@ class Stack:
     def deploy(self) -> None:
         stack_file = subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "swarm_stack.py"), "--publish",
-             f"50051={self.api_port}", "--publish", f"8000={self.metrics_port}"],
+             f"50051={self.api_port}", "--publish", f"50056={self.metrics_port}",
+             "--publish", f"8000={self.http_port}"],
             capture_output=True, text=True, env=self.env, timeout=120)
         if stack_file.returncode != 0:
             raise CheckFailed(f"swarm_stack.py failed:\n{stack_file.stderr}")

@@ -70,10 +70,16 @@ def stack_service(name: str, svc: dict[str, Any], ports: dict[int, int]) -> dict
                           for m in out["volumes"]]
     if svc.get("ports"):
         out["ports"] = [{"target": int(p["target"]),
-                         "published": ports.get(int(p["target"]), int(p["published"])),
+                         "published": ports.get(int(p["target"]), _first_port(p["published"])),
                          "protocol": p.get("protocol", "tcp"), "mode": "host"}
                         for p in svc["ports"]]
     return out
+
+
+def _first_port(published: str | int) -> int:
+    """A published port, or a range's first ("8000-8009", the http service's, so that
+    `--scale http=N` finds ports under compose): a swarm's host-mode port is one number."""
+    return int(str(published).split("-")[0])
 
 
 def stack(config: dict[str, Any], ports: dict[int, int]) -> dict[str, Any]:

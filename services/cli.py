@@ -1,12 +1,13 @@
 """`splitserve`: start a local cluster (`up`) or talk to one (`generate`).
 
-    splitserve up [--model PATH] [--port 50051] [--dtype auto|float32|bfloat16] ...
+    splitserve up [--model PATH] [--port 50051] [--http-port 8000] [--dtype auto|...] ...
     splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
 
 `up` owns the cluster's shape (model, ports, tp/pp/replicas, device, threads, logs) and passes
-every other flag, as given, to the service that defines it (scheduler_svc, worker_svc; their
-flags are declared once, in services.service_flags).
+every other flag, as given, to the service that defines it (scheduler_svc, worker_svc,
+kvcache_svc, http_svc; their flags are declared once, in services.service_flags). Beside the
+gRPC API it starts the OpenAI-compatible HTTP API (http_svc) on --http-port.
 
 `up` gives every service the same cluster token (SPLITSERVE_CLUSTER_TOKEN): the one in the
 environment if set, else a fresh one for this cluster that is never shown (set your own to
@@ -34,7 +35,13 @@ from services.launcher import (
     plan_devices,
 )
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
-from services.service_flags import add_kvcache_flags, add_scheduler_flags, add_worker_flags
+from services.service_flags import (
+    HTTP_PORT,
+    add_http_flags,
+    add_kvcache_flags,
+    add_scheduler_flags,
+    add_worker_flags,
+)
 
 
 def visible_gpus() -> int:
@@ -57,8 +64,20 @@ def cluster_spec(a: argparse.Namespace, num_gpus: int) -> ClusterSpec:
                        metrics_port=metrics_port, tp=a.tp, pp=a.pp,
                        num_replicas=a.replicas, scheduler_args=tuple(a.scheduler_args),
                        worker_args=tuple(a.worker_args), kvcache_args=tuple(a.kvcache_args),
-                       threads_per_worker=a.threads,
+                       http_port=None if a.http_port < 0 else a.http_port,
+                       http_args=tuple(a.http_args), threads_per_worker=a.threads,
                        worker_devices=devices, log_level=a.log_level)
+
+
+def port_clash(spec: ClusterSpec) -> str | None:
+    """Which of the cluster's fixed ports the HTTP API's would take, if any."""
+    taken = {"--port": spec.port, "--control-port": spec.control_port,
+             "--port + 2 (kvcache plan)": spec.kv_plan_port,
+             "--port + 3 (kvcache admin)": spec.kv_admin_port,
+             "--port + 4 (KV events)": spec.kv_events_port, "--metrics-port": spec.metrics_port,
+             "--port + 6 (KV store)": spec.kv_store_port}
+    return next((f"--http-port {spec.http_port} is also {name}" for name, port in taken.items()
+                 if port == spec.http_port), None)
 
 
 def _up(a: argparse.Namespace) -> int:
@@ -66,6 +85,9 @@ def _up(a: argparse.Namespace) -> int:
         spec = cluster_spec(a, 0 if a.device == "cpu" else visible_gpus())
     except DevicePlanError as exc:
         print(f"splitserve: {exc}", file=sys.stderr)
+        return 2
+    if (clash := port_clash(spec)) is not None:
+        print(f"splitserve: {clash}", file=sys.stderr)
         return 2
     procs = ServiceProcesses(spec, Path(a.log_dir) if a.log_dir else None)
     if procs.token_chosen:
@@ -86,9 +108,10 @@ def _up(a: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     procs.start()
+    http = "" if procs.http_address is None else f", the HTTP API on {procs.http_address}"
     print(f"splitserve: starting kvcache_svc, scheduler_svc and {a.tp * a.pp * a.replicas} "
           f"worker(s) on {', '.join(dict.fromkeys(spec.worker_devices))}, serving on "
-          f"{procs.address} (workers' control on {procs.control_address}) ...",
+          f"{procs.address} (workers' control on {procs.control_address}){http} ...",
           file=sys.stderr)
     try:
         deadline = time.monotonic() + a.startup_timeout
@@ -104,6 +127,9 @@ def _up(a: argparse.Namespace) -> int:
                     ready = True
                     print(f"splitserve: ready on {procs.address} (Ctrl-C stops everything)",
                           file=sys.stderr)
+                    if procs.http_address is not None:
+                        print(f"splitserve: OpenAI-compatible HTTP API on "
+                              f"http://{procs.http_address}/v1", file=sys.stderr)
                     if spec.metrics_port > 0:
                         print(f"splitserve: metrics on http://{a.host}:{spec.metrics_port}"
                               "/metrics", file=sys.stderr)
@@ -164,7 +190,8 @@ def service_parsers() -> dict[str, FlagParser]:
                                  environ={}))
             for name, add in (("scheduler_svc", add_scheduler_flags),
                               ("worker_svc", add_worker_flags),
-                              ("kvcache_svc", add_kvcache_flags))}
+                              ("kvcache_svc", add_kvcache_flags),
+                              ("http_svc", add_http_flags))}
 
 
 def forward_flags(extra: Sequence[str],
@@ -198,10 +225,10 @@ def forward_flags(extra: Sequence[str],
 
 def forwarded_help(own: Mapping[str, object], parsers: Mapping[str, FlagParser]) -> str:
     """`up --help`'s word on the flags it passes on, named by service."""
-    paragraphs = ["Any other flag goes as given to the service that defines it (to both, if "
-                  "both do). `python -m scheduler_svc --help`, `python -m worker_svc --help` and "
-                  "`python -m kvcache_svc --help` say what each does and its SPLITSERVE_* "
-                  "variable."]
+    paragraphs = ["Any other flag goes as given to the service that defines it (to each, if "
+                  "several do). `python -m scheduler_svc --help`, `python -m worker_svc --help`, "
+                  "`python -m kvcache_svc --help` and `python -m http_svc --help` say what each "
+                  "does and its SPLITSERVE_* variable."]
     for name, p in parsers.items():
         flags = dict.fromkeys(action.option_strings[0] for option, action in p.flags.items()
                               if option not in own and option not in SET_BY_LAUNCHER)
@@ -224,6 +251,8 @@ def add_up_flags(up: FlagParser) -> FlagParser:
                      "(default PORT+1: 50052)")
     up.add_flag("--metrics-port", type=int, default=None,
                 help="scheduler Prometheus /metrics HTTP port (default PORT+5; -1: off)")
+    up.add_flag("--http-port", type=int, default=HTTP_PORT,
+                help="the OpenAI-compatible HTTP API (http_svc), on --host (-1: not started)")
     up.add_flag("--device", default="auto",
                 help="workers' device: auto (cuda when torch sees a GPU, else cpu), cpu, "
                      "cuda (worker i on cuda:i; one GPU per worker, so tp x pp x replicas "
@@ -246,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=FlagParser)
 
     up = add_up_flags(sub.add_parser(
-        "up", help="start kvcache_svc, scheduler_svc and the workers",
+        "up", help="start kvcache_svc, scheduler_svc, the workers and the HTTP API",
         formatter_class=argparse.RawDescriptionHelpFormatter))   # the epilog's own lines
     up.set_defaults(func=_up)
 
@@ -266,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command's arguments; for `up`, also the flags it forwards (`scheduler_args`,
-    `worker_args`, `kvcache_args`)."""
+    `worker_args`, `kvcache_args`, `http_args`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command != "up":
@@ -280,6 +309,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.scheduler_args = forwarded["scheduler_svc"]
     args.worker_args = forwarded["worker_svc"]
     args.kvcache_args = forwarded["kvcache_svc"]
+    args.http_args = forwarded["http_svc"]
     return args
 
 

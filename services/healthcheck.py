@@ -1,6 +1,6 @@
 """`python -m services.healthcheck`: the probe that compose.yaml's healthchecks run.
 
-Two forms, each printing one line and exiting 0 when healthy, 1 otherwise:
+Three forms, each printing one line and exiting 0 when healthy, 1 otherwise:
 
     python -m services.healthcheck HOST:PORT [--service NAME] [--timeout S]
         grpc.health.v1 Check on a service's gRPC port. The empty service name (the default)
@@ -10,6 +10,9 @@ Two forms, each printing one line and exiting 0 when healthy, 1 otherwise:
         For workers, which serve no gRPC: the worker touches PATH on every successful heartbeat
         (`--health-file`), so a file modified within S seconds means the scheduler still
         answers it.
+    python -m services.healthcheck --http URL [--timeout S]
+        An HTTP GET, for the HTTP API (http_svc): healthy on a 2xx answer. Its /version is
+        liveness (the process serves HTTP), its /health readiness (a replica can serve).
 
 Called by the container engine inside each container, and by tests/test_compose.py.
 """
@@ -17,6 +20,8 @@ Called by the container engine inside each container, and by tests/test_compose.
 import argparse
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +51,18 @@ def check_file(path: Path, max_age_s: float) -> tuple[bool, str]:
     return age_s <= max_age_s, f"{path}: modified {age_s:.1f}s ago (max {max_age_s:g}s)"
 
 
+def check_http(url: str, timeout_s: float) -> tuple[bool, str]:
+    """(healthy, one-line status) of one HTTP GET: healthy on a 2xx status."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError) as exc:   # refused, timed out, a malformed URL
+        return False, f"{url}: {getattr(exc, 'reason', None) or exc}"
+    return 200 <= status < 300, f"{url}: HTTP {status}"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.healthcheck",
                                 description="exit 0 when a splitserve service is healthy")
@@ -54,11 +71,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="health service name ('' = liveness; e.g. splitserve.v1.Generation)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds for the Check call")
     p.add_argument("--file", type=Path, help="heartbeat file to check instead of gRPC")
+    p.add_argument("--http", metavar="URL", help="HTTP URL to GET instead of gRPC (2xx: healthy)")
     p.add_argument("--max-age", type=float, default=15.0,
                    help="seconds since the heartbeat file's last modification")
     a = p.parse_args(argv)
-    if (a.address is None) == (a.file is None):
-        p.error("give either HOST:PORT or --file PATH")
+    if sum(x is not None for x in (a.address, a.file, a.http)) != 1:
+        p.error("give one of HOST:PORT, --file PATH or --http URL")
     if a.timeout <= 0 or a.max_age <= 0:
         p.error("--timeout and --max-age must be > 0")
     return a
@@ -71,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if exc.code == 2 else int(exc.code or 0)
     if a.file is not None:
         healthy, line = check_file(a.file, a.max_age)
+    elif a.http is not None:
+        healthy, line = check_http(a.http, a.timeout)
     else:
         healthy, line = check_grpc(a.address, a.service, a.timeout)
     print(line, flush=True)

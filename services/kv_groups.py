@@ -128,15 +128,64 @@ def first_needed_block(window: int, num_computed_tokens: int, block_size: int) -
     return first_needed_token(window, num_computed_tokens) // block_size
 
 
-def max_blocks_in_window(window: int, block_size: int, num_new_tokens: int = 1) -> int:
+def first_kept_block(window: int, num_computed_tokens: int, block_size: int,
+                     save_chunk_tokens: int = 0) -> int:
+    """Where a sliding group's table starts holding blocks once `num_computed_tokens` are in
+    the cache: before it, nothing is read again (`first_needed_block`), and, when a KV store
+    saves chunks of `save_chunk_tokens` (a multiple of `block_size`; 0: no saving), every
+    chunk is complete: the chunk in progress keeps its blocks until the step that completes
+    it has copied it out. kvcache_svc frees the blocks before it; the scheduler counts on it.
+    0 for full attention."""
+    first = first_needed_block(window, num_computed_tokens, block_size)
+    if save_chunk_tokens:
+        first = min(first, num_computed_tokens // save_chunk_tokens * save_chunk_tokens
+                    // block_size)
+    return first
+
+
+def max_blocks_in_window(window: int, block_size: int, num_new_tokens: int = 1,
+                         save_chunk_tokens: int = 0) -> int:
     """The most blocks a sliding group's request holds while computing `num_new_tokens`
     tokens: the `window - 1` tokens behind the first new one and the new ones, a run of S
     tokens, lie in at most ceil((S - 1) / block_size) + 1 blocks. A decode with a window of
     256 and blocks of 16 holds at most 17."""
     if window == FULL_ATTENTION:
         raise ValueError("a full-attention group holds every block")
-    span = window - 1 + num_new_tokens
+    # With chunk saving (`first_kept_block`) up to `save_chunk_tokens - 1` tokens of the
+    # chunk in progress stay behind the first new one too.
+    span = max(window, save_chunk_tokens) - 1 + num_new_tokens
     return -(-(span - 1) // block_size) + 1
+
+
+def max_blocks_per_request(windows: Sequence[int], num_tokens: int, block_size: int,
+                           max_num_new_tokens: int, save_chunk_tokens: int = 0) -> int:
+    """The most blocks one request of `num_tokens` tokens holds over all groups of these
+    `windows` in a step of up to `max_num_new_tokens` tokens: every block in a full group,
+    at most the window's in a sliding one."""
+    num_blocks = -(-num_tokens // block_size)
+    return sum(num_blocks if w == FULL_ATTENTION else min(num_blocks, max_blocks_in_window(
+        w, block_size, max(1, max_num_new_tokens), save_chunk_tokens)) for w in windows)
+
+
+def max_tokens_per_request(windows: Sequence[int], num_blocks: int, block_size: int,
+                           max_num_new_tokens: int, save_chunk_tokens: int = 0,
+                           limit: int = 1 << 40) -> int:
+    """The longest request (in tokens, at most `limit`) whose blocks fit `num_blocks` usable
+    blocks (`max_blocks_per_request`); `limit` when sliding groups alone never outgrow them."""
+    def fits(n: int) -> bool:
+        return max_blocks_per_request(windows, n, block_size, max_num_new_tokens,
+                                      save_chunk_tokens) <= num_blocks
+
+    low, high = 0, limit                  # fits(low); the answer is in [low, high]
+    if fits(high):
+        return high
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _ranges(layer_ids: tuple[int, ...]) -> str:

@@ -1,19 +1,20 @@
-"""Starts the three services as separate processes and stops them together.
+"""Starts the services as separate processes and stops them together.
 
-`Cluster processes` = one kvcache_svc, one scheduler_svc and tp*pp*replicas worker_svc, each a
-child `python -m <service>`. Used by `splitserve up` and by the end-to-end tests. If any child
-dies, the rest are stopped and the launcher reports it; SIGTERM goes to every child, then
-SIGKILL after a grace period.
+`Cluster processes` = one kvcache_svc, one scheduler_svc, tp*pp*replicas worker_svc and, when
+the spec has an HTTP port, one http_svc (the OpenAI-compatible API in front of the scheduler),
+each a child `python -m <service>`. Used by `splitserve up` and by the end-to-end tests. If
+any child dies, the rest are stopped and the launcher reports it; SIGTERM goes to every child,
+then SIGKILL after a grace period.
 
 The cluster token: every child gets the same `SPLITSERVE_CLUSTER_TOKEN` in its environment
 (services.cluster_token): the one the spec's env or this process's environment names, else one
 generated here for this set of processes. Restarted or added children get the same one, so
 they can rejoin; the token is never logged.
 
-Listeners: only the scheduler's client port and its metrics port go on `host`. The internal
-plane (the scheduler's control listener for worker registration and heartbeats, kvcache_svc's
-plan, admin and events sockets, the workers' step sockets) is bound to 127.0.0.1 whatever
-`host` is: every process the launcher starts is on this machine.
+Listeners: only the scheduler's client port, its metrics port and the HTTP API go on `host`.
+The internal plane (the scheduler's control listener for worker registration and heartbeats,
+kvcache_svc's plan, admin and events sockets, the workers' step sockets) is bound to 127.0.0.1
+whatever `host` is: every process the launcher starts is on this machine.
 
 GPUs: every worker gets a GPU of its own (`plan_devices`): worker i computes on `cuda:i`. One
 GPU cannot host two NCCL ranks of a replica, and two workers sharing one would each size their
@@ -35,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import cluster_token
 from services.cpus import available_cpus
+from services.service_flags import METRICS_PORT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Every internal listener: its peers are all children of this launcher, on this machine.
@@ -59,7 +61,9 @@ class ClusterSpec:
     kv_admin_port: int = 50054
     kv_events_port: int = 50055             # KV events PUB (0: any free port)
     kv_store_port: int = 50057              # KV store ROUTER (0: any free port)
-    metrics_port: int = 8000                # scheduler Prometheus /metrics (-1: off, 0: any)
+    metrics_port: int = METRICS_PORT        # scheduler Prometheus /metrics (-1: off, 0: any)
+    http_port: int | None = None            # http_svc's OpenAI-compatible API on `host`;
+                                            # None: not started (`splitserve up`: 8000)
     dtype: str | None = None                # None: the scheduler's own default (--dtype)
     tp: int = 1
     pp: int = 1
@@ -67,6 +71,7 @@ class ClusterSpec:
     scheduler_args: tuple[str, ...] = ()    # extra scheduler flags
     worker_args: tuple[str, ...] = ()       # extra worker flags
     kvcache_args: tuple[str, ...] = ()      # extra kvcache_svc flags (the KV store's)
+    http_args: tuple[str, ...] = ()         # extra http_svc flags
     threads_per_worker: int = 0             # 0: this machine's CPUs / workers
     worker_devices: tuple[str, ...] = ()    # worker i's --device ("cpu", "cuda:N"); ():
                                             # each worker's own default (plan_devices)
@@ -168,6 +173,27 @@ class ServiceProcesses:
         self.start_scheduler()
         for i in range(s.tp * s.pp * s.num_replicas):
             self._spawn(f"worker{i}", "worker_svc", self.worker_args(i))
+        if s.http_port is not None:
+            self.start_http()
+
+    @property
+    def http_address(self) -> str | None:
+        """Where the OpenAI-compatible HTTP API listens (None: not started)."""
+        port = self.spec.http_port
+        return None if port is None else f"{self.spec.host}:{port}"
+
+    def http_args(self) -> list[str]:
+        """http_svc's command line: on --host beside the scheduler's client port, which it
+        talks to."""
+        s = self.spec
+        scheduler_host = INTERNAL_HOST if s.host in ("0.0.0.0", "::") else s.host
+        return ["--host", s.host, "--port", str(s.http_port),
+                "--scheduler", f"{scheduler_host}:{s.port}", "--log-level", s.log_level,
+                *s.http_args]
+
+    def start_http(self) -> None:
+        """(Re)starts http_svc; it follows the scheduler's readiness on its own."""
+        self._spawn("http", "http_svc", self.http_args())
 
     def worker_args(self, i: int) -> list[str]:
         """Worker i's command line: its id, its device (if planned) and the common flags."""
@@ -254,8 +280,10 @@ class ServiceProcesses:
         os.killpg(self.procs[name].pid, sig)
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int]:
-        """SIGTERM everyone (workers first), SIGKILL what is left after `grace_s`."""
-        order = sorted(self.procs, key=lambda n: (not n.startswith("worker"), n != "scheduler"))
+        """SIGTERM everyone (the HTTP API and workers first), SIGKILL what is left after
+        `grace_s`."""
+        order = sorted(self.procs, key=lambda n: (n != "http", not n.startswith("worker"),
+                                                  n != "scheduler"))
         for name in order:
             p = self.procs[name]
             if p.poll() is None:

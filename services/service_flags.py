@@ -1,12 +1,12 @@
 """Every service's command-line flags, each declared once with its default and environment
 fallback (`services.flags`).
 
-`python -m scheduler_svc`, `python -m worker_svc` and `python -m kvcache_svc` parse with
-these; `splitserve up` forwards the scheduler and worker flags it does not own itself and
-checks them with the same tables. They live in the shared library, not in the services,
-because `services` imports no service (tests/test_structure.py) and the CLI must not load
-torch to learn a worker flag. What a flag's value becomes (configs, checks that need several
-flags) stays in each service's `__main__`.
+`python -m scheduler_svc`, `python -m worker_svc`, `python -m kvcache_svc` and
+`python -m http_svc` parse with these; `splitserve up` forwards the services' flags it does
+not own itself and checks them with the same tables. They live in the shared library, not in
+the services, because `services` imports no service (tests/test_structure.py) and the CLI
+must not load torch to learn a worker flag. What a flag's value becomes (configs, checks that
+need several flags) stays in each service's `__main__`.
 """
 
 import argparse
@@ -18,6 +18,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kvcache_svc's KV store: `splitserve up`'s --port + 6, after kvcache_svc's plan, admin and
 # events ports and the scheduler's metrics port (port + 2 .. port + 5).
 KV_STORE_PORT = 50057
+# The scheduler's Prometheus port: `splitserve up`'s --port + 5, and not 8000, the HTTP API's.
+METRICS_PORT = 50056
+# The OpenAI-compatible HTTP API (http_svc): the port such servers (vLLM's too) use.
+HTTP_PORT = 8000
 
 
 def fraction(text: str) -> float:
@@ -86,7 +90,7 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--route-tokens-per-request", env="ROUTE_TOKENS_PER_REQUEST", type=float,
                default=64.0, help="routing across replicas: how many cached prefix tokens "
                                   "outweigh one more live request on a replica")
-    p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=8000,
+    p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=METRICS_PORT,
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds live requests may take to finish after SIGTERM")
@@ -165,4 +169,21 @@ def add_kvcache_flags(p: FlagParser) -> FlagParser:
                     "directory")
     p.add_flag("--kv-store-disk-gib", env="KV_STORE_DISK_GIB", type=float, default=16.0,
                help="disk tier budget")
+    return p
+
+
+def add_http_flags(p: FlagParser) -> FlagParser:
+    """http_svc's flags: its listener, the scheduler it talks to, its limits."""
+    p.add_flag("--host", env="HTTP_HOST", default="127.0.0.1",
+               help="interface of the HTTP API (0.0.0.0: every interface)")
+    p.add_flag("--port", env="HTTP_PORT", type=int, default=HTTP_PORT,
+               help="port of the OpenAI-compatible HTTP API")
+    p.add_flag("--scheduler", env="HTTP_SCHEDULER", default="127.0.0.1:50051",
+               help="the scheduler's public gRPC API, HOST:PORT (its --port)")
+    p.add_flag("--max-body-bytes", env="HTTP_MAX_BODY_BYTES", type=int, default=32 << 20,
+               help="longest request body read; longer ones are refused (413)")
+    p.add_flag("--drain-timeout", env="HTTP_DRAIN_TIMEOUT", type=float, default=30.0,
+               help="seconds open responses may take to finish after SIGTERM")
+    p.add_flag("--log-level", env="LOG_LEVEL", default="info", type=str.lower,
+               choices=["debug", "info", "warning", "error"])
     return p

@@ -43,6 +43,12 @@ TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
 BlockIds = Annotated[list[BlockId], Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
 BlockHashes = Annotated[list[BlockHash], Meta(max_length=MAX_BLOCKS_PER_REQUEST)]
 RequestIds = Annotated[list[RequestId], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+# KV cache groups (services.kv_groups): a request holds one block table per group, and every
+# message that carries block ids carries one list per group, in the layout's group order (a
+# uniform model: one list). Receivers check the count against their layout.
+MAX_KV_GROUPS = 64                 # groups of one model's layout
+GroupBlockIds = Annotated[list[BlockIds], Meta(min_length=1, max_length=MAX_KV_GROUPS)]
+Window = Annotated[int, Meta(ge=0, lt=1 << 31)]  # tokens a query reads back; 0 = full attention
 
 
 class _Wire(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -69,7 +75,9 @@ class NewRequest(_Wire):
     token_ids: TokenIds                 # every known token: prompt + output so far
     num_prompt_tokens: Count            # prompt length (tokens after it are outputs)
     sampling: SamplingSpec
-    block_ids: BlockIds                 # all KV blocks the request holds, in order
+    # Per KV group, every block of the request's table in token order; a sliding group has
+    # the null block 0 where its window no longer reads (kvcache_svc freed those).
+    block_ids: GroupBlockIds
     num_computed_tokens: Count          # tokens whose KV is already in the cache (prefix hit)
     # Tokens to compute this step; 0 exactly when the step loads KV from the store instead.
     num_new_tokens: Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -85,7 +93,7 @@ class RunningRequest(_Wire):
     request_id: RequestId
     num_computed_tokens: Count          # tokens whose KV is in the cache before this step
     num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # tokens to compute this step
-    new_block_ids: BlockIds             # blocks appended since the last step
+    new_block_ids: GroupBlockIds        # per KV group, blocks appended since the last step
     # Tokens sampled since this request's last step, for non-last pipeline ranks, which do not
     # sample; written at `num_computed_tokens`. Always empty with one pipeline stage.
     new_token_ids: TokenIds
@@ -195,9 +203,9 @@ FromWorker = StepOutput | CacheReady | WorkerFailure | KvLoaded
 
 MAX_REPLICAS = 1 << 12              # pools one kvcache_svc holds at once
 MAX_RANKS = 1 << 10                 # ranks of one replica
-# A batch holds at most two runs of events (removed, then stored) per grow or admit op, plus a
-# few more where a run is split at MAX_BLOCKS_PER_REQUEST hashes.
-MAX_EVENTS_PER_BATCH = 1 << 17
+# A batch holds a few runs of events (removed, then stored) per grow or admit op and KV group,
+# plus a few more where a run is split at MAX_BLOCKS_PER_REQUEST hashes.
+MAX_EVENTS_PER_BATCH = 1 << 20
 
 # The kvcache_svc instance: its start time in nanoseconds since the Unix epoch. A new value in
 # any reply means kvcache_svc restarted and every pool is gone: the scheduler preempts all
@@ -227,6 +235,10 @@ class GrowOp(_Wire):
     # Hashes of blocks that become full with this step and were not committed before, in block
     # order; they enter the prefix index (prefix caching on).
     new_block_hashes: BlockHashes
+    # Tokens in the cache before this step (its queries start there): sliding groups give
+    # back the blocks no query of this step or a later one reads (`kv_groups.
+    # first_kept_block`). At most num_tokens; 0 frees nothing.
+    num_computed_tokens: Count = 0
 
 
 class AdmitOp(_Wire):
@@ -257,7 +269,7 @@ class AdmitResult(_Wire):
     request_id: RequestId
     num_cached_tokens: Count            # prefix served from cache (at most num_tokens - 1)
     num_new_tokens: Count               # tokens to compute this step (0 when loading)
-    block_ids: BlockIds                 # every block the request now holds
+    block_ids: GroupBlockIds            # per KV group, the request's table (null 0: not held)
     num_committed_blocks: Count         # of block_hashes, how many the index now holds
     # Tokens after the cached prefix that the KV store holds for every rank's slice: the
     # request loads them this step instead of computing anything (its blocks cover them; they
@@ -267,8 +279,9 @@ class AdmitResult(_Wire):
 
 class PlanReply(_Wire):
     plan_id: Count
-    # Per grow op, in order: the appended block ids, or None when it did not fit.
-    grown: Annotated[list[BlockIds | None], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    # Per grow op, in order: the block ids appended to each KV group, or None when it did not
+    # fit.
+    grown: Annotated[list[GroupBlockIds | None], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     admitted: Annotated[list[AdmitResult], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     num_free_blocks: Count              # free + evictable blocks after this plan
     error: Annotated[str, Meta(max_length=4096)] | None  # the plan was refused as a whole
@@ -291,6 +304,10 @@ class ConfigurePool(_Wire):
     # Every rank's part of the replica's KV in the store (in rank order), when its workers load
     # from kvcache_svc's store; empty: admissions never load.
     store_slices: Annotated[list[KvSlice], Meta(max_length=MAX_RANKS)] = []
+    # The model's KV groups' windows, in group order (`KvGroupLayout.windows`): one block
+    # table per group per request, sliding groups freeing what their window left.
+    group_windows: Annotated[list[Window], Meta(min_length=1, max_length=MAX_KV_GROUPS)] = \
+        msgspec.field(default_factory=lambda: [0])
 
 
 class DropPool(_Wire):
@@ -304,6 +321,10 @@ class KvAck(_Wire):
 
     error: Annotated[str, Meta(max_length=4096)] | None
     epoch: Epoch                        # kvcache_svc instance that answered (see Epoch)
+    # ConfigurePool: the chunk size in tokens of the KV store that the workers save to, when
+    # kvcache_svc runs one: sliding groups keep a chunk's blocks until it is complete (and
+    # copied out), `kv_groups.first_kept_block`; 0: no store, windows alone decide.
+    save_chunk_tokens: Count = 0
 
 
 class PrefixQuery(_Wire):
@@ -315,8 +336,9 @@ class PrefixQuery(_Wire):
 
 class ReplicaPrefix(_Wire):
     replica_id: Count
-    # Leading block_hashes found in the replica's prefix index (stops at the first miss). Not
-    # capped at num_tokens - 1 tokens as an admission is: the caller applies that cap.
+    # Leading block_hashes the replica's prefix index can serve as an admission would (every
+    # KV group: a full group from block 0, a sliding one its window's blocks). Not capped at
+    # num_tokens - 1 tokens as an admission is: the caller applies that cap.
     num_cached_blocks: Count
     # Leading block_hashes whose KV the store holds for this replica's slices (whole chunks
     # only): an admission loads them, so every replica of the same layout reaches them.
@@ -346,6 +368,9 @@ class BlockStored(_Wire):
     """Hashes that entered the replica's prefix index, in block order."""
 
     block_hashes: BlockHashes
+    # The KV group whose index holds them (each group has its own; group 0 is the first full
+    # attention group, the one to follow for a prompt's cached prefix).
+    group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0
 
 
 class BlockRemoved(_Wire):
@@ -353,6 +378,7 @@ class BlockRemoved(_Wire):
     dropped by an admin Clear."""
 
     block_hashes: BlockHashes
+    group: Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)] = 0  # as in BlockStored
 
 
 class AllBlocksCleared(_Wire):

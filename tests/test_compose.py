@@ -114,7 +114,8 @@ def test_every_member_gets_the_token_and_the_control_plane_stays_unpublished(
         # model-init only copies a file: it is no member and gets no secret.
         assert cluster_token.ENV not in services["model-init"].get("environment", {})
         published = {p["published"] for svc in services.values() for p in svc.get("ports", [])}
-        assert published == {"50051", "8000"}         # clients and Prometheus, nothing else
+        # clients (gRPC, and HTTP: a range for --scale http=N) and Prometheus, nothing else
+        assert published == {"50051", "8000-8009", "50056"}
         scheduler = services["scheduler"]["environment"]
         assert scheduler["SPLITSERVE_CONTROL_HOST"] == "scheduler"  # its address there
         assert scheduler["SPLITSERVE_CONTROL_PORT"] == "50052"
@@ -123,7 +124,7 @@ def test_every_member_gets_the_token_and_the_control_plane_stays_unpublished(
 
 def test_services_and_modules(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"model-init", *LONG_RUNNING}
+    assert set(services) == {"model-init", "http", *LONG_RUNNING}
     for name in LONG_RUNNING:
         command = services[name]["command"]
         assert command[:2] == ["python", "-m"], name
@@ -387,7 +388,7 @@ class LocalCompose:
 
     def stop(self, grace_s: float = 30.0) -> dict[str, int | None]:
         """SIGTERM workers first (as `docker compose down` does), then their dependencies."""
-        for name in ("worker", "scheduler", "kvcache"):
+        for name in ("http", "worker", "scheduler", "kvcache"):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -420,6 +421,7 @@ def test_compose_services_as_local_processes(local_compose: LocalCompose) -> Non
 
     from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
     from tests.e2e.harness import stream_tokens
+    from tests.test_compose_http import check_http_api
 
     local = local_compose
     local.up(timeout_s=60)
@@ -440,6 +442,9 @@ def test_compose_services_as_local_processes(local_compose: LocalCompose) -> Non
     metrics_port = local.env("scheduler")["SPLITSERVE_METRICS_PORT"]
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         assert r.status == 200 and b"# TYPE" in r.read()
+    local.wait_healthy(local.probe("http"), timeout_s=60)           # the HTTP API's liveness
+    check_http_api(f"http://127.0.0.1:{local.env('http')['SPLITSERVE_HTTP_PORT']}")
 
     codes = local.stop()
-    assert codes == {"kvcache": 0, "scheduler": 0, "worker": 0}, f"{codes}\n{local.logs()}"
+    assert codes == {"kvcache": 0, "scheduler": 0, "worker": 0, "http": 0}, \
+        f"{codes}\n{local.logs()}"

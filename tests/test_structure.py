@@ -8,7 +8,7 @@ from pathlib import Path
 from services.rpc.regen import regenerate
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("scheduler_svc", "worker_svc", "kvcache_svc")
+SERVICES = ("scheduler_svc", "worker_svc", "kvcache_svc", "http_svc")
 
 
 def imported_packages(package: str) -> dict[str, set[str]]:

@@ -36,8 +36,12 @@ masks depend on the window, so they are built on a layer's first use of a window
 the metadata for the step's other layers (`WindowedTorchPath`).
 
 `AttentionMetadata` is built once per step by `build_attention_metadata`; layers only index.
+With KV groups (services.kv_groups) each group has its own block tables, so its own metadata:
+`build_group_metadata` builds them, sharing positions and row tensors on the kernel path.
 """
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +117,40 @@ def _group_to(group: PrefillGroup, device: torch.device) -> PrefillGroup:
     return PrefillGroup(group.token_start, group.token_end, group.num_chunks,
                         group.max_query_len, group.max_kv_len, move(group.padded_rows),
                         move(group.gather_rows), move(group.mask))
+
+
+def build_group_metadata(query_lens: list[int], context_lens: list[int],
+                         group_tables: Sequence[list[list[int]]], block_size: int,
+                         num_blocks: int, device: torch.device,
+                         torch_path: bool = True) -> list[AttentionMetadata]:
+    """One `build_attention_metadata` per KV group (`group_tables[g]`: every request's table
+    in group g), on `device`. On the kernel path (`torch_path=False`) the groups differ only
+    in their block table and slots: the first group's positions and row tensors serve all."""
+    host = build_attention_metadata(query_lens, context_lens, group_tables[0], block_size,
+                                    num_blocks, torch_path)
+    first = metadata_to(host, device)
+    if len(group_tables) == 1:
+        return [first]
+    if torch_path:
+        return [first] + [metadata_to(build_attention_metadata(
+            query_lens, context_lens, tables, block_size, num_blocks, True), device)
+            for tables in group_tables[1:]]
+    needs = [-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens, strict=True)]
+    width = host.block_table.shape[1]
+    metas = [first]
+    for tables in group_tables[1:]:
+        for t, need in zip(tables, needs, strict=True):
+            if len(t) < need:
+                raise ValueError(f"block table of {len(t)} blocks cannot hold {need} blocks")
+        table = torch.tensor([t[:need] + [0] * (width - need) for t, need in zip(tables, needs)],
+                             dtype=torch.int64).view(len(tables), width)
+        slots = (table[host.row_request, host.positions // block_size] * block_size
+                 + host.positions % block_size)                                 # [num_tokens]
+        if device.type != "cpu":
+            table, slots = (t.to(device, non_blocking=True) for t in (table, slots))
+        metas.append(dataclasses.replace(first, slot_mapping=slots, block_table=table,
+                                         windows={}))
+    return metas
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],

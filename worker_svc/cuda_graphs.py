@@ -15,6 +15,9 @@ fixed, so:
   dropped. The C kernels (the CPU test path, `skip_padding=False`) take neither, so there a
   padding row writes slot 0 of the null block 0 and attends that one key (real rows never
   read block 0: it is only ever padding in their block tables);
+- a model with several KV groups (services.kv_groups) has a slot mapping and a block table
+  buffer per group (each group's blocks differ), and the graph's forward takes one metadata
+  per group over them;
 - steps with a prefill chunk, and decode batches above the largest size, run eagerly;
 - every graph is captured on one stream, made once, which also runs the warm-up passes: each
   new stream would get its own cuBLAS workspace, memory taken after the KV cache was sized.
@@ -42,7 +45,8 @@ log = logging.getLogger(__name__)
 # keep padding under a quarter of the batch.
 _SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-Forward = Callable[[torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
+# (input ids, one metadata per KV group) -> (hidden, residual)
+Forward = Callable[[torch.Tensor, list[AttentionMetadata]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -70,12 +74,13 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, sizes: list[int], max_blocks_per_seq: int,
                  block_size: int, device: torch.device, capture: bool,
-                 skip_padding: bool = True):
-        """`forward(input_ids, meta) -> (hidden, residual)`: the model stage's forward over the
-        layers and this worker's KV caches. `max_blocks_per_seq`: the widest block table a
-        request can have (max_model_len / block_size, rounded up). `skip_padding`: the
-        kernels skip slot -1 and take kv_len 0 (Triton); False: padding rows use the null
-        block's slot 0 and one key (the C kernels)."""
+                 skip_padding: bool = True, num_groups: int = 1):
+        """`forward(input_ids, metas) -> (hidden, residual)`: the model stage's forward over
+        the layers and this worker's KV caches, one metadata per KV group. `max_blocks_per_seq`:
+        the widest block table a request can have (max_model_len / block_size, rounded up).
+        `skip_padding`: the kernels skip slot -1 and take kv_len 0 (Triton); False: padding
+        rows use the null block's slot 0 and one key (the C kernels). `num_groups`: the
+        model's KV groups."""
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.forward = forward
@@ -90,55 +95,66 @@ class DecodeGraphs:
         # Persistent inputs; padding rows as `self.padding` says, block table row of zeros.
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), self.padding[0], **i64)
         self.row_request = torch.arange(n, **i64)        # decode: row i is request i
         self.kv_lens = torch.full((n,), self.padding[1], **i64)
-        self.block_table = torch.zeros(n, max_blocks_per_seq, **i64)
+        # Per KV group: where each row's K/V goes, and the rows' block tables.
+        self.slot_mappings = [torch.full((n,), self.padding[0], **i64)
+                              for _ in range(num_groups)]
+        self.block_tables = [torch.zeros(n, max_blocks_per_seq, **i64)
+                             for _ in range(num_groups)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.stream: torch.cuda.Stream | None = None      # warm-up and capture, made once
 
     def fits(self, num_rows: int) -> bool:
         return padded_size(num_rows, self.sizes) is not None
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        """Metadata over the first `size` rows of the persistent buffers (kernel path)."""
+    def _meta(self, size: int) -> list[AttentionMetadata]:
+        """Per KV group, metadata over the first `size` rows of the persistent buffers
+        (kernel path)."""
         empty = self.positions[:0]
-        return AttentionMetadata(
-            self.block_size, self.positions[:size], self.slot_mapping[:size], size, empty,
+        return [AttentionMetadata(
+            self.block_size, self.positions[:size], slots[:size], size, empty,
             torch.empty(0, 1, 0, device=self.device),
             torch.empty(0, 1, 1, 0, dtype=torch.bool, device=self.device),
-            self.block_table[:size], self.row_request[:size], self.kv_lens[:size], [])
+            table[:size], self.row_request[:size], self.kv_lens[:size], [])
+            for slots, table in zip(self.slot_mappings, self.block_tables, strict=True)]
 
-    def _fill(self, input_ids: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
+    def _fill(self, input_ids: torch.Tensor, metas: list[AttentionMetadata], size: int) -> None:
         """Copy a step's n rows in and reset rows n..size to padding."""
         n = input_ids.shape[0]
-        width = meta.block_table.shape[1]
-        if width > self.block_table.shape[1]:
-            raise ValueError(f"block table of {width} blocks exceeds the "
-                             f"{self.block_table.shape[1]} a request can have")
+        for meta, table in zip(metas, self.block_tables, strict=True):
+            width = meta.block_table.shape[1]
+            if width > table.shape[1]:
+                raise ValueError(f"block table of {width} blocks exceeds the "
+                                 f"{table.shape[1]} a request can have")
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(meta.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.kv_lens[:n].copy_(meta.row_kv_lens, non_blocking=True)
-        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        self.positions[:n].copy_(metas[0].positions, non_blocking=True)
+        self.kv_lens[:n].copy_(metas[0].row_kv_lens, non_blocking=True)
+        for meta, slots, table in zip(metas, self.slot_mappings, self.block_tables,
+                                      strict=True):
+            slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+            table[:n, :meta.block_table.shape[1]].copy_(meta.block_table, non_blocking=True)
         if size > n:
             for buf in (self.input_ids, self.positions):
                 buf[n:size].zero_()
-            self.slot_mapping[n:size].fill_(self.padding[0])
             self.kv_lens[n:size].fill_(self.padding[1])
-            self.block_table[n:size].zero_()
+            for slots, table in zip(self.slot_mappings, self.block_tables, strict=True):
+                slots[n:size].fill_(self.padding[0])
+                table[n:size].zero_()
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata
+    def run(self, input_ids: torch.Tensor, metas: list[AttentionMetadata]
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode-only step (meta.num_decodes == rows, one row per request, in table order)
-        -> (hidden, residual) of its rows."""
+        """A decode-only step (one metadata per KV group, num_decodes == rows, one row per
+        request, in table order) -> (hidden, residual) of its rows."""
         n = input_ids.shape[0]
-        if meta.num_decodes != n or meta.row_request.shape[0] != n:
+        if len(metas) != len(self.block_tables):
+            raise ValueError(f"{len(metas)} metadata for {len(self.block_tables)} KV groups")
+        if metas[0].num_decodes != n or metas[0].row_request.shape[0] != n:
             raise ValueError("DecodeGraphs runs decode-only steps")
         size = padded_size(n, self.sizes)
         if size is None:
             raise ValueError(f"{n} rows exceed the largest captured size {self.sizes[-1]}")
-        self._fill(input_ids, meta, size)
+        self._fill(input_ids, metas, size)
         if size in self.graphs:
             graph, hidden, residual = self.graphs[size]
             graph.replay()

@@ -10,11 +10,17 @@ is how non-last pipeline ranks learn them; the last stage already holds them).
 The whole diff is validated before anything changes, so a bad diff raises `ValueError` and
 leaves the state as it was.
 
+Block ids come one list per KV group (services.kv_groups), in the layout's group order. A
+sliding group's table may start with the null block 0 (a prefix hit or a resume reuses only
+the blocks its window reads); blocks kvcache_svc gives back later keep their old ids here,
+which is harmless: no kernel reads a block wholly before a row's window.
+
 When a step fails part way (a one-rank replica), the runner calls `discard(step)`: the step's
 requests are forgotten, and later steps, sent before the scheduler learnt of the failure, may
 still name them as running: such entries are skipped until the ids come back as finished.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput
@@ -29,12 +35,12 @@ class RequestState:
                  "num_saved_chunks", "block_hashes", "load_start")
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                 block_ids: list[int], num_computed_tokens: int, sampling: SamplingSpec,
+                 block_ids: list[list[int]], num_computed_tokens: int, sampling: SamplingSpec,
                  generator: SeededUniforms | None, cache_salt: bytes = b""):
         self.request_id = request_id
         self.token_ids = token_ids                    # prompt + outputs known to this worker
         self.num_prompt_tokens = num_prompt_tokens
-        self.block_ids = block_ids                    # KV blocks, in position order
+        self.block_ids = block_ids                    # per KV group, blocks in token order
         # Tokens whose KV is in the cache once the current step has run.
         self.num_computed_tokens = num_computed_tokens
         self.sampling = sampling
@@ -73,9 +79,12 @@ class _RunningUpdate:
 class InputBatch:
     """Requests held by this worker, keyed by request id."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int):
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int,
+                 kv_windows: Sequence[int] = (0,)):
+        """`kv_windows`: the model's KV groups' windows (`KvGroupLayout.windows`)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_windows = tuple(kv_windows)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
@@ -108,7 +117,9 @@ class InputBatch:
                                             request.num_new_tokens))
         for update in updates:
             state, request = update.state, update.request
-            state.block_ids.extend(request.new_block_ids)
+            if any(request.new_block_ids):
+                for ids, new_ids in zip(state.block_ids, request.new_block_ids, strict=True):
+                    ids += new_ids
             start = request.num_computed_tokens
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
             state.load_start = None
@@ -143,20 +154,21 @@ class InputBatch:
             raise ValueError(f"request {rid!r}: num_prompt_tokens {request.num_prompt_tokens} "
                              f"not in [1, {num_tokens}]")
         self._check_token_ids(rid, request.token_ids)
-        self._check_block_ids(rid, request.block_ids)
+        self._check_block_ids(rid, request.block_ids, new=True)
         if (request.num_new_tokens == 0) == (request.num_load_tokens == 0):
             raise ValueError(f"request {rid!r}: a new request either computes tokens or loads "
                              f"them (num_new_tokens {request.num_new_tokens}, num_load_tokens "
                              f"{request.num_load_tokens})")
         self._check_span(rid, request.num_computed_tokens,
                          request.num_new_tokens + request.num_load_tokens, num_tokens,
-                         len(request.block_ids))
+                         len(request.block_ids[0]))
         sampling = request.sampling
         generator = None
         if sampling.seed is not None and not is_greedy(sampling):
             generator = new_generator(sampling.seed, num_tokens - request.num_prompt_tokens)
         return RequestState(rid, list(request.token_ids), request.num_prompt_tokens,
-                            list(request.block_ids), request.num_computed_tokens, sampling,
+                            [list(ids) for ids in request.block_ids],
+                            request.num_computed_tokens, sampling,
                             generator, request.cache_salt)
 
     def _check_running(self, request: RunningRequest, held: set[str],
@@ -183,9 +195,9 @@ class InputBatch:
                                  f"known tokens {known} at {start}")
             self._check_token_ids(rid, new_tokens)
         num_tokens = max(len(state.token_ids), start + len(new_tokens))
-        self._check_block_ids(rid, request.new_block_ids)
+        self._check_block_ids(rid, request.new_block_ids, new=False)
         self._check_span(rid, start, request.num_new_tokens, num_tokens,
-                         len(state.block_ids) + len(request.new_block_ids))
+                         len(state.block_ids[0]) + len(request.new_block_ids[0]))
         return _RunningUpdate(state, request, start + request.num_new_tokens == num_tokens)
 
     @staticmethod
@@ -199,11 +211,27 @@ class InputBatch:
             raise ValueError(f"request {request_id!r}: token id {max(token_ids)} is outside "
                              f"the vocabulary of {self.vocab_size}")
 
-    def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
-        # Block 0 is the null block: never holds a real token.
-        if block_ids and not (min(block_ids) >= 1 and max(block_ids) < self.num_blocks):
-            raise ValueError(f"request {request_id!r}: block ids {block_ids} not all in "
-                             f"[1, {self.num_blocks})")
+    def _check_block_ids(self, request_id: str, block_ids: list[list[int]], new: bool) -> None:
+        """One list per KV group, all of one length. Block 0 is the null block: it never holds
+        a real token; only a new request's sliding group may start with it (blocks its window
+        no longer reads)."""
+        if len(block_ids) != len(self.kv_windows):
+            raise ValueError(f"request {request_id!r}: block ids for {len(block_ids)} KV "
+                             f"groups; the model has {len(self.kv_windows)}")
+        if not any(block_ids):
+            return                            # nothing appended: most decode steps
+        length = len(block_ids[0])
+        for ids, window in zip(block_ids, self.kv_windows, strict=True):
+            if len(ids) != length:
+                raise ValueError(f"request {request_id!r}: KV groups' block lists differ in "
+                                 f"length: {[len(each) for each in block_ids]}")
+            if not ids:
+                continue
+            if new and window and not ids[0]:
+                ids = ids[next((i for i, b in enumerate(ids) if b), len(ids)):]
+            if ids and not (min(ids) >= 1 and max(ids) < self.num_blocks):
+                raise ValueError(f"request {request_id!r}: block ids {ids} not all in "
+                                 f"[1, {self.num_blocks})")
 
     def _check_span(self, request_id: str, num_computed: int, num_new: int, num_tokens: int,
                     num_blocks: int) -> None:

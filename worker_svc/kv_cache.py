@@ -1,11 +1,16 @@
 """KV-cache sizing and allocation for the layers this worker holds.
 
-Every layer has its own tensor, shaped `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(see `worker_svc.attention`), and all layers share one block count, so a block id means the
-same token range in every layer. The runner sizes the cache from a byte budget
-(`num_blocks_for_budget`), reports it, and allocates once the replica-wide count is agreed.
+KV tensors are shaped `[2, num_blocks, block_size, num_kv_heads, head_dim]` (see
+`worker_svc.attention`), one per tensor position of the model's KV group layout
+(services.kv_groups) that this worker's layers use: a uniform model has one per layer; in a
+hybrid model the i-th layer of every group shares position i's tensor (a block id belongs to
+one group at a time). All tensors share one block count. The runner sizes the cache from a
+byte budget (`KvGroupLayout.num_blocks`, or `num_blocks_for_budget` over one spec per
+tensor), reports it, and allocates once the replica-wide count is agreed; `layer_caches` then
+gives each layer its position's tensor.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,3 +58,11 @@ def allocate_kv_caches(specs: list[KvLayerSpec], num_blocks: int,
                          f"got {num_blocks}")
     return [torch.zeros((2, num_blocks, *spec.shape_per_block), dtype=spec.dtype, device=device)
             for spec in specs]
+
+
+def layer_caches(tensors: Sequence[torch.Tensor], positions: Sequence[int],
+                 layer_positions: Sequence[int]) -> list[torch.Tensor]:
+    """Each layer's KV tensor: `tensors[i]` holds tensor position `positions[i]`, and layer j
+    uses position `layer_positions[j]`."""
+    by_position = dict(zip(positions, tensors, strict=True))
+    return [by_position[position] for position in layer_positions]

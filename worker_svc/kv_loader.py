@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -58,7 +58,7 @@ class _Job:
     first_chunk: int            # chunk i covers tokens [i * chunk_tokens, (i + 1) * ...)
     start: int                  # first token to write (the prefix hit's end: whole blocks)
     end: int                    # one past the last token to load
-    block_ids: list[int]        # the request's blocks
+    block_ids: list[list[int]]  # the request's blocks, per KV group
 
 
 class LoadTicket:
@@ -141,7 +141,8 @@ class KvLoader:
         self.num_tokens_loaded = 0
         self.num_loads_short = 0            # requests that got fewer tokens than asked
         self._pending: list[LoadTicket] = []  # started, oldest first (the step's thread's)
-        self._jobs: queue.SimpleQueue[tuple[LoadTicket, list[_Job], list[torch.Tensor]] | None] \
+        self._jobs: queue.SimpleQueue[
+            tuple[LoadTicket, list[_Job], list[torch.Tensor], list[int]] | None] \
             = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, args=(codec,), name="kv-loader",
@@ -155,8 +156,10 @@ class KvLoader:
     # ----------------------------------------------------------------------- the step's thread
 
     def start(self, step: StepInput, requests: dict[str, RequestState],
-              kv_caches: list[torch.Tensor], block_size: int) -> LoadTicket | None:
-        """Starts the step's loads (None when it has none)."""
+              kv_caches: list[torch.Tensor], block_size: int,
+              layer_groups: Sequence[int] | None = None) -> LoadTicket | None:
+        """Starts the step's loads (None when it has none). `kv_caches`: one per layer;
+        `layer_groups`: each layer's KV group (None: all 0)."""
         loads = [r for r in step.new_requests if r.num_load_tokens and r.request_id in requests]
         if not loads:
             return None
@@ -185,8 +188,9 @@ class KvLoader:
             keys = chunk_keys(state.block_hashes[:num_hashed // block_size], block_size,
                               chunk_tokens, self.saver.kv_slice)[first_chunk:]
             jobs.append(_Job(request.request_id, keys, first_chunk, start, end,
-                             list(state.block_ids)))
-        self._jobs.put((ticket, jobs, kv_caches))
+                             [list(ids) for ids in state.block_ids]))
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(kv_caches)
+        self._jobs.put((ticket, jobs, kv_caches, groups))
         return ticket
 
     def join_loads(self) -> None:
@@ -231,12 +235,13 @@ class KvLoader:
         client = KvStoreClient(self._ctx, self.saver.address, codec=codec)
         try:
             while (work := self._jobs.get()) is not None:
-                ticket, jobs, kv_caches = work
+                ticket, jobs, kv_caches, layer_groups = work
                 order = self._order if ticket.ready is not None else None
                 try:
                     with order.copying(ticket.ready) if order is not None else nullcontext():
                         for job in jobs:
-                            ticket.loaded[job.request_id] = self._load(client, job, kv_caches)
+                            ticket.loaded[job.request_id] = self._load(client, job, kv_caches,
+                                                                       layer_groups)
                 except Exception:   # a bug: the rest fall back to recompute, the step goes on
                     log.exception("KV load failed")
                 finally:
@@ -249,7 +254,8 @@ class KvLoader:
             client.close()
             self._ctx.term()
 
-    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor]) -> int:
+    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor],
+              layer_groups: list[int]) -> int:
         """Tokens of the job now in its blocks: the leading run of chunks that arrived."""
         chunk_tokens = self.saver.chunk_tokens
         assert chunk_tokens is not None
@@ -263,9 +269,9 @@ class KvLoader:
                 break
             index = job.first_chunk + offset
             first_block = max(index * chunk_tokens, job.start) // block_size
-            end_block = min((index + 1) * chunk_tokens // block_size, len(job.block_ids))
-            scatter_blocks(kv_caches, chunk, job.block_ids[first_block:end_block],
-                           first_block - index * chunk_tokens // block_size)
+            end_block = min((index + 1) * chunk_tokens // block_size, len(job.block_ids[0]))
+            scatter_blocks(kv_caches, chunk, [ids[first_block:end_block] for ids in job.block_ids],
+                           first_block - index * chunk_tokens // block_size, layer_groups)
             self.num_chunks_loaded += 1
             loaded_end = (index + 1) * chunk_tokens
         num_loaded = max(0, min(loaded_end, job.end) - job.start)
@@ -273,33 +279,39 @@ class KvLoader:
         return num_loaded
 
 
-def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk, block_ids: list[int],
-                   first: int) -> None:
-    """Copies the chunk's blocks `first`, `first + 1`, ... into `block_ids` of every layer,
-    on the current stream (the loader's, inside `StreamOrder.copying`). The chunk's layout is
-    the saver's: [layers, 2, chunk_tokens, heads, head_dim]."""
-    if not block_ids:
+def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk,
+                   group_block_ids: list[list[int]], first: int,
+                   layer_groups: Sequence[int] | None = None) -> None:
+    """Copies the chunk's blocks `first`, `first + 1`, ... into each layer's blocks
+    (`group_block_ids[g]` for a layer of KV group g, from `layer_groups`; None: every layer in
+    group 0), on the current stream (the loader's, inside `StreamOrder.copying`). The chunk's
+    layout is the saver's: [layers, 2, chunk_tokens, heads, head_dim]."""
+    num_blocks = len(group_block_ids[0])
+    if not num_blocks:
         return
     cache = kv_caches[0]
+    groups = layer_groups if layer_groups is not None else [0] * len(kv_caches)
     with warnings.catch_warnings():      # a received frame is read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(chunk.data, dtype=cache.dtype)
-    blocks = flat.view(len(kv_caches), 2, -1, *cache.shape[2:])[:, :, first:first + len(block_ids)]
-    index = torch.tensor(block_ids, dtype=torch.int64)
+    blocks = flat.view(len(kv_caches), 2, -1, *cache.shape[2:])[:, :, first:first + num_blocks]
+    indices = [torch.tensor(ids, dtype=torch.int64) for ids in group_block_ids]
     if cache.device.type != "cpu":
         blocks = blocks.to(cache.device)
-        index = index.to(cache.device)
-    for layer, layer_cache in enumerate(kv_caches):
-        layer_cache.index_copy_(1, index, blocks[layer])
+        indices = [index.to(cache.device) for index in indices]
+    for layer, (layer_cache, group) in enumerate(zip(kv_caches, groups, strict=True)):
+        layer_cache.index_copy_(1, indices[group], blocks[layer])
 
 
 def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,
-                kv_caches: list[torch.Tensor]) -> LoadTicket | None:
+                kv_caches: list[torch.Tensor], layer_groups: Sequence[int] | None = None
+                ) -> LoadTicket | None:
     """The step's loads started (None when it has none); without a loader (no store) a
     completed ticket that loaded nothing, so every rank still reports and the scheduler
     recomputes."""
     if loader is not None:
-        return loader.start(step, input_batch.requests, kv_caches, input_batch.block_size)
+        return loader.start(step, input_batch.requests, kv_caches, input_batch.block_size,
+                            layer_groups)
     ids = [r.request_id for r in step.new_requests if r.num_load_tokens]
     if not ids:
         return None

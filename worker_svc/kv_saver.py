@@ -7,11 +7,17 @@ this rank's slice (its layers, its KV heads) is copied into a staging buffer, on
 stream, so the copy reads the blocks before any later step can overwrite them (a request
 aborted meanwhile may have its blocks reused by the very next step). Chunks already cached
 when the worker first sees a request (a prefix hit) are not copied: the request that computed
-them saved them. `submit`, when the step finishes: the request's tokens up to the chunk are
-all known on the host then (a greedy step's sampled token is read at finish, and a decode
-may have computed it already), so the chunks are keyed there (`services.kv_chunks`: the
-chained block hashes, with the request's cache salt, as the scheduler computes them) and
-queued for the saver's thread. A step that fails gives its copies up (`drop`).
+them saved them. With KV groups (services.kv_groups) each layer's pages come from its group's
+block table. A chunk some of whose blocks a sliding group never held here (the null block 0:
+a prefix hit takes only the window's blocks) is not copied: its start was computed by the
+request that cached it, and a chunk is saved whole or not at all. kvcache_svc keeps a sliding
+group's blocks of the chunk in progress until the chunk is complete, so the step that
+completes it still finds them all. `submit`, when the step finishes: the request's tokens up
+to the chunk are all known on the host then (a greedy step's sampled token is read at finish,
+and a decode may have computed it already), so the chunks are keyed there
+(`services.kv_chunks`: the chained block hashes, with the request's cache salt, as the
+scheduler computes them) and queued for the saver's thread. A step that fails gives its
+copies up (`drop`).
 
 The thread asks the store how many leading chunks it holds, sends only the chunks past those,
 and logs `stored KV for N of M tokens (skip_leading_tokens=K)`. Saves never stall a step: the
@@ -113,8 +119,10 @@ class KvSaver:
     # ----------------------------------------------------------------------- the step's thread
 
     def copy_out(self, scheduled: Sequence[ScheduledRequest], kv_caches: list[torch.Tensor],
-                 block_size: int) -> list[PendingSave]:
-        """Copies every chunk the step completed; call once the step's work is queued."""
+                 block_size: int, layer_groups: Sequence[int] | None = None
+                 ) -> list[PendingSave]:
+        """Copies every chunk the step completed; call once the step's work is queued.
+        `kv_caches`: one per layer; `layer_groups`: each layer's KV group (None: all 0)."""
         chunk_tokens = self.chunk_tokens
         if chunk_tokens is None or not kv_caches:
             return []
@@ -137,13 +145,16 @@ class KvSaver:
             state.num_saved_chunks = end
             save = PendingSave(state, [], [], None)
             for index in range(first, end):
+                blocks = [ids[index * chunk_tokens // block_size:
+                              (index + 1) * chunk_tokens // block_size]
+                          for ids in state.block_ids]
+                if any(0 in ids for ids in blocks):
+                    continue                  # not held here: another request saved it
                 buffer = self._take_buffer(kv_caches, chunk_tokens)
                 if buffer is None:
                     self._count_skip()
                     continue
-                blocks = state.block_ids[index * chunk_tokens // block_size:
-                                         (index + 1) * chunk_tokens // block_size]
-                gather_blocks(kv_caches, blocks, buffer)
+                gather_blocks(kv_caches, blocks, buffer, layer_groups)
                 save.chunk_indices.append(index)
                 save.buffers.append(buffer)
             if save.buffers:
@@ -267,15 +278,20 @@ def extend_block_hashes(state: RequestState, num_tokens: int, block_size: int) -
     return True
 
 
-def gather_blocks(kv_caches: list[torch.Tensor], block_ids: list[int],
-                   buffer: torch.Tensor) -> None:
-    """Copies `block_ids` of every layer into `buffer` ([layers, 2, tokens, heads, dim])."""
+def gather_blocks(kv_caches: list[torch.Tensor], group_block_ids: list[list[int]],
+                  buffer: torch.Tensor, layer_groups: Sequence[int] | None = None) -> None:
+    """Copies each layer's blocks (`group_block_ids[g]` for a layer of KV group g, from
+    `layer_groups`; None: every layer in group 0) into `buffer` ([layers, 2, tokens, heads,
+    dim])."""
     cache = kv_caches[0]
-    index = torch.tensor(block_ids, dtype=torch.int64).to(cache.device, non_blocking=True)
-    blocks = buffer.view(len(kv_caches), 2, len(block_ids), *cache.shape[2:])
+    groups = layer_groups if layer_groups is not None else [0] * len(kv_caches)
+    indices = [torch.tensor(ids, dtype=torch.int64).to(cache.device, non_blocking=True)
+               for ids in group_block_ids]
+    blocks = buffer.view(len(kv_caches), 2, len(group_block_ids[0]), *cache.shape[2:])
     if cache.device.type == "cpu":
-        for layer, layer_cache in enumerate(kv_caches):
-            torch.index_select(layer_cache, 1, index, out=blocks[layer])
+        for layer, (layer_cache, group) in enumerate(zip(kv_caches, groups, strict=True)):
+            torch.index_select(layer_cache, 1, indices[group], out=blocks[layer])
         return
-    gathered = torch.stack([layer_cache.index_select(1, index) for layer_cache in kv_caches])
+    gathered = torch.stack([layer_cache.index_select(1, indices[group])
+                            for layer_cache, group in zip(kv_caches, groups, strict=True)])
     blocks.copy_(gathered, non_blocking=True)

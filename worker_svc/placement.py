@@ -158,7 +158,7 @@ class Placer:
             placement.block_size, placement.max_num_batched_tokens or 2048,
             placement.max_num_seqs or 256, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
         per_block = runner.kv_bytes_per_block(placement.block_size)
-        num_blocks = budget.num_blocks(per_block)
-        log.info("%s; fits %d blocks of %d tokens (%d bytes each)", budget.describe(),
-                 num_blocks, placement.block_size, per_block)
+        num_blocks = runner.num_blocks_for_budget(budget.budget, placement.block_size)
+        log.info("%s; fits %d blocks of %d tokens (%d bytes each: %s)", budget.describe(),
+                 num_blocks, placement.block_size, per_block, runner.describe_kv())
         return num_blocks

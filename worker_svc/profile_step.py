@@ -13,7 +13,7 @@ import torch
 
 from services.wire import MAX_TOP_LOGPROBS, SamplingSpec
 from worker_svc.attention import build_attention_metadata, metadata_to
-from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches, bytes_per_block
+from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches, bytes_per_block, layer_caches
 from worker_svc.model.llama import LlamaModel
 from worker_svc.sampler import sample
 
@@ -30,10 +30,12 @@ def worst_case_sampling(logits: torch.Tensor) -> None:
 
 
 def profile_forward(model: LlamaModel, specs: list[KvLayerSpec], num_tokens: int,
-                    num_rows: int, block_size: int) -> int:
+                    num_rows: int, block_size: int,
+                    positions: tuple[int, ...] | None = None) -> int:
     """One forward of `num_tokens` tokens over `num_rows` new requests through `model` (logits
     for each, and the sampler's worst case on them, on the last stage), on a scratch KV cache
-    of `specs`' layout; returns the scratch cache's bytes."""
+    of `specs`' layout: one tensor per KV group position in `positions` (None: one per layer),
+    every KV group on the same block tables; returns the scratch cache's bytes."""
     lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
             for i in range(num_rows)]
     lens.sort()                              # one-token queries first
@@ -44,6 +46,8 @@ def profile_forward(model: LlamaModel, specs: list[KvLayerSpec], num_tokens: int
         next_block += need
     device = model.device
     caches = allocate_kv_caches(specs, next_block, device)
+    if positions is not None:
+        caches = layer_caches(caches, positions, model.layer_positions)
     with torch.inference_mode():
         meta = metadata_to(build_attention_metadata(
             lens, [0] * num_rows, tables, block_size, next_block,

@@ -11,7 +11,8 @@ back). The last pipeline stage returns a
 stage, whose step takes them.
 
 A step: apply the diff to the input batch, lay the requests out one-token queries first,
-build every per-step tensor once (on the host, copied to the device), run the stage's layers,
+build every per-step tensor once (on the host, copied to the device; one attention metadata
+per KV group, services.kv_groups: the groups' block tables differ), run the stage's layers,
 and on the last stage sample the requests whose step reaches their last known token and build
 the `StepOutput` (worker_svc.step_output; the scheduler does not send the last stage its own
 tokens back).
@@ -38,15 +39,15 @@ import torch.distributed as dist
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
 from services.wire import StepInput, StepOutput
-from worker_svc.attention import build_attention_metadata, metadata_to
+from worker_svc.attention import AttentionMetadata, build_group_metadata
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
-from worker_svc.input_batch import InputBatch
+from worker_svc.input_batch import InputBatch, ScheduledRequest
 from worker_svc.kernels import CpuLevel
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
     bytes_per_block,
-    num_blocks_for_budget,
+    layer_caches,
 )
 from worker_svc.kv_loader import KvLoader, start_loads
 from worker_svc.kv_saver import KvSaver, KvStoreOptions
@@ -91,7 +92,7 @@ class ModelRunner:
         self.model, self.weight_bytes = load_model(
             model_config, model_path, dtype, self.device, first_layer, end_layer, is_last_stage,
             tp, cpu_level, kernels, quant_kernels)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []      # per layer (shared within a position)
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
         self.padded_decode = padded_decode
@@ -128,18 +129,35 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------- KV cache
 
+    @property
+    def kv_positions(self) -> tuple[int, ...]:
+        """The KV group layout's tensor positions this stage's layers use, ascending (one per
+        layer for a uniform model; services.kv_groups)."""
+        return tuple(sorted(set(self.model.layer_positions)))
+
     def kv_layer_specs(self, block_size: int) -> list[KvLayerSpec]:
+        """One spec per KV tensor this worker holds (`kv_positions`)."""
         cfg = self.config
         return [KvLayerSpec(block_size, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
-                for _ in self.model.layers]
+                for _ in self.kv_positions]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block costs across this worker's layers."""
+        """Bytes one block id costs this worker: a page in each of its KV tensors."""
         return bytes_per_block(self.kv_layer_specs(block_size))
 
     def num_blocks_for_budget(self, budget_bytes: int, block_size: int) -> int:
-        """Blocks (null block included) that fit in `budget_bytes` for this worker's layers."""
-        return num_blocks_for_budget(budget_bytes, self.kv_layer_specs(block_size))
+        """Blocks (null block included) that fit in `budget_bytes` for this worker's layers:
+        the group layout's count for its tensor positions."""
+        model = self.model
+        page_bytes = self.kv_layer_specs(block_size)[0].page_bytes
+        return model.kv_layout.num_blocks(budget_bytes, page_bytes,
+                                          range(model.first_layer, model.end_layer))
+
+    def describe_kv(self) -> str:
+        """The KV group layout and this stage's share of it, for the sizing log."""
+        model = self.model
+        return (f"{model.kv_layout.describe()}; layers [{model.first_layer}, "
+                f"{model.end_layer}) use {len(self.kv_positions)} KV tensor(s)")
 
     def footprint(self) -> ShardFootprint:
         """What this shard takes besides its KV cache: the memory budget's inputs."""
@@ -159,7 +177,7 @@ class ModelRunner:
         return measure_kv_budget(
             self.footprint(), max_num_batched_tokens, max_num_seqs, cpu_cap_bytes,
             gpu_memory_utilization, lambda num_tokens, num_rows: profile_forward(
-                self.model, specs, num_tokens, num_rows, block_size))
+                self.model, specs, num_tokens, num_rows, block_size, self.kv_positions))
 
     def release_cache(self) -> None:
         """Frees everything sized for the last placement: the KV tensors, the CUDA graphs and
@@ -196,10 +214,11 @@ class ModelRunner:
         CUDA, captures the decode graphs (unless enforce_eager) for up to `max_num_seqs`."""
         if self.kv_caches or self.graphs is not None:
             self.release_cache()          # a second InitCache: the old cache goes first
-        self.kv_caches = allocate_kv_caches(self.kv_layer_specs(block_size), num_blocks,
-                                            self.device)
+        tensors = allocate_kv_caches(self.kv_layer_specs(block_size), num_blocks, self.device)
+        self.kv_caches = layer_caches(tensors, self.kv_positions, self.model.layer_positions)
         self.input_batch = InputBatch(num_blocks, block_size, self.config.vocab_size,
-                                      self.config.max_model_len)
+                                      self.config.max_model_len,
+                                      self.model.kv_layout.windows)
         self._pending_tokens.clear()
         self._timer.reset()
         # The graphs' metadata is the kernels' (block table, keys per row); the torch
@@ -213,14 +232,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self._graph_forward, capture_sizes(max_num_seqs),
                 -(-self.config.max_model_len // block_size), block_size, self.device, capture,
-                skip_padding=isinstance(self.model.kernels.attention, TritonPagedAttention))
+                skip_padding=isinstance(self.model.kernels.attention, TritonPagedAttention),
+                num_groups=self.model.kv_layout.num_groups)
             seconds = self.graphs.capture_all()
             if capture:
                 log.info("captured CUDA graphs for decode batches %s in %.1fs",
                          self.graphs.sizes, seconds)
 
-    def _graph_forward(self, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.forward(input_ids, None, None, meta.positions, meta, self.kv_caches)
+    def _graph_forward(self, input_ids: torch.Tensor, metas: list[AttentionMetadata]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward(input_ids, None, None, metas[0].positions, metas,
+                                  self.kv_caches)
 
     # ------------------------------------------------------------------------------------ step
 
@@ -270,8 +292,8 @@ class ModelRunner:
         if self.kv_loader is not None:   # their blocks may be reused from this step on
             self.kv_loader.wait_for(step.finished_ids)
         scheduled = input_batch.apply(step)
-        launched = LaunchedStep(step, scheduled, loads=start_loads(
-            self.kv_loader, step, input_batch, self.kv_caches))  # before the forward: overlap
+        launched = LaunchedStep(step, scheduled, loads=start_loads(   # before the forward
+            self.kv_loader, step, input_batch, self.kv_caches, self.model.layer_groups))
         if self.kv_loader is not None:   # this step may read blocks a finished load wrote
             self.kv_loader.join_loads()
         if not scheduled:
@@ -287,11 +309,8 @@ class ModelRunner:
         # padded attention call on the torch path); output order is step order regardless.
         layout = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, -s.num_new_tokens))
         with torch.inference_mode():
-            meta = build_attention_metadata(
-                [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
-                [s.state.block_ids for s in layout], input_batch.block_size,
-                input_batch.num_blocks, torch_path=self.model.kernels.attention is None)
-            meta = metadata_to(meta, self.device)
+            metas = self._attention_metadata(layout, input_batch)
+            meta = metas[0]
             input_ids, hidden_in, residual_in = None, None, None
             if stage_input is None:
                 input_ids = self._pending_tokens.input_ids(layout, self.device)
@@ -302,10 +321,10 @@ class ModelRunner:
             launched.gpu = self._timer.forward_starts(launched.clock, start, prepared)
             if (self.graphs is not None and input_ids is not None
                     and meta.num_decodes == len(layout) and self.graphs.fits(len(layout))):
-                hidden, residual = self.graphs.run(input_ids, meta)
+                hidden, residual = self.graphs.run(input_ids, metas)
             else:
                 hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
-                                                      meta.positions, meta, self.kv_caches)
+                                                      meta.positions, metas, self.kv_caches)
             self._kv_written = True
             forwarded = time.perf_counter()
             launched.clock.num_tokens = int(meta.positions.shape[0])
@@ -316,6 +335,18 @@ class ModelRunner:
                             self._pending_tokens, self.device)
             if self.kv_saver is not None:     # last to raise: copied before any later step
                 launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
-                                                        input_batch.block_size)
+                                                        input_batch.block_size,
+                                                        self.model.layer_groups)
             self._timer.launched(launched.clock, launched.gpu, start, prepared, forwarded)
         return launched
+
+    def _attention_metadata(self, layout: list[ScheduledRequest], input_batch: InputBatch
+                            ) -> list[AttentionMetadata]:
+        """One metadata per KV group, on the device: the groups' block tables, hence their
+        slots and tables, differ; positions and lengths are the same."""
+        return build_group_metadata(
+            [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
+            [[s.state.block_ids[group] for s in layout]
+             for group in range(self.model.kv_layout.num_groups)],
+            input_batch.block_size, input_batch.num_blocks, self.device,
+            torch_path=self.model.kernels.attention is None)

@@ -90,22 +90,25 @@ class RunningCluster:
 
 @contextmanager
 def run_cluster(log_dir: Path, *, scheduler_args: Sequence[str] = (),
-                worker_args: Sequence[str] = (), dtype: str = "float32", tp: int = 1,
+                worker_args: Sequence[str] = (), kvcache_args: Sequence[str] = (),
+                dtype: str = "float32", tp: int = 1,
                 pp: int = 1, num_replicas: int = 1, env: dict[str, str] | None = None,
-                ready_timeout_s: float = 180.0, model: str | None = None
+                ready_timeout_s: float = 180.0, model: str | None = None, http: bool = False
                 ) -> Iterator[RunningCluster]:
     """The services as processes on free ports; `model`: a model path (default: the default
-    model)."""
-    port, control_port, plan_port, admin_port, events_port, metrics_port, store_port = \
-        free_ports(7)
+    model); `http`: the HTTP front end too (at `procs.http_address`, serving once the cluster
+    is ready)."""
+    port, control_port, plan_port, admin_port, events_port, metrics_port, store_port, \
+        http_port = free_ports(8)
     spec = ClusterSpec(model=model, port=port, control_port=control_port,
                        kv_plan_port=plan_port, kv_admin_port=admin_port,
                        kv_events_port=events_port,
                        kv_store_port=store_port,
-                       metrics_port=metrics_port,
+                       metrics_port=metrics_port, http_port=http_port if http else None,
                        dtype=dtype, tp=tp, pp=pp, num_replicas=num_replicas,
                        scheduler_args=tuple(scheduler_args),
                        worker_args=("--kv-cache-memory-gib", "0.25", *worker_args),
+                       kvcache_args=tuple(kvcache_args),
                        env=dict(env or {}))
     procs = ServiceProcesses(spec, log_dir)
     procs.start()

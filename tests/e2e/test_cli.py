@@ -1,6 +1,6 @@
-"""`splitserve up` starts three processes that share one cluster token, `splitserve generate`
-talks to them, Ctrl-C stops them all, and a worker that cannot start is a clear error rather
-than a hang."""
+"""`splitserve up` starts four processes (three sharing one cluster token, and the HTTP API),
+`splitserve generate` and an HTTP client talk to them, Ctrl-C stops them all, and a worker
+that cannot start is a clear error rather than a hang."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,17 +37,25 @@ def token_of(pid: int) -> str:
     return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), "")
 
 
+def http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def member_env() -> dict[str, str]:
     """The environment of a service started by hand: a member of a cluster of its own."""
     return {**os.environ, "PYTHONPATH": str(ROOT), cluster_token.ENV: cluster_token.generate()}
 
 
 def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
-    port = free_ports(1)[0]   # control takes port+1, the KV service port+2..+4
+    port, http_port = free_ports(2)   # control takes port+1, the KV service port+2..+6
     env = {k: v for k, v in os.environ.items() if k != cluster_token.ENV}
-    up = subprocess.Popen(cli("up", "--port", str(port), "--kv-cache-memory-gib", "0.25",
-                              "--log-dir", str(tmp_path)), cwd=ROOT, env=env,
-                          stderr=subprocess.PIPE, text=True)
+    up = subprocess.Popen(cli("up", "--port", str(port), "--http-port", str(http_port),
+                              "--kv-cache-memory-gib", "0.25", "--log-dir", str(tmp_path)),
+                          cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
         deadline = time.monotonic() + 180
@@ -57,9 +66,12 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
                 break
         assert any("ready on" in x for x in lines), "".join(lines)
         children = child_pids(up.pid)
-        assert len(children) == 3, f"expected kvcache, scheduler and a worker: {children}"
-        tokens = {token_of(pid) for pid in children}     # one generated secret for all three
+        assert len(children) == 4, f"expected kvcache, scheduler, a worker, http: {children}"
+        tokens = {token_of(pid) for pid in children}     # one generated secret for all
         assert len(tokens) == 1 and len(tokens.pop()) == 64
+        api = f"http://127.0.0.1:{http_port}/v1"
+        assert up.stderr.readline().strip() == (  # type: ignore[union-attr]
+            f"splitserve: OpenAI-compatible HTTP API on {api}")
         assert f"control on 127.0.0.1:{port + 1}" in "".join(lines)
         assert "token" not in "".join(lines).lower()      # a generated token is never shown
 
@@ -73,6 +85,13 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
                                   f"127.0.0.1:{port}", "--max-tokens", "12"),
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert "Paris" in text.stdout
+        assert wait_for(lambda: http_ready(f"http://127.0.0.1:{http_port}/health"), 30)
+        body = json.dumps({"messages": [{"role": "user", "content": "Capital of France?"}],
+                           "max_tokens": 12, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{api}/chat/completions", body,
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert json.loads(r.read())["choices"][0]["message"]["content"]
 
         up.send_signal(signal.SIGINT)               # what Ctrl-C sends
         assert up.wait(timeout=60) == 0

@@ -1,16 +1,20 @@
 """A hybrid model (Qwen3 with sliding and full layers, window 16) through the real services,
 greedy token for token against HF transformers in fp32, with prompts of 30-45 tokens (past
 the window): under a tiny token budget (every prompt chunked, chunks crossing the window's
-edge), a tiny KV pool (preemption by recompute), a prefix hit, and two pipeline stages, each
-holding a full and a sliding layer."""
+edge), a tiny KV pool (preemption by recompute), a prefix hit, the KV store saving chunks of
+8 tokens (the sliding group keeps a chunk's blocks until it is saved, and frees them after),
+and two pipeline stages, each holding a full and a sliding layer (one KV tensor each: the
+split cuts both groups). A long request's sliding group holds a window of blocks."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from scripts.random_family import build_family_model
+from services.kv_groups import max_blocks_in_window
 from services.rpc.splitserve.v1 import generation_pb2
 from tests.e2e.harness import RunningCluster, greedy_request, run_cluster, stream_tokens
 
@@ -51,20 +55,62 @@ def generate_all(cluster: RunningCluster, prompts: list[list[int]]) -> list[list
 def test_chunks_preemption_and_prefix_hits(tmp_path: Path, hybrid) -> None:  # type: ignore[no-untyped-def]
     path, prompts, references = hybrid
     # 7 tokens a step in blocks of 4: every prompt is prefilled over 5-7 steps, and the
-    # windowed layers' keys start inside a chunk. 40 blocks hold any one request (15 blocks)
-    # but not all four at once (about 56): requests are preempted and recomputed.
+    # windowed layers' keys start inside a chunk. The model is two KV groups (full, sliding)
+    # of two layers: 40 blocks hold any one request (15 blocks in the full group, at most 7
+    # in the sliding one) but not all four at once (about 80): requests are preempted and
+    # recomputed.
     args = ["--max-num-batched-tokens", "7", "--block-size", "4", "--num-kv-blocks", "40"]
-    with run_cluster(tmp_path, scheduler_args=args, model=str(path)) as cluster:
+    with run_cluster(tmp_path, scheduler_args=args, model=str(path),
+                     kvcache_args=["--kv-chunk-tokens", "8"]) as cluster:
         assert generate_all(cluster, prompts) == references
         info = cluster.stub.ServerInfo(generation_pb2.ServerInfoRequest()).replicas[0]
         assert info.num_preemptions > 0, "the small pool should have forced preemption"
-        # The same prompt again: its full blocks are cached, the rest is computed.
-        ids, _, last = stream_tokens(cluster.stub, greedy_request(prompts[0], NUM_NEW_TOKENS))
+        # The same prompt again, twice: the other requests' churn may have evicted its
+        # blocks, but after the first its full blocks are cached; the second then reuses the
+        # full group's blocks from the start and the sliding group's last window only.
+        for _ in range(2):
+            ids, _, last = stream_tokens(cluster.stub,
+                                         greedy_request(prompts[0], NUM_NEW_TOKENS))
+            assert ids == references[0]
         assert last.usage.cached_prompt_tokens > WINDOW, "a prefix hit past the window"
-        assert ids == references[0]
+        # Chunks were saved (and, when the churn evicted prompt 0's blocks, loaded back).
+        assert cluster.kv_stats().store.num_stored_chunks > 0
 
 
 def test_two_pipeline_stages_split_the_hybrid_model(tmp_path: Path, hybrid) -> None:  # type: ignore[no-untyped-def]
     path, prompts, references = hybrid
     with run_cluster(tmp_path, pp=2, model=str(path)) as cluster:
         assert generate_all(cluster, prompts) == references
+
+
+def test_a_long_request_holds_a_window_of_blocks_in_its_sliding_group(
+        tmp_path: Path, hybrid) -> None:  # type: ignore[no-untyped-def]
+    """A 300-token prompt decoding 60 tokens (no KV store, so the window alone decides):
+    mid-decode, kvcache_svc's pool holds the full group's blocks and at most
+    ceil(16 / 4) + 1 = 5 in the sliding group, where treating both groups as full attention
+    would hold twice the full group's. The tokens are HF's."""
+    path, _, _ = hybrid
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 49152, (300,), generator=generator).tolist()
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    reference = out[0, len(prompt):].tolist()
+    args = ["--block-size", "4"]
+    with run_cluster(tmp_path, scheduler_args=args, model=str(path),
+                     kvcache_args=["--no-kv-store"]) as cluster:
+        tokens: list[int] = []
+        used = None
+        for chunk in cluster.stub.Generate(greedy_request(prompt, 60), timeout=300):
+            tokens.extend(chunk.token_ids)
+            if used is None and len(tokens) >= 30:
+                [pool] = cluster.kv_stats().pools
+                used = pool.num_used_blocks
+        assert tokens == reference
+    # 330 to 333 tokens by then (a step or two may be in flight): 83 or 84 full blocks.
+    assert used is not None
+    bound = max_blocks_in_window(WINDOW, 4)
+    assert bound == 5
+    assert 83 < used <= 84 + bound, used
+    assert used < 2 * 83 * 0.6, "no better than every layer full"

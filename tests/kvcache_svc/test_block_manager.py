@@ -49,7 +49,7 @@ def admit_one(mgr: ReplicaBlockManager, op: AdmitOp) -> AdmitResult:
 
 
 def snapshot(mgr: ReplicaBlockManager) -> tuple:
-    requests = {rid: ([b.block_id for b in s.blocks], s.num_committed_blocks)
+    requests = {rid: ([b.block_id for b in s.tables[0]], s.num_committed_blocks)
                 for rid, s in mgr.requests.items()}
     pool = mgr.pool
     index = {b.block_id: b.block_hash for b in pool.blocks if b.block_hash is not None}
@@ -60,7 +60,7 @@ def snapshot(mgr: ReplicaBlockManager) -> tuple:
 def test_admit_without_hits_allocates_and_commits_full_blocks() -> None:
     mgr = manager()
     result = admit_one(mgr, admit("a", 10, hashes(1, 2)))
-    assert result == AdmitResult("a", 0, 10, [1, 2, 3], 2)
+    assert result == AdmitResult("a", 0, 10, [[1, 2, 3]], 2)
     assert mgr.pool.num_cached_blocks == 2
     assert mgr.stats().num_free_blocks == 7 and mgr.stats().num_requests == 1
 
@@ -71,9 +71,9 @@ def test_admit_reuses_the_longest_cached_prefix() -> None:
     # Shares block 0 only: the second hash differs.
     result = admit_one(mgr, admit("b", 9, [hashes(1, 1)[0], 999]))
     assert result.num_cached_tokens == 4 and result.num_new_tokens == 5
-    assert result.block_ids[0] == first.block_ids[0]
+    assert result.block_ids[0][0] == first.block_ids[0][0]
     assert result.num_committed_blocks == 2
-    assert mgr.pool.blocks[first.block_ids[0]].ref_cnt == 2
+    assert mgr.pool.blocks[first.block_ids[0][0]].ref_cnt == 2
 
 
 def test_admit_hits_blocks_of_a_freed_request() -> None:
@@ -82,7 +82,7 @@ def test_admit_hits_blocks_of_a_freed_request() -> None:
     mgr.apply(plan(free_ids=["a"]))
     result = admit_one(mgr, admit("b", 11, hashes(1, 2)))
     assert result.num_cached_tokens == 8 and result.num_new_tokens == 3
-    assert result.block_ids[:2] == first.block_ids[:2]
+    assert result.block_ids[0][:2] == first.block_ids[0][:2]
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
@@ -90,9 +90,9 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     admit_one(mgr, admit("a", 8, hashes(1, 2)))
     result = admit_one(mgr, admit("b", 8, hashes(1, 2)))
     assert result.num_cached_tokens == 4 and result.num_new_tokens == 4
-    assert len(result.block_ids) == 2 and result.num_committed_blocks == 2
+    assert len(result.block_ids[0]) == 2 and result.num_committed_blocks == 2
     # Its last block is its own (the cached twin keeps the hash).
-    assert mgr.pool.blocks[result.block_ids[1]].block_hash is None
+    assert mgr.pool.blocks[result.block_ids[0][1]].block_hash is None
     assert mgr.stats().num_hits == 4
 
 
@@ -101,7 +101,7 @@ def test_partial_admission_is_capped_by_the_budget() -> None:
     result = admit_one(mgr, admit("a", 20, hashes(1, 5), max_num_new_tokens=6,
                                   allow_partial=True))
     assert result.num_new_tokens == 6 and result.num_cached_tokens == 0
-    assert len(result.block_ids) == 2             # ceil(6 / 4)
+    assert len(result.block_ids[0]) == 2             # ceil(6 / 4)
     assert result.num_committed_blocks == 1       # only block 0 is full
 
 
@@ -137,10 +137,10 @@ def test_grow_allocates_to_cover_num_tokens_and_commits_hashes() -> None:
     mgr = manager()
     admit_one(mgr, admit("a", 3))
     reply = mgr.apply(plan(grows=[GrowOp("a", 4, [77])]))
-    assert reply.grown == [[]]                    # block 0 just became full
-    assert mgr.pool.get_cached_block(77) is mgr.requests["a"].blocks[0]
+    assert reply.grown == [[[]]]                    # block 0 just became full
+    assert mgr.pool.get_cached_block(77) is mgr.requests["a"].tables[0][0]
     reply = mgr.apply(plan(grows=[GrowOp("a", 9, [78])]))
-    assert reply.grown == [[2, 3]]
+    assert reply.grown == [[[2, 3]]]
     assert mgr.requests["a"].num_committed_blocks == 2
     assert mgr.pool.get_cached_block(78).block_id == 2
 
@@ -150,8 +150,8 @@ def test_a_grow_that_does_not_fit_fails_alone() -> None:
     admit_one(mgr, admit("a", 4))
     admit_one(mgr, admit("b", 4))
     reply = mgr.apply(plan(grows=[GrowOp("a", 16, [1]), GrowOp("b", 8, [2])]))
-    assert reply.grown == [None, [3]]
-    assert len(mgr.requests["a"].blocks) == 1
+    assert reply.grown == [None, [[3]]]
+    assert len(mgr.requests["a"].tables[0]) == 1
     assert mgr.requests["a"].num_committed_blocks == 0   # nothing committed on failure
     assert mgr.pool.get_cached_block(1) is None
     assert mgr.pool.get_cached_block(2) is not None
@@ -162,7 +162,7 @@ def test_frees_run_before_grows_and_release_in_reverse() -> None:
     admit_one(mgr, admit("a", 8, hashes(1, 2)))
     admit_one(mgr, admit("b", 8))
     reply = mgr.apply(plan(free_ids=["a"], grows=[GrowOp("b", 12, [])]))
-    assert reply.grown == [[2]]                   # a's tail block, evicted first
+    assert reply.grown == [[[2]]]                   # a's tail block, evicted first
     assert mgr.pool.get_cached_block(hashes(1, 2)[0]).block_id == 1
     assert mgr.pool.get_cached_block(hashes(1, 2)[1]) is None
 
@@ -330,7 +330,7 @@ def check_invariants(mgr: ReplicaBlockManager) -> None:
     pool = mgr.pool
     ref_cnts = [0] * len(pool.blocks)
     for state in mgr.requests.values():
-        block_ids = [b.block_id for b in state.blocks]
+        block_ids = [b.block_id for b in state.tables[0]]
         assert 0 not in block_ids and len(set(block_ids)) == len(block_ids)
         for block_id in block_ids:
             ref_cnts[block_id] += 1

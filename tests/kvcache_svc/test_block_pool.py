@@ -136,13 +136,13 @@ def test_index_log_records_every_index_change_in_order() -> None:
     assert not pool.cache_block(c, 10)            # left out of the index: not recorded
     pool.free_blocks([b, a])                      # evictable, still indexed: not recorded
     pool.free_blocks([c])
-    assert log.drain() == [(True, [10, 11])]
+    assert log.drain() == [(True, 0, [10, 11])]
     assert log.drain() == []                      # drained
 
     pool.get_new_blocks(2)                        # c (no hash), then b: evicts 11
     pool.cache_block(c, 12)
     pool.get_new_blocks(1)                        # a: evicts 10
-    assert log.drain() == [(False, [11]), (True, [12]), (False, [10])]
+    assert log.drain() == [(False, 0, [11]), (True, 0, [12]), (False, 0, [10])]
 
 
 def test_index_log_records_clear_cache() -> None:
@@ -154,7 +154,7 @@ def test_index_log_records_clear_cache() -> None:
     pool.free_blocks([freed_too, freed])
     log.drain()
     assert pool.clear_cache() == 2
-    assert log.drain() == [(False, [2, 3])]       # held keeps its hash
+    assert log.drain() == [(False, 0, [2, 3])]       # held keeps its hash
 
 
 def test_prefix_lookup_stops_at_the_first_miss_and_changes_nothing() -> None:

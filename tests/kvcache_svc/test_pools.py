@@ -223,3 +223,24 @@ def test_a_newer_scheduler_drops_the_previous_ones_pools_and_an_older_one_is_ref
                                                            (1, [AllBlocksCleared()])]
     stale = pools.handle(ConfigurePool(1, 16, BLOCK_SIZE, True, scheduler_epoch=10))
     assert isinstance(stale, KvAck) and "older" in (stale.error or "")
+
+
+def test_a_pool_is_configured_with_its_groups_and_told_what_to_keep_for_the_store() -> None:
+    from kvcache_svc.kv_store.memory_tier import MemoryTier
+    from kvcache_svc.kv_store.store import KvStore
+
+    pools = KvCachePools(epoch=1)
+    ack = pools.handle(ConfigurePool(0, 32, BLOCK_SIZE, True, group_windows=[0, 8]))
+    assert isinstance(ack, KvAck) and ack.error is None and ack.save_chunk_tokens == 0
+    reply = pools.handle(admit_plan(0, 1, "a", list(range(10))))
+    assert isinstance(reply, PlanReply) and len(reply.admitted[0].block_ids) == 2
+    # With a store, a sliding group keeps the chunk in progress; a model without one does
+    # not need to.
+    pools.store = KvStore([MemoryTier(1 << 20)], chunk_tokens=16)
+    ack = pools.handle(ConfigurePool(1, 32, BLOCK_SIZE, True, group_windows=[0, 8]))
+    assert isinstance(ack, KvAck) and ack.save_chunk_tokens == 16
+    assert pools.handle(ConfigurePool(2, 32, BLOCK_SIZE, True)).save_chunk_tokens == 0
+    # Windows kvcache_svc cannot use are refused, not half-applied.
+    bad = pools.handle(ConfigurePool(3, 32, BLOCK_SIZE, True, group_windows=[-1]))
+    assert isinstance(bad, KvAck) and bad.error is not None
+    assert pools.handle(PrefixQuery([])).replicas[-1].replica_id == 2

@@ -91,7 +91,7 @@ def test_stored_chunks_are_loaded_not_computed() -> None:
     result = admit(mgr, "a", tokens)
     assert (result.num_cached_tokens, result.num_new_tokens, result.num_load_tokens) == (
         0, 0, 512)
-    assert len(result.block_ids) == 512 // BLOCK_SIZE == len(set(result.block_ids))
+    assert len(result.block_ids[0]) == 512 // BLOCK_SIZE == len(set(result.block_ids[0]))
     assert result.num_committed_blocks == 0                  # no device hit: nothing indexed
     assert mgr.pool.num_cached_blocks == 0
     stats = mgr.stats()
@@ -102,7 +102,7 @@ def test_stored_chunks_are_loaded_not_computed() -> None:
     hashes = hash_full_blocks(tokens, BLOCK_SIZE)
     reply = mgr.apply(PlanRequest(0, 2, [], [GrowOp("a", 600, hashes)], []))
     assert reply.error is None and reply.grown[0] is not None
-    assert len(reply.grown[0]) == -(-600 // BLOCK_SIZE) - 32
+    assert len(reply.grown[0][0]) == -(-600 // BLOCK_SIZE) - 32
     assert mgr.requests["a"].num_committed_blocks == len(hashes) == mgr.pool.num_cached_blocks
     assert mgr.num_cached_prefix_blocks(hashes) == len(hashes)
 
@@ -117,8 +117,8 @@ def test_a_device_hit_keeps_its_blocks_committed_and_loads_nothing_it_holds() ->
     assert (result.num_cached_tokens, result.num_new_tokens, result.num_load_tokens) == (
         48, 0, 512 - 48)
     assert result.num_committed_blocks == 3                 # the device hits only
-    assert result.block_ids[:3] == [b.block_id for b in mgr.requests["warm"].blocks[:3]]
-    assert len(result.block_ids) == 32
+    assert result.block_ids[0][:3] == [b.block_id for b in mgr.requests["warm"].tables[0][:3]]
+    assert len(result.block_ids[0]) == 32
     assert mgr.stats().num_store_hits == 512 - 48
 
 
@@ -130,7 +130,7 @@ def test_a_chunk_held_for_one_slice_only_is_not_loaded(stored: list[int]) -> Non
     put_chunks(store, tokens, [1], slices=SLICES[:1])       # chunk 1: rank 0 only
     result = admit(manager(store), "a", tokens)
     assert (result.num_load_tokens, result.num_new_tokens) == (256, 0)
-    assert len(result.block_ids) == 16
+    assert len(result.block_ids[0]) == 16
 
     # No chunk for every slice: nothing loads, the request computes.
     other = new_store()
@@ -156,7 +156,7 @@ def test_the_last_token_is_never_loaded() -> None:
     result = admit(mgr, "a", tokens)
     assert (result.num_cached_tokens, result.num_new_tokens, result.num_load_tokens) == (
         0, 0, 511)
-    assert len(result.block_ids) == 32
+    assert len(result.block_ids[0]) == 32
     assert mgr.stats().num_store_hits == 511
 
 
@@ -166,14 +166,14 @@ def test_a_device_hit_of_a_chunk_loads_only_past_it(stored: list[int]) -> None:
     tokens = prompt(800)                                   # 3 whole chunks, 50 full blocks
     mgr = manager(store)
     admit(mgr, "warm", tokens[:CHUNK_TOKENS + 1])          # commits chunk 0's 16 blocks
-    warm_blocks = [b.block_id for b in mgr.requests["warm"].blocks[:BLOCKS_PER_CHUNK]]
+    warm_blocks = [b.block_id for b in mgr.requests["warm"].tables[0][:BLOCKS_PER_CHUNK]]
     put_chunks(store, tokens, stored)
     before = hit_miss(store)
     result = admit(mgr, "a", tokens)
     assert (result.num_cached_tokens, result.num_new_tokens, result.num_load_tokens) == (
         256, 0, 512)
-    assert result.block_ids[:BLOCKS_PER_CHUNK] == warm_blocks
-    assert len(result.block_ids) == 768 // BLOCK_SIZE
+    assert result.block_ids[0][:BLOCKS_PER_CHUNK] == warm_blocks
+    assert len(result.block_ids[0]) == 768 // BLOCK_SIZE
     assert result.num_committed_blocks == BLOCKS_PER_CHUNK
     # Looked up from the hit's chunk on: chunks 1 and 2, both held, counted once.
     after = hit_miss(store)

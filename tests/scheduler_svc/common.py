@@ -18,7 +18,8 @@ def make_scheduler(num_blocks: int = 64, **overrides: object) -> tuple[Scheduler
                              "max_model_len": 1024, **overrides})  # type: ignore[arg-type]
     sched = Scheduler(cfg, **knobs)  # type: ignore[arg-type]
     sched.set_capacity(num_blocks)
-    return sched, ReplicaBlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
+    return sched, ReplicaBlockManager(num_blocks, cfg.block_size, cfg.prefix_caching,
+                                      group_windows=cfg.kv_group_windows)
 
 
 def add(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int = 4,

@@ -13,7 +13,7 @@ def test_prefill_then_decode_until_max_tokens() -> None:
     add(sched, "a", list(range(10, 20)), max_tokens=3)
     s = step(sched, kv)
     assert s is not None and scheduled(s) == {"a": 10}
-    assert s.new_requests[0].block_ids and len(s.new_requests[0].block_ids) == 3
+    assert s.new_requests[0].block_ids and len(s.new_requests[0].block_ids[0]) == 3
     outs = sched.update(sample(s, {"a": 7}))
     assert [o.new_token_ids for o in outs] == [[7]] and outs[0].finish_reason is None
     s = step(sched, kv)
@@ -117,7 +117,7 @@ def test_same_step_prefix_sharing() -> None:
     s = step(sched, kv)
     a, b = s.new_requests
     assert (b.num_computed_tokens, b.num_new_tokens) == (4, 1)
-    assert b.block_ids[0] == a.block_ids[0]
+    assert b.block_ids[0][0] == a.block_ids[0][0]
 
 
 def test_shared_prefix_between_live_requests() -> None:
@@ -130,8 +130,8 @@ def test_shared_prefix_between_live_requests() -> None:
     s = step(sched, kv)
     b = next(r for r in s.new_requests if r.request_id == "b")
     assert b.num_computed_tokens == 8
-    a_blocks = sched.requests["a"].block_ids
-    assert b.block_ids[:2] == a_blocks[:2]
+    a_blocks = sched.requests["a"].block_ids[0]
+    assert b.block_ids[0][:2] == a_blocks[:2]
 
 
 def test_cache_salt_separates_prefixes() -> None:
@@ -156,7 +156,7 @@ def test_cache_salt_separates_prefixes() -> None:
     add(sched, "d1", prompt, cache_salt=b"tenant-d")
     c, d = step(sched, kv).new_requests
     assert (c.num_computed_tokens, d.num_computed_tokens) == (0, 0)
-    assert not set(c.block_ids) & set(d.block_ids)
+    assert not set(c.block_ids[0]) & set(d.block_ids[0])
 
 
 def test_preemption_by_recompute_when_blocks_run_out() -> None:

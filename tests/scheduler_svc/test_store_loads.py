@@ -123,7 +123,7 @@ def test_a_load_is_scheduled_with_nothing_to_compute_and_no_sampling() -> None:
     assert not step.running
     [new] = step.new_requests
     assert (new.num_computed_tokens, new.num_new_tokens, new.num_load_tokens) == (0, 0, 512)
-    assert len(new.block_ids) == 512 // BLOCK_SIZE and new.token_ids == PROMPT
+    assert len(new.block_ids[0]) == 512 // BLOCK_SIZE and new.token_ids == PROMPT
     # In flight twice: its step, and its load until every rank reported it.
     assert (request.num_computed_tokens, request.num_in_flight, request.num_pending_tokens) == (
         0, 2, 0)
@@ -157,7 +157,7 @@ def test_the_request_resumes_after_what_every_rank_loaded(per_rank: tuple[int, i
     step = run_step(sched, kv)
     [running] = step.running
     assert (running.num_computed_tokens, running.num_new_tokens) == (resume, 600 - resume)
-    assert len(running.new_block_ids) == -(-600 // BLOCK_SIZE) - 512 // BLOCK_SIZE
+    assert len(running.new_block_ids[0]) == -(-600 // BLOCK_SIZE) - 512 // BLOCK_SIZE
     assert kv.requests["a"].num_committed_blocks == request.num_committed_blocks == 37
     [out] = sched.update(output(step, {"a": 11}))
     assert out.new_token_ids == [11]

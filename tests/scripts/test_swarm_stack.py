@@ -36,14 +36,14 @@ def stack_file(tmp_path: Path, *args: str) -> dict:
 def test_every_service_keeps_what_a_swarm_runs(tmp_path: Path) -> None:
     stack = stack_file(tmp_path, "--publish", "50051=51051")
     services = stack["services"]
-    assert set(services) == {"model-init", "kvcache", "scheduler", "worker"}
+    assert set(services) == {"model-init", "kvcache", "scheduler", "worker", "http"}
     for name, svc in services.items():
         assert not {"build", "depends_on", "restart", "networks"} & set(svc), name
         assert svc["image"] == "splitserve:cpu" and svc["init"] is True, name
         assert svc["deploy"]["endpoint_mode"] == "dnsrr", name
         once = name == "model-init"
         assert svc["deploy"]["restart_policy"] == {"condition": "none" if once else "any"}
-        if not once:
+        if not once and name != "http":      # http_svc is a client of the public port
             assert svc["environment"]["SPLITSERVE_CLUSTER_TOKEN"] == TOKEN, name
             assert svc["healthcheck"]["test"][:4] == ["CMD", "python", "-m",
                                                       "services.healthcheck"], name
@@ -53,7 +53,10 @@ def test_every_service_keeps_what_a_swarm_runs(tmp_path: Path) -> None:
     assert services["kvcache"]["healthcheck"]["test"][-1] == "127.0.0.1:50054"
     assert services["worker"]["environment"]["SPLITSERVE_WORKER_HOST"] == "auto"
     ports = {(p["target"], p["published"], p["mode"]) for p in services["scheduler"]["ports"]}
-    assert ports == {(50051, 51051, "host"), (8000, 8000, "host")}
+    assert ports == {(50051, 51051, "host"), (50056, 50056, "host")}
+    # compose publishes the HTTP API on a range (8000-8009, for --scale http=N); a swarm's
+    # host-mode port is one number: the range's first.
+    assert [(p["target"], p["published"]) for p in services["http"]["ports"]] == [(8000, 8000)]
     assert stack["volumes"] == {"models": {}}           # the stack names it STACK_models
     (mount,) = services["worker"]["volumes"]
     assert mount == {"type": "volume", "source": "models", "target": "/models",

@@ -168,7 +168,8 @@ def test_a_flag_several_services_define_goes_to_each() -> None:
     forwarded = cli.forward_flags(["--shared-knob", "3", "--max-num-seqs", "2"], parsers)
     assert forwarded == {"scheduler_svc": ["--shared-knob", "3", "--max-num-seqs", "2"],
                          "worker_svc": ["--shared-knob", "3"],
-                         "kvcache_svc": ["--shared-knob", "3"]}
+                         "kvcache_svc": ["--shared-knob", "3"],
+                         "http_svc": ["--shared-knob", "3"]}
 
 
 def test_kv_store_flags_go_to_kvcache_and_no_store_means_no_saving() -> None:
@@ -186,7 +187,7 @@ def test_kv_store_flags_go_to_kvcache_and_no_store_means_no_saving() -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--no-such-flag"], "'--no-such-flag' is no flag of splitserve up, scheduler_svc, "
-                         "worker_svc or kvcache_svc (see splitserve up --help)"),
+                         "worker_svc, kvcache_svc or http_svc (see splitserve up --help)"),
     (["--max-num-seqs", "4", "stray"], "'stray' is no flag of splitserve up"),
     (["--kvcache", "tcp://elsewhere:1"], "--kvcache: splitserve up sets it itself"),
     (["--worker-id=w"], "--worker-id: splitserve up sets it itself"),

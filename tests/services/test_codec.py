@@ -25,8 +25,8 @@ def step() -> StepInput:
     spec = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
     return StepInput(
         step_id=3,
-        new_requests=[NewRequest("a", [1, 2, 3], 3, spec, [5], 0, 3)],
-        running=[RunningRequest("b", 10, 1, [], [])],
+        new_requests=[NewRequest("a", [1, 2, 3], 3, spec, [[5]], 0, 3)],
+        running=[RunningRequest("b", 10, 1, [[]], [])],
         finished_ids=["c"])
 
 
@@ -41,8 +41,8 @@ def test_round_trip() -> None:
     msgspec.msgpack.encode(["StepInput", 1, [], []]),   # too few fields
     msgspec.msgpack.encode(["Bogus", 1]),               # unknown tag
     msgspec.msgpack.encode(["StepInput", -1, [], [], []]),          # negative step id
-    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "b", 0, 0, [], []]], []]),
-    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "", 0, 1, [], []]], []]),
+    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "b", 0, 0, [[]], []]], []]),
+    msgspec.msgpack.encode(["StepInput", 1, [], [["RunningRequest", "", 0, 1, [[]], []]], []]),
     msgspec.msgpack.encode(["StepInput", 1, [], [], ["x" * 300]]),  # id too long
 ])
 def test_malformed_frames_raise_decode_error(frame: bytes) -> None:
@@ -122,7 +122,7 @@ def test_output_lengths_are_bounded() -> None:
 def test_every_uint64_seed_crosses_the_wire(seed: int) -> None:
     """SamplingParams.seed is a uint64 end to end: the wire must not lose its top bits."""
     spec = SamplingSpec(temperature=0.7, top_p=1.0, top_k=-1, seed=seed, num_logprobs=None)
-    message = StepInput(step_id=1, new_requests=[NewRequest("a", [1], 1, spec, [5], 0, 1)],
+    message = StepInput(step_id=1, new_requests=[NewRequest("a", [1], 1, spec, [[5]], 0, 1)],
                         running=[], finished_ids=[])
     codec: Codec[StepInput] = Codec(ToWorker)
     decoded = codec.decode(codec.encode(message))

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from worker_svc.attention import _group_chunks, build_attention_metadata, paged_attention
+from worker_svc.attention import (
+    _group_chunks,
+    build_attention_metadata,
+    build_group_metadata,
+    paged_attention,
+)
 from worker_svc.kernels import paged_attention_torch
 from worker_svc.kernels.paged_attention_torch import reference_paged_attention
 
@@ -131,3 +136,25 @@ def test_slots_and_positions() -> None:
     assert meta.num_decodes == 1
     assert meta.decode_bias.shape == (1, 1, 2 * BLOCK_SIZE)
     assert (meta.decode_bias == 0).sum() == 6
+
+
+@pytest.mark.parametrize("torch_path", [False, True])
+def test_group_metadata_is_each_groups_own_metadata(torch_path: bool) -> None:
+    """Per KV group, the metadata of its own tables (a sliding group's may start with the
+    null block); on the kernel path the groups share positions and row tensors."""
+    query_lens, context_lens = [1, 1, 6], [9, 4, 3]
+    group_tables = [[[1, 2, 3], [4, 5], [6, 7, 8]],
+                    [[0, 9, 10], [11, 12], [13, 14, 15]]]
+    metas = build_group_metadata(query_lens, context_lens, group_tables, BLOCK_SIZE,
+                                 NUM_BLOCKS, torch.device("cpu"), torch_path=torch_path)
+    for meta, tables in zip(metas, group_tables, strict=True):
+        alone = build_attention_metadata(query_lens, context_lens, tables, BLOCK_SIZE,
+                                         NUM_BLOCKS, torch_path=torch_path)
+        for name in ("positions", "slot_mapping", "block_table", "row_request", "row_kv_lens"):
+            assert torch.equal(getattr(meta, name), getattr(alone, name)), name
+    assert not torch.equal(metas[0].slot_mapping, metas[1].slot_mapping)
+    if not torch_path:
+        assert metas[1].positions is metas[0].positions
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_group_metadata(query_lens, context_lens, [group_tables[0], [[1], [2], [3]]],
+                             BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"), torch_path=torch_path)

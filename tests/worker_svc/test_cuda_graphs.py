@@ -94,7 +94,7 @@ def test_padding_rows_skip_the_cache_and_attend_nothing_with_triton(
     assert _greedy_steps(runner, PROMPTS, 3, max_num_seqs=6) == plain
     graphs = runner.graphs
     assert graphs is not None and graphs.padding == (-1, 0)
-    assert graphs.slot_mapping[5].item() == -1 and graphs.kv_lens[5].item() == 0
+    assert graphs.slot_mappings[0][5].item() == -1 and graphs.kv_lens[5].item() == 0
     for layer in runner.kv_caches:
         assert not layer[:, 0].any(), "a padding row wrote the null block"
 
@@ -107,6 +107,6 @@ def test_c_kernel_padding_uses_the_null_slot(tiny_model: tuple[Path, object]) ->
     _greedy_steps(runner, PROMPTS, 2, max_num_seqs=6)
     graphs = runner.graphs
     assert graphs is not None and graphs.padding == (0, 1)
-    assert graphs.slot_mapping[5].item() == 0 and graphs.kv_lens[5].item() == 1
+    assert graphs.slot_mappings[0][5].item() == 0 and graphs.kv_lens[5].item() == 1
     assert any(layer[:, 0, 0].any() for layer in runner.kv_caches)
     assert all(not layer[:, 0, 1:].any() for layer in runner.kv_caches)

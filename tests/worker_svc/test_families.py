@@ -2,7 +2,9 @@
 models (scripts/random_family.py) driven through `ModelRunner` (prefill, then decode steps),
 with the C kernels (the CPU default) and with the torch path forced. The windowed models'
 window (16 tokens) is shorter than the longer prompt (48), in one prefill step and in chunks
-that cross the window's edge."""
+that cross the window's edge. Every request has one block table per KV group (the hybrid's
+three layers are three groups sharing one KV tensor); a sliding group's table may hold the
+null block or blocks another request has since reused, before the window."""
 
 import dataclasses
 from pathlib import Path
@@ -17,7 +19,7 @@ from tests.worker_svc.common import GREEDY, assert_greedy_match, hf_greedy
 from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 8
-NUM_BLOCKS = 64
+NUM_BLOCKS = 96
 NUM_NEW_TOKENS = 10
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -65,14 +67,27 @@ def built(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     return get
 
 
+def block_tables(runner: ModelRunner, num_tokens: list[int], first_block: int = 1
+                 ) -> list[list[list[int]]]:
+    """Per request, one table per KV group of distinct blocks covering `num_tokens[i]`."""
+    num_groups = runner.model.kv_layout.num_groups
+    tables, next_block = [], first_block
+    for n in num_tokens:
+        need = -(-n // BLOCK_SIZE)
+        tables.append([list(range(next_block + g * need, next_block + (g + 1) * need))
+                       for g in range(num_groups)])
+        next_block += num_groups * need
+    assert next_block <= NUM_BLOCKS
+    return tables
+
+
 def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], num_new: int,
                   first_chunk: int | None = None) -> list[list[int]]:
     """Prefill every prompt in one step (or `first_chunk` tokens of each, then the rest),
     then decode them together num_new - 1 times."""
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
-    per_request = NUM_BLOCKS // len(prompts) - 1
-    tables = [list(range(1 + i * per_request, 1 + (i + 1) * per_request))
-              for i in range(len(prompts))]
+    tables = block_tables(runner, [len(p) + num_new for p in prompts])
+    none = [[] for _ in range(runner.model.kv_layout.num_groups)]
     chunks = [min(len(p), first_chunk or len(p)) for p in prompts]
     out = runner.execute(StepInput(0, [
         NewRequest(f"r{i}", p, len(p), GREEDY, tables[i], 0, chunks[i])
@@ -82,7 +97,7 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], num_new: int,
     if first_chunk is not None:      # the rest of every prompt (0 tokens where it fit)
         rest = [(i, p) for i, p in enumerate(prompts) if chunks[i] < len(p)]
         out = runner.execute(StepInput(step, [], [
-            RunningRequest(f"r{i}", chunks[i], len(p) - chunks[i], [], []) for i, p in rest],
+            RunningRequest(f"r{i}", chunks[i], len(p) - chunks[i], none, []) for i, p in rest],
             []))
         assert isinstance(out, StepOutput)
         assert len(rest) == len(prompts), "every prompt must be longer than first_chunk"
@@ -90,7 +105,7 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], num_new: int,
     tokens = [[t] for t in out.sampled_token_ids]
     for n in range(1, num_new):
         out = runner.execute(StepInput(step, [], [
-            RunningRequest(f"r{i}", len(p) + n - 1, 1, [], [])
+            RunningRequest(f"r{i}", len(p) + n - 1, 1, none, [])
             for i, p in enumerate(prompts)], []))
         step += 1
         assert isinstance(out, StepOutput)
@@ -144,6 +159,67 @@ def test_chunked_prefill_across_the_window_edge_matches_hf(
     ours = greedy_tokens(runner, _prompts(config.vocab_size), NUM_NEW_TOKENS, first_chunk=10)
     for tokens, (reference, near_tie) in zip(ours, references, strict=True):
         assert_greedy_match(tokens, reference, near_tie)
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("name", ["mistral", "hybrid"])
+def test_blocks_before_the_window_may_be_null_or_reused_by_another_request(
+        built, name: str, kernels: str) -> None:  # type: ignore[no-untyped-def]
+    """What kvcache_svc's sliding groups do to a worker's tables, by hand: "a" prefills the
+    48-token prompt; then, in one step with a's first decode, "b" (the 13-token prompt) is
+    given the blocks a's sliding groups no longer read (kvcache_svc freed them) and writes its
+    own KV there, while "c" (the 48-token prompt again) starts from a 40-token prefix hit
+    whose sliding tables hold the null block, poisoned, before the window. All three decode
+    on together and give HF's tokens. The C kernels read no block before a row's window: the
+    null block holds NaN. The torch path also pads its gathers with the null block (masked
+    out, so only a finite garbage is harmless: 0 * NaN is NaN); nothing writes NaN there."""
+    path, _, references = built(name)
+    config = load_model_config(path)
+    runner = ModelRunner(config, path, torch.float32, "w", kernels=kernels)
+    layout = runner.model.kv_layout
+    assert any(g.is_sliding for g in layout.groups)
+    if name == "hybrid":               # three groups of one layer: one tensor for all three
+        assert layout.num_groups == 3 and len(runner.kv_positions) == 1
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    for cache in runner.kv_caches:     # the null block: garbage
+        if kernels == "c":
+            cache[:, 0] = float("nan")
+        else:
+            cache[:, 0] = 1e3 * torch.randn_like(cache[:, 0])
+    long, short = _prompts(config.vocab_size)
+    num_blocks = -(-(len(long) + NUM_NEW_TOKENS) // BLOCK_SIZE)       # 8 per group
+    a_tables, b_fresh, c_fresh = block_tables(runner, [len(long) + NUM_NEW_TOKENS] * 3)
+    # a's first decode (position 48) reads 33..48: blocks 0..3 of a sliding group are free.
+    sliding = [g for g, group in enumerate(layout.groups) if group.is_sliding]
+    b_tables = [a_tables[g][:3] if g in sliding else b_fresh[g][:3]
+                for g in range(layout.num_groups)]
+    # c: a 40-token hit, whose next query reads 25..40: a sliding group needs blocks 3 and 4.
+    hit = 5
+    c_tables = [([0] * 3 + a_tables[g][3:hit] if g in sliding else a_tables[g][:hit])
+                + c_fresh[g][hit:num_blocks] for g in range(layout.num_groups)]
+    none = [[] for _ in layout.groups]
+    out = runner.execute(StepInput(0, [NewRequest("a", long, len(long), GREEDY, a_tables,
+                                                  0, len(long))], [], []))
+    assert isinstance(out, StepOutput)
+    tokens = {"a": list(out.sampled_token_ids), "b": [], "c": []}
+    running = [RunningRequest("a", len(long), 1, none, [])]
+    new = [NewRequest("b", short, len(short), GREEDY, b_tables, 0, len(short)),
+           NewRequest("c", long, len(long), GREEDY, c_tables, hit * BLOCK_SIZE,
+                      len(long) - hit * BLOCK_SIZE)]
+    lengths = {"a": len(long) + 1, "b": len(short), "c": len(long)}
+    for step in range(1, NUM_NEW_TOKENS + 1):
+        out = runner.execute(StepInput(step, new, running, []))
+        assert isinstance(out, StepOutput)
+        for rid, token in zip(out.request_ids, out.sampled_token_ids, strict=True):
+            tokens[rid].append(token)
+        new = []
+        running = [RunningRequest(rid, lengths[rid], 1, none, []) for rid in lengths
+                   if len(tokens[rid]) < NUM_NEW_TOKENS]
+        for r in running:
+            lengths[r.request_id] += 1
+    for rid, (reference, near_tie) in (("a", references[0]), ("b", references[1]),
+                                       ("c", references[0])):
+        assert_greedy_match(tokens[rid], reference, near_tie)
 
 
 @pytest.mark.parametrize("name", ["mistral", "hybrid"])

@@ -58,13 +58,13 @@ def _greedy_steps(runner: ModelRunner, prompts: list[list[int]], num_new: int,
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE, max_num_seqs)
     tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(prompts))]
     out = runner.execute(StepInput(0, [
-        NewRequest(f"r{i}", p, len(p), GREEDY, tables[i], 0, len(p))
+        NewRequest(f"r{i}", p, len(p), GREEDY, [tables[i]], 0, len(p))
         for i, p in enumerate(prompts)], [], []))
     assert isinstance(out, StepOutput)
     tokens = [[t] for t in out.sampled_token_ids]
     for step in range(1, num_new):
         out = runner.execute(StepInput(step, [], [
-            RunningRequest(f"r{i}", len(p) + step - 1, 1, [], []) for i, p in enumerate(prompts)
+            RunningRequest(f"r{i}", len(p) + step - 1, 1, [[]], []) for i, p in enumerate(prompts)
         ], []))
         assert isinstance(out, StepOutput)
         for i, t in enumerate(out.sampled_token_ids):
@@ -130,7 +130,7 @@ def test_a_step_launched_before_the_last_one_is_read(tiny_model: tuple[Path, obj
     prompts = PROMPTS[:3]
     tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(3)]
     pending = runner.launch(StepInput(0, [
-        NewRequest(f"r{i}", p, len(p), GREEDY, tables[i], 0, len(p))
+        NewRequest(f"r{i}", p, len(p), GREEDY, [tables[i]], 0, len(p))
         for i, p in enumerate(prompts)], [], []))
     assert runner.input_batch is not None
     assert runner.input_batch.requests["r0"].token_ids[-1] == PENDING
@@ -139,7 +139,7 @@ def test_a_step_launched_before_the_last_one_is_read(tiny_model: tuple[Path, obj
         launched = None
         if step < 5:
             launched = runner.launch(StepInput(step, [], [
-                RunningRequest(f"r{i}", len(p) + step - 1, 1, [], [])
+                RunningRequest(f"r{i}", len(p) + step - 1, 1, [[]], [])
                 for i, p in enumerate(prompts)], []))
         out = runner.finish(pending)
         assert isinstance(out, StepOutput) and out.step_id == step - 1

@@ -18,14 +18,14 @@ def new(request_id: str, token_ids: list[int], block_ids: list[int], num_new: in
         sampling: SamplingSpec = GREEDY) -> NewRequest:
     return NewRequest(request_id=request_id, token_ids=token_ids,
                       num_prompt_tokens=len(token_ids) if num_prompt is None else num_prompt,
-                      sampling=sampling, block_ids=block_ids, num_computed_tokens=num_computed,
+                      sampling=sampling, block_ids=[block_ids], num_computed_tokens=num_computed,
                       num_new_tokens=num_new)
 
 
 def running(request_id: str, num_computed: int, num_new: int, new_block_ids: list[int] = (),
             new_token_ids: list[int] = ()) -> RunningRequest:
     return RunningRequest(request_id=request_id, num_computed_tokens=num_computed,
-                          num_new_tokens=num_new, new_block_ids=list(new_block_ids),
+                          num_new_tokens=num_new, new_block_ids=[list(new_block_ids)],
                           new_token_ids=list(new_token_ids))
 
 
@@ -43,7 +43,7 @@ def test_chunked_prefill_then_decode_as_a_non_last_rank() -> None:
     last = batch.apply(step(1, running_requests=[running("a", 6, 4, new_block_ids=[7])]))
     assert [(s.num_computed_tokens, s.num_new_tokens, s.samples) for s in last] == [(6, 4, True)]
     state = batch.requests["a"]
-    assert state.block_ids == [3, 4, 7] and state.num_computed_tokens == 10
+    assert state.block_ids == [[3, 4, 7]] and state.num_computed_tokens == 10
 
     # A non-last rank never samples: it learns the token from the next step's diff.
     decode = batch.apply(step(2, running_requests=[running("a", 10, 1, new_token_ids=[42])]))
@@ -72,7 +72,7 @@ def test_finished_first_then_new_then_running_in_step_order() -> None:
     scheduled = batch.apply(step(1, [new("c", [5], [3], 1), new("a", [1, 2, 7], [4], 3)],
                                  [running("b", 2, 1, new_token_ids=[8])], finished=["a", "zz"]))
     assert [s.state.request_id for s in scheduled] == ["c", "a", "b"]
-    assert batch.requests["a"].block_ids == [4]
+    assert batch.requests["a"].block_ids == [[4]]
     batch.apply(step(2, finished=["a", "b", "c"]))
     assert len(batch) == 0
 
@@ -128,7 +128,7 @@ def test_bad_diffs_raise_and_leave_state_alone(name: str) -> None:
     assert set(batch.requests) == {"a"}
     state = batch.requests["a"]
     assert state.token_ids == [1, 2, 3, 4, 5, 99]
-    assert state.block_ids == [1, 2]
+    assert state.block_ids == [[1, 2]]
     assert state.num_computed_tokens == 5
 
 
@@ -148,3 +148,40 @@ def test_failed_diff_does_not_apply_its_valid_parts() -> None:
     with pytest.raises(ValueError):
         batch.apply(step(1, [new("b", [4], [2], 1)], [running("ghost", 0, 1)], finished=["a"]))
     assert set(batch.requests) == {"a"}
+
+
+def _hybrid() -> InputBatch:
+    return InputBatch(num_blocks=32, block_size=BLOCK_SIZE, vocab_size=100, max_model_len=64,
+                      kv_windows=(0, 8))
+
+
+def test_a_hybrid_request_has_a_table_per_group_and_its_sliding_one_may_start_null() -> None:
+    batch = _hybrid()
+    prompt = list(range(1, 21))
+    # A prefix hit of 16 tokens: the sliding group holds only the blocks its window reads.
+    request = NewRequest("a", prompt, 20, GREEDY, [[1, 2, 3, 4, 5], [0, 0, 6, 7, 8]], 16, 4)
+    [scheduled] = batch.apply(step(0, [request]))
+    assert scheduled.state.block_ids == [[1, 2, 3, 4, 5], [0, 0, 6, 7, 8]]
+    batch.apply(step(1, running_requests=[RunningRequest("a", 20, 1, [[9], [10]], [42])]))
+    assert batch.requests["a"].block_ids == [[1, 2, 3, 4, 5, 9], [0, 0, 6, 7, 8, 10]]
+
+
+@pytest.mark.parametrize("block_ids,new_block_ids", [
+    ([[1, 2]], [[], []]),                     # one list for two groups
+    ([[1, 2], [3, 4], [5, 6]], [[], []]),     # three
+    ([[0, 2], [3, 4]], [[], []]),             # a full group never holds the null block
+    ([[1, 2], [3, 0]], [[], []]),             # nor a sliding one after a real block
+    ([[1, 2], [3]], [[], []]),                # groups of different lengths
+    ([[1, 2], [3, 4]], [[5], []]),            # a grow that appends to one group only
+    ([[1, 2], [3, 4]], [[5], [0]]),           # a grow never appends the null block
+])
+def test_bad_group_tables_are_refused(block_ids: list[list[int]],
+                                      new_block_ids: list[list[int]]) -> None:
+    batch = _hybrid()
+    prompt = list(range(1, 8))
+    good = NewRequest("a", prompt, 7, GREEDY, [[11, 12], [13, 14]], 0, 7)
+    batch.apply(step(0, [good]))
+    with pytest.raises(ValueError):
+        batch.apply(step(1, [NewRequest("b", prompt, 7, GREEDY, block_ids, 0, 7)],
+                         [RunningRequest("a", 7, 1, new_block_ids, [5])]))
+    assert batch.requests["a"].block_ids == [[11, 12], [13, 14]] and "b" not in batch.requests

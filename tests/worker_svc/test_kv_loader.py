@@ -60,7 +60,7 @@ def new_batch() -> InputBatch:
 
 def loading(request_id: str, num_computed: int, num_load: int, block_ids: list[int],
             token_ids: list[int] = PROMPT, num_new: int = 0) -> NewRequest:
-    return NewRequest(request_id, list(token_ids), len(token_ids), GREEDY, block_ids,
+    return NewRequest(request_id, list(token_ids), len(token_ids), GREEDY, [block_ids],
                       num_computed, num_new, num_load_tokens=num_load)
 
 
@@ -100,7 +100,7 @@ def loader(saver: KvSaver) -> Iterator[KvLoader]:
 def save_a(saver: KvSaver, kv_caches: list[torch.Tensor], store: KvStore) -> None:
     """Request "a" computes PROMPT in blocks A_BLOCKS; the saver stores its 2 whole chunks."""
     batch = new_batch()
-    scheduled = batch.apply(StepInput(0, [NewRequest("a", PROMPT, len(PROMPT), GREEDY, A_BLOCKS,
+    scheduled = batch.apply(StepInput(0, [NewRequest("a", PROMPT, len(PROMPT), GREEDY, [A_BLOCKS],
                                                      0, len(PROMPT))], [], []))
     saver.submit(saver.copy_out(scheduled, kv_caches, BLOCK_SIZE), BLOCK_SIZE)
     drain(saver)
@@ -260,7 +260,7 @@ def test_a_store_of_unknown_or_unusable_chunks_loads_nothing(chunk_tokens: int |
 
 def test_a_step_without_loads_has_no_ticket(loader: KvLoader) -> None:
     batch = new_batch()
-    step = StepInput(0, [NewRequest("a", PROMPT, 600, GREEDY, A_BLOCKS, 0, 600)], [], [])
+    step = StepInput(0, [NewRequest("a", PROMPT, 600, GREEDY, [A_BLOCKS], 0, 600)], [], [])
     batch.apply(step)
     assert loader.start(step, batch.requests, caches(), BLOCK_SIZE) is None
 
@@ -285,7 +285,7 @@ def resume(num_computed: int) -> StepInput:
     """Request "c" (loaded into C_BLOCKS[:32]) computes the rest of PROMPT from
     `num_computed`, with the blocks for it."""
     return StepInput(2, [], [RunningRequest("c", num_computed, 600 - num_computed,
-                                            C_BLOCKS[32:], [])], [])
+                                            [C_BLOCKS[32:]], [])], [])
 
 
 @pytest.mark.parametrize("at", [128, 129, 256, 400, 512])
@@ -297,10 +297,10 @@ def test_after_a_load_the_request_resumes_anywhere_within_it(at: int) -> None:
         at, 600 - at, True)
     state = batch.requests["c"]
     assert state.load_start is None and state.num_computed_tokens == 600
-    assert state.block_ids == C_BLOCKS[:38]
+    assert state.block_ids == [C_BLOCKS[:38]]
     # Once resumed, it is exact again.
     with pytest.raises(ValueError, match="has computed 600"):
-        batch.apply(StepInput(3, [], [RunningRequest("c", 599, 1, [], [])], []))
+        batch.apply(StepInput(3, [], [RunningRequest("c", 599, 1, [[]], [])], []))
 
 
 @pytest.mark.parametrize("at", [127, 0, 513])
@@ -311,7 +311,7 @@ def test_a_resume_outside_the_load_is_refused_and_changes_nothing(at: int) -> No
         batch.apply(resume(at))
     state = batch.requests["c"]
     assert (state.load_start, state.num_computed_tokens) == (128, 512)
-    assert state.block_ids == C_BLOCKS[:32]
+    assert state.block_ids == [C_BLOCKS[:32]]
     [scheduled] = batch.apply(resume(128))            # still resumable
     assert scheduled.num_computed_tokens == 128
 
@@ -363,7 +363,7 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
             c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
             num_load_blocks = E2E_LOAD // E2E_BLOCK
             launched = runner.launch(StepInput(100, [NewRequest(
-                "c", prompt, len(prompt), GREEDY, c_blocks[:num_load_blocks], 0, 0,
+                "c", prompt, len(prompt), GREEDY, [c_blocks[:num_load_blocks]], 0, 0,
                 num_load_tokens=E2E_LOAD)], [], []))
             out = runner.finish(launched)
             assert isinstance(out, StepOutput) and out.request_ids == []
@@ -378,7 +378,7 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
             for step_id in range(101, 101 + MAX_TOKENS):
                 end_blocks = -(-(num_computed + num_new) // E2E_BLOCK)
                 out = runner.execute(StepInput(step_id, [], [RunningRequest(
-                    "c", num_computed, num_new, c_blocks[num_blocks:end_blocks], [])], []))
+                    "c", num_computed, num_new, [c_blocks[num_blocks:end_blocks]], [])], []))
                 assert isinstance(out, StepOutput) and out.request_ids == ["c"]
                 tokens += out.sampled_token_ids
                 num_blocks = max(num_blocks, end_blocks)

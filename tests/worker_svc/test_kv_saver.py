@@ -140,7 +140,7 @@ def test_saves_whole_chunks_and_only_new_ones(runner: ModelRunner, model_path: P
         other = prompt[:512] + _prompt(300, model_config.vocab_size, seed=4)
         block_ids = scheduler.requests["a"].block_ids[:512 // BLOCK_SIZE] + list(
             range(900, 900 + 300 // BLOCK_SIZE))
-        runner.execute(StepInput(100, [NewRequest("c", other, len(other), GREEDY, block_ids,
+        runner.execute(StepInput(100, [NewRequest("c", other, len(other), GREEDY, [block_ids],
                                                   512, 300)], [], []))
         _drain(saver)
         assert saver.num_chunks_stored == 4
@@ -171,7 +171,7 @@ def test_block_hashes_match_the_schedulers(salt: bytes) -> None:
                       hash_blocks=True, cache_salt=salt)
     batch = InputBatch(64, BLOCK_SIZE, 1000, 1024)
     [scheduled] = batch.apply(StepInput(0, [NewRequest(
-        "r", prompt, len(prompt), GREEDY, list(range(1, 19)), 0, len(prompt),
+        "r", prompt, len(prompt), GREEDY, [list(range(1, 19))], 0, len(prompt),
         cache_salt=salt)], [], []))
     state = scheduled.state
     assert state.cache_salt == salt
@@ -192,7 +192,7 @@ def testgather_blocks_copies_a_chunk_of_every_layer(device: str) -> None:
     caches = [torch.randn(2, 9, BLOCK_SIZE, 3, 8, device=device) for _ in range(4)]
     blocks = [7, 2, 5]
     buffer = torch.empty(4, 2, 3 * BLOCK_SIZE, 3, 8, pin_memory=device == "cuda")
-    gather_blocks(caches, blocks, buffer)
+    gather_blocks(caches, [blocks], buffer)
     if device == "cuda":
         torch.cuda.synchronize()
     for layer, cache in enumerate(caches):

@@ -66,11 +66,11 @@ class MiniScheduler:
             if not req.sent:
                 new_requests.append(NewRequest(
                     req.request_id, list(req.token_ids), req.num_prompt_tokens, req.sampling,
-                    list(req.block_ids), req.num_computed_tokens, num_new))
+                    [list(req.block_ids)], req.num_computed_tokens, num_new))
                 req.sent = True
             else:
                 running.append(RunningRequest(
-                    req.request_id, req.num_computed_tokens, num_new, new_block_ids,
+                    req.request_id, req.num_computed_tokens, num_new, [new_block_ids],
                     req.unsent_token_ids if self.send_tokens else []))
             req.unsent_token_ids = []
             req.num_computed_tokens = end
@@ -142,13 +142,13 @@ def test_prefix_hit_and_outputs_in_step_order(
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     prompt = PROMPTS["chat: What is 2+2?"]                       # 16 tokens, 4 full blocks
     first = runner.execute(StepInput(0, [NewRequest("a", prompt, len(prompt), GREEDY,
-                                                    [1, 2, 3, 4], 0, len(prompt))], [], []))
+                                                    [[1, 2, 3, 4]], 0, len(prompt))], [], []))
     # "b" reuses a's first three blocks (12 cached tokens) and computes the rest; "c" starts.
     logprob_spec = SamplingSpec(0.0, 1.0, -1, None, 3)
     second = runner.execute(StepInput(1, [
-        NewRequest("c", prompt[:5], 5, GREEDY, [7, 8], 0, 5),
-        NewRequest("b", prompt, len(prompt), logprob_spec, [1, 2, 3, 5], 12, 4),
-    ], [RunningRequest("a", 16, 1, [6], [])], []))
+        NewRequest("c", prompt[:5], 5, GREEDY, [[7, 8]], 0, 5),
+        NewRequest("b", prompt, len(prompt), logprob_spec, [[1, 2, 3, 5]], 12, 4),
+    ], [RunningRequest("a", 16, 1, [[6]], [])], []))
     assert isinstance(first, StepOutput) and isinstance(second, StepOutput)
     assert second.request_ids == ["c", "b", "a"]
     reference, near_tie = hf_reference["chat: What is 2+2?"]
@@ -222,9 +222,9 @@ def test_kv_sizing(runner: ModelRunner, model_config: ModelConfig) -> None:
 def test_bad_steps_raise(model_path: Path, runner: ModelRunner) -> None:
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     with pytest.raises(ValueError, match="not held"):
-        runner.execute(StepInput(0, [], [RunningRequest("ghost", 0, 1, [], [])], []))
+        runner.execute(StepInput(0, [], [RunningRequest("ghost", 0, 1, [[]], [])], []))
     with pytest.raises(ValueError, match="block ids"):
-        runner.execute(StepInput(0, [NewRequest("x", [1, 2], 2, GREEDY, [NUM_BLOCKS], 0, 2)],
+        runner.execute(StepInput(0, [NewRequest("x", [1, 2], 2, GREEDY, [[NUM_BLOCKS]], 0, 2)],
                                  [], []))
     with pytest.raises(ValueError, match="stage_input"):
         runner.execute(StepInput(0, [], [], []),
@@ -238,11 +238,11 @@ def test_failed_step_drops_its_requests_and_the_next_step_runs(
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     monkeypatch.setattr(runner, "fail_request_prefix", "bad")
     a, b, c = (PROMPTS[name] for name in list(PROMPTS)[:3])
-    first = runner.execute(StepInput(0, [NewRequest("a", a, len(a), GREEDY, [1, 2], 0, len(a))],
+    first = runner.execute(StepInput(0, [NewRequest("a", a, len(a), GREEDY, [[1, 2]], 0, len(a))],
                                      [], []))
     assert isinstance(first, StepOutput) and first.request_ids == ["a"]
-    failing = StepInput(1, [NewRequest("bad-1", b, len(b), GREEDY, [3, 4], 0, len(b))],
-                        [RunningRequest("a", len(a), 1, [], [])], [])
+    failing = StepInput(1, [NewRequest("bad-1", b, len(b), GREEDY, [[3, 4]], 0, len(b))],
+                        [RunningRequest("a", len(a), 1, [[]], [])], [])
     with pytest.raises(RuntimeError, match="injected fault") as caught:
         runner.execute(failing)
     answer = runner.failed_output(failing, caught.value)
@@ -251,11 +251,11 @@ def test_failed_step_drops_its_requests_and_the_next_step_runs(
     assert runner.input_batch is not None and not runner.input_batch.requests
     # A step sent before the scheduler heard of the failure still names a: skipped, and c
     # (which may reuse nothing of theirs) runs as on a fresh worker.
-    step = runner.execute(StepInput(2, [NewRequest("c", c, len(c), GREEDY, [5, 6, 7], 0,
+    step = runner.execute(StepInput(2, [NewRequest("c", c, len(c), GREEDY, [[5, 6, 7]], 0,
                                                    len(c))],
-                                    [RunningRequest("a", len(a) + 1, 1, [], [])], []))
+                                    [RunningRequest("a", len(a) + 1, 1, [[]], [])], []))
     assert isinstance(step, StepOutput) and step.request_ids == ["c"] and step.error is None
-    step = runner.execute(StepInput(3, [], [RunningRequest("c", len(c), 1, [], [])],
+    step = runner.execute(StepInput(3, [], [RunningRequest("c", len(c), 1, [[]], [])],
                                     ["a", "bad-1"]))
     assert isinstance(step, StepOutput) and step.request_ids == ["c"]
     assert not runner.input_batch.discarded_ids
@@ -276,7 +276,7 @@ def test_failure_after_the_forward_reports_kv_written(
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     monkeypatch.setattr(type(runner.model), "compute_logits", broken_logits)
     a = PROMPTS["def fibonacci(n):"]
-    failing = StepInput(0, [NewRequest("a", a, len(a), GREEDY, [1, 2], 0, len(a))], [], [])
+    failing = StepInput(0, [NewRequest("a", a, len(a), GREEDY, [[1, 2]], 0, len(a))], [], [])
     with pytest.raises(FloatingPointError) as caught:
         runner.execute(failing)
     error = runner.failed_output(failing, caught.value).error

@@ -15,7 +15,9 @@ tables carry the model's frequency rule (model/rope.py). The families' variation
 layer: q/k/v (and o_proj) biases, sliced with their heads under TP, and Qwen3's per-head q/k
 RMSNorm (replicated) before RoPE. Each layer attends within its own window (`window`, 0 =
 full, from `ModelConfig.layer_windows`): every attention kernel takes it and reads no key
-before it.
+before it. Layers of one kind form a KV group (services.kv_groups): a layer reads its group's
+block table (`forward` takes one metadata per group) and the KV tensor of its position in the
+group, which the layers at that position in the other groups share.
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
 Matrices that the GGUF stores as Q4_0/Q4_1/Q8_0 also keep their blocks, and steps of a few
@@ -23,10 +25,12 @@ tokens multiply on those (a fifth of float32's bytes; see worker_svc.kernels.gem
 """
 
 import sys
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from services.kv_groups import KvGroupLayout
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
 from worker_svc.kernels import (
@@ -252,7 +256,7 @@ class LlamaModel:
 
     __slots__ = ("config", "dtype", "device", "first_layer", "end_layer", "is_last_stage",
                  "shard", "tp", "embed_tokens", "layers", "norm", "lm_head", "rotary",
-                 "kernels", "elementwise")
+                 "kernels", "elementwise", "kv_layout", "layer_groups", "layer_positions")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
@@ -279,6 +283,13 @@ class LlamaModel:
                                       dtype, self.device, config.rope_scaling)
         self.kernels = kernels
         self.elementwise = elementwise_ops(self.kernels)
+        # KV groups (services.kv_groups): each layer of this stage reads its group's block
+        # table and writes the KV tensor of its position (shared with the layers of the same
+        # position in the other groups).
+        self.kv_layout = KvGroupLayout.from_windows(config.layer_windows)
+        stage_layers = range(self.first_layer, self.end_layer)
+        self.layer_groups = tuple(self.kv_layout.group_of(i) for i in stage_layers)
+        self.layer_positions = tuple(self.kv_layout.position_of(i) for i in stage_layers)
 
     @property
     def is_first_stage(self) -> bool:
@@ -323,19 +334,23 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
                 residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_caches: list[torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata | Sequence[AttentionMetadata],
+                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """First stage: input_ids [num_tokens]; later stages: hidden_states and residual
-        [num_tokens, hidden_size] from the previous stage. kv_caches: one per layer of this
-        stage. Returns (hidden_states, residual), both [num_tokens, hidden_size]."""
+        [num_tokens, hidden_size] from the previous stage. meta: one per KV group (a layer
+        takes its group's, `layer_groups`), or one for every layer. kv_caches: one per layer
+        of this stage (layers of one tensor position share one). Returns (hidden_states,
+        residual), both [num_tokens, hidden_size]."""
         if self.is_first_stage:
             assert input_ids is not None
             hidden_states = self.embed(input_ids)                       # [num_tokens, hidden]
             residual = None
         assert hidden_states is not None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer.forward(hidden_states, residual, positions, meta,
-                                                    kv_cache)
+        metas = ([meta] * len(self.layers) if isinstance(meta, AttentionMetadata)
+                 else [meta[group] for group in self.layer_groups])
+        for layer, layer_meta, kv_cache in zip(self.layers, metas, kv_caches, strict=True):
+            hidden_states, residual = layer.forward(hidden_states, residual, positions,
+                                                    layer_meta, kv_cache)
         assert residual is not None
         return hidden_states, residual
 

@@ -137,6 +137,22 @@ class TokenizeResponse(_message.Message):
     prompt: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
 
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("model", "sequences", "skip_special_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    skip_special_tokens: bool
+    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Generation/Detokenize',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Generation/Abort',
                 request_serializer=splitserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
@@ -90,6 +95,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Token ids back to text, each sequence decoded on its own (the HTTP front end's
+        /detokenize, and its table of every token's text for OpenAI-style logprobs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Aborts a request by id; the aborted stream ends with finish_reason "abort".
         """
@@ -126,6 +139,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -224,6 +242,33 @@ class Generation:
             '/splitserve.v1.Generation/Tokenize',
             splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Detokenize',
+            splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

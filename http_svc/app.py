@@ -1,0 +1,168 @@
+"""The ASGI app (FastAPI on Starlette, served by uvicorn): routes, body parsing, error objects.
+
+    POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with stream: true
+    GET  /v1/models                              the served model
+    POST /tokenize, /detokenize                  through the scheduler's tokenizer
+    GET  /health                                 200 only while a replica can serve, else 503
+    GET  /version
+
+Routes only parse and answer: a body is read up to `max_body_bytes` (413 past it), parsed
+into its request model (400 naming the field) and handed to `OpenAIServing`. Every error is
+an OpenAI-style error object (`http_svc.errors`), unknown paths included. The scheduler
+channel and the readiness watch live as long as the app (its lifespan).
+"""
+
+import importlib.metadata
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from http_svc.config import HttpConfig
+from http_svc.disconnect import ClientGone, unless_disconnected
+from http_svc.errors import ApiError, bad_request, from_validation
+from http_svc.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from http_svc.readiness import Readiness
+from http_svc.scheduler_client import SchedulerClient
+from http_svc.serving import OpenAIServing
+from http_svc.streaming import EventStream
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, read no further than `max_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body is {declared} bytes; at most {max_bytes} are "
+                            f"read")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > max_bytes:
+            raise ApiError(413, f"the request body is over {max_bytes} bytes")
+    try:
+        body = json.loads(data)
+    except ValueError as exc:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def parse(body: dict[str, Any], model: type[M]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def respond(result: dict[str, Any] | EventStream) -> Response:
+    if isinstance(result, EventStream):
+        return StreamingResponse(result.events, media_type="text/event-stream",
+                                 background=BackgroundTask(result.cancel))
+    return JSONResponse(result)
+
+
+def build_app(config: HttpConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = SchedulerClient(config.scheduler_address)
+        readiness = Readiness(client.channel, client.forget_model)
+        readiness.start()
+        app.state.serving = OpenAIServing(client, readiness)
+        try:
+            yield
+        finally:
+            await readiness.stop()
+            await client.close()
+
+    app = FastAPI(title="splitserve", version=package_version(), lifespan=lifespan)
+    version = package_version()
+
+    def serving(request: Request) -> OpenAIServing:
+        return request.app.state.serving  # type: ignore[no-any-return]
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        if exc.status >= 500:
+            log.warning("%s %s: %d %s", request.method, request.url.path, exc.status,
+                        exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)    # nobody reads it: the client left
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}").body(),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse(await read_json(request, config.max_body_bytes), CompletionRequest)
+        return respond(await unless_disconnected(request, serving(request).completions(body)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse(await read_json(request, config.max_body_bytes), ChatCompletionRequest)
+        return respond(await unless_disconnected(request, serving(request).chat(body)))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return JSONResponse(await serving(request).models())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        raw = await read_json(request, config.max_body_bytes)
+        body = parse(raw, TokenizeChatRequest if "messages" in raw
+                     else TokenizeCompletionRequest)
+        return JSONResponse(await serving(request).tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = parse(await read_json(request, config.max_body_bytes), DetokenizeRequest)
+        return JSONResponse(await serving(request).detokenize(body))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        readiness = serving(request).readiness
+        if not readiness.ready:
+            raise ApiError(503, f"not ready: {readiness.why_not}")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def get_version() -> Response:
+        return JSONResponse({"version": version})
+
+    return app

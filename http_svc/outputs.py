@@ -1,0 +1,122 @@
+"""The OpenAI response objects, built from the scheduler's chunks: choices, usage, finish and
+stop reasons, and the two logprobs shapes.
+
+Logprobs follow vLLM's OpenAI server. A token's text is its id decoded on its own (half a
+UTF-8 character decodes to U+FFFD). Each position's candidates are the sampled token first,
+then the engine's best alternatives (a duplicate of the sampled one dropped), logprobs floored
+at -9999.0.
+- completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, where
+  `top_logprobs` holds per position a dict text -> logprob of the first `logprobs` + 1
+  candidates (OpenAI's "the most likely tokens, plus the sampled one"), and `text_offset` is
+  each token's character offset, running from the text already returned.
+- chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`, with the first
+  `top_logprobs` candidates in `top_logprobs` and `bytes` the token text's UTF-8.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from http_svc.sampling import Sampling
+from http_svc.scheduler_client import Chunk, TokenLogprob, Usage
+
+MIN_LOGPROB = -9999.0   # what -inf becomes: JSON has no infinity
+
+
+def candidates(lp: TokenLogprob) -> list[tuple[int, float]]:
+    """The sampled token, then the alternatives, each id once."""
+    found = {lp.token_id: lp.logprob}
+    for token_id, logprob in lp.top:
+        found.setdefault(token_id, logprob)
+    return list(found.items())
+
+
+def completion_logprobs(vocab: Sequence[str], logprobs: Sequence[TokenLogprob], num_top: int,
+                        initial_text_offset: int = 0) -> dict[str, Any]:
+    tokens = [vocab[lp.token_id] for lp in logprobs]
+    offsets: list[int] = []
+    offset = initial_text_offset
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
+        "tokens": tokens,
+        "top_logprobs": [{vocab[t]: max(v, MIN_LOGPROB) for t, v in candidates(lp)[:num_top + 1]}
+                         for lp in logprobs],
+    }
+
+
+def _chat_logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": max(logprob, MIN_LOGPROB),
+            "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(vocab: Sequence[str], logprobs: Sequence[TokenLogprob],
+                  num_top: int) -> dict[str, Any]:
+    return {"content": [
+        {**_chat_logprob(vocab[lp.token_id], lp.logprob),
+         "top_logprobs": [_chat_logprob(vocab[t], v) for t, v in candidates(lp)[:num_top]]}
+        for lp in logprobs]}
+
+
+def stop_reason(chunk: Chunk, sampling: Sampling) -> str | int | None:
+    """vLLM's stop_reason: the stop string (a str) or stop token id (an int) that ended the
+    output; None for EOS and the length limit. The gRPC API sends either as text."""
+    reason = chunk.stop_reason
+    if reason is None or reason in sampling.stop:
+        return reason
+    if reason.isdigit() and int(reason) in sampling.stop_token_ids:
+        return int(reason)
+    return reason
+
+
+def usage_body(usages: Sequence[Usage]) -> dict[str, Any]:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens
+                                                           for u in usages)}}
+
+
+@dataclass(slots=True)
+class Collected:
+    """One choice's chunks gathered into what a non-streamed response reports."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.last = chunk
+
+    @property
+    def usage(self) -> Usage:
+        assert self.last is not None and self.last.usage is not None, "stream ended early"
+        return self.last.usage
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                      chunk: Chunk, sampling: Sampling) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": chunk.finish_reason, "stop_reason": stop_reason(chunk, sampling)}
+
+
+def chat_choice(index: int, role: str, text: str, logprobs: dict[str, Any] | None,
+                chunk: Chunk, sampling: Sampling) -> dict[str, Any]:
+    return {"index": index, "message": {"role": role, "content": text},
+            "logprobs": logprobs, "finish_reason": chunk.finish_reason,
+            "stop_reason": stop_reason(chunk, sampling)}
+
+
+def chat_delta(index: int, text: str, logprobs: dict[str, Any] | None, chunk: Chunk,
+               sampling: Sampling) -> dict[str, Any]:
+    """A streamed chat choice after the first (which carries only the role)."""
+    return {"index": index, "delta": {"content": text}, "logprobs": logprobs,
+            "finish_reason": chunk.finish_reason, "stop_reason": stop_reason(chunk, sampling)}

@@ -1,0 +1,263 @@
+"""What each endpoint does, between a parsed request body and a response body: the model
+check (404 for another model), the parameter mapping (`http_svc.sampling`, `http_svc.chat`),
+the readiness check (503 while no replica can serve), the scheduler calls and the response.
+
+A generation's request id is also the response's `id` (`cmpl-...`, `chatcmpl-...`; prompt i
+of a batch `cmpl-...-i`), so the scheduler's logs name what the client saw. Where the output
+may fill the rest of the context (chat without max_completion_tokens, completions with
+`max_tokens: null`) or the assistant header is left out, the prompt is tokenized first and
+sent as token ids with the room it leaves, as vLLM computes it.
+
+Streamed responses wait for each generation's first chunk before answering, so that a
+refusal by the scheduler (a prompt too long for the context, say) is an HTTP error status and
+not an error event in a 200 stream.
+"""
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from http_svc.chat import flatten_messages, refuse_template_inputs
+from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
+from http_svc.outputs import (
+    Collected,
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    usage_body,
+)
+from http_svc.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from http_svc.readiness import Readiness
+from http_svc.sampling import Sampling, chat_sampling, completion_sampling
+from http_svc.scheduler_client import (
+    GenerateSpec,
+    GenerationCall,
+    ModelCard,
+    Prompt,
+    SchedulerClient,
+)
+from http_svc.streaming import EventStream, Started, StreamHead, chat_events, completion_events
+
+# Ids one /detokenize may carry: the scheduler reads requests of at least 1 MiB, and a
+# token id takes at most 5 bytes.
+MAX_DETOKENIZE_IDS = 1 << 17
+
+Body = dict[str, Any]
+
+
+class OpenAIServing:
+    def __init__(self, client: SchedulerClient, readiness: Readiness) -> None:
+        self.client = client
+        self.readiness = readiness
+
+    # -- checks shared by every endpoint ----------------------------------------------------
+
+    async def _model(self, name: str | None) -> ModelCard:
+        card = await self.client.model_card()
+        if name and name != card.name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves "
+                                f"`{card.name}`).", "model")
+        return card
+
+    def _require_ready(self) -> None:
+        if not self.readiness.ready:
+            raise ApiError(503, f"no replica can serve right now: {self.readiness.why_not}")
+
+    @staticmethod
+    def _check_text(num_bytes: int, card: ModelCard, param: str) -> None:
+        if card.max_prompt_bytes and num_bytes > card.max_prompt_bytes:
+            raise bad_request(f"{param} is {num_bytes} bytes of UTF-8; this server takes at most "
+                              f"{card.max_prompt_bytes} bytes (the model's context is "
+                              f"{card.max_model_len} tokens)", param)
+
+    @staticmethod
+    def _check_ids(ids: Sequence[int], card: ModelCard, param: str) -> None:
+        if len(ids) >= card.max_model_len:
+            raise bad_request(f"This model's maximum context length is {card.max_model_len} "
+                              f"tokens. However, your prompt has {len(ids)} tokens and at "
+                              f"least one must be left to generate.", param)
+
+    async def _fill(self, sampling: Sampling, num_prompt_tokens: int,
+                    card: ModelCard) -> Sampling:
+        """max_tokens for "the rest of the context" once the prompt's length is known. vLLM
+        refuses to start unless its KV cache holds a whole context; a replica here may hold
+        less, so the context is what the smallest replica holds, if that is less."""
+        if sampling.max_tokens is not None:
+            return sampling
+        context = min(card.max_model_len, await self.client.kv_capacity() or card.max_model_len)
+        return dataclasses.replace(sampling, max_tokens=max(1, context - num_prompt_tokens))
+
+    # -- GET endpoints ----------------------------------------------------------------------
+
+    async def models(self) -> Body:
+        card = await self.client.model_card()
+        return {"object": "list", "data": [{
+            "id": card.name, "object": "model", "created": int(time.time()),
+            "owned_by": "splitserve", "root": card.name, "parent": None,
+            "max_model_len": card.max_model_len, "permission": []}]}
+
+    # -- completions ------------------------------------------------------------------------
+
+    def _completion_prompts(self, prompt: Any, card: ModelCard) -> list[Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        prompts: list[Prompt] = []
+        for i, p in enumerate(prompt):
+            param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+            if isinstance(p, str):
+                self._check_text(len(p.encode("utf-8", "surrogatepass")), card, param)
+                prompts.append(Prompt(text=p))
+            else:
+                self._check_ids(p, card, param)
+                prompts.append(Prompt(token_ids=tuple(p)))
+        return prompts
+
+    async def completions(self, body: CompletionRequest) -> Body | EventStream:
+        card = await self._model(body.model)
+        sampling = completion_sampling(body)
+        prompts = self._completion_prompts(body.prompt, card)
+        self._require_ready()
+        with grpc_fields_named("prompt"):
+            return await self._complete(body, card, sampling, prompts)
+
+    async def _complete(self, body: CompletionRequest, card: ModelCard, sampling: Sampling,
+                        prompts: list[Prompt]) -> Body | EventStream:
+        if sampling.max_tokens is None:
+            prompts = [p if p.token_ids is not None
+                       else Prompt(token_ids=tuple((await self.client.tokenize(p))[0]))
+                       for p in prompts]
+        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
+                              await self._fill(sampling, len(p.token_ids or ()), card),
+                              body.cache_salt or "") for i, p in enumerate(prompts)]
+        calls = [self.client.generate(spec) for spec in specs]
+        head = StreamHead(response_id, "text_completion", int(time.time()), card.name)
+        if body.stream:
+            started = await _start(calls)
+            options = body.stream_options
+            return completion_events(head, started, sampling, vocab,
+                                     bool(options and options.include_usage))
+        try:
+            results = await asyncio.gather(*(_collect(c) for c in calls))
+        finally:
+            for call in calls:
+                call.cancel()
+        choices = []
+        for i, r in enumerate(results):
+            logprobs = None
+            if vocab is not None:
+                logprobs = completion_logprobs(vocab, r.logprobs, sampling.logprobs or 0)
+            assert r.last is not None
+            choices.append(completion_choice(i, r.text, logprobs, r.last, sampling))
+        return {"id": head.id, "object": "text_completion", "created": head.created,
+                "model": head.model, "choices": choices,
+                "usage": usage_body([r.usage for r in results])}
+
+    # -- chat completions -------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest) -> Body | EventStream:
+        card = await self._model(body.model)
+        sampling = chat_sampling(body)
+        refuse_template_inputs(body)
+        messages = tuple(flatten_messages(body.messages))
+        self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
+                         card, "messages")
+        self._require_ready()
+        with grpc_fields_named("messages", "top_logprobs"):
+            return await self._chat(body, card, sampling, messages)
+
+    async def _chat(self, body: ChatCompletionRequest, card: ModelCard, sampling: Sampling,
+                    messages: tuple[tuple[str, str], ...]) -> Body | EventStream:
+        prompt = Prompt(chat=messages)
+        if sampling.max_tokens is None or not body.add_generation_prompt:
+            ids, _ = await self.client.tokenize(prompt, body.add_generation_prompt)
+            prompt = Prompt(token_ids=tuple(ids))
+            sampling = await self._fill(sampling, len(ids), card)
+        role = "assistant" if body.add_generation_prompt else messages[-1][0]
+        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
+                                                 body.cache_salt or ""))
+        head = StreamHead(response_id, "chat.completion.chunk", int(time.time()), card.name)
+        if body.stream:
+            (started,) = await _start([call])
+            options = body.stream_options
+            return chat_events(head, role, started, sampling, vocab,
+                               bool(options and options.include_usage))
+        try:
+            result = await _collect(call)
+        finally:
+            call.cancel()
+        logprobs = None
+        if vocab is not None:
+            logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs or 0)
+        assert result.last is not None
+        return {"id": head.id, "object": "chat.completion", "created": head.created,
+                "model": head.model,
+                "choices": [chat_choice(0, role, result.text, logprobs, result.last, sampling)],
+                "usage": usage_body([result.usage])}
+
+    # -- tokenizer endpoints ----------------------------------------------------------------
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Body:
+        card = await self._model(body.model)
+        if body.return_token_strs:
+            raise not_supported("return_token_strs")
+        if isinstance(body, TokenizeChatRequest):
+            refuse_template_inputs(body)
+            messages = tuple(flatten_messages(body.messages))
+            self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
+                             card, "messages")
+            ids, _ = await self.client.tokenize(Prompt(chat=messages),
+                                                body.add_generation_prompt)
+        else:
+            self._check_text(len(body.prompt.encode("utf-8", "surrogatepass")), card, "prompt")
+            ids, _ = await self.client.tokenize(Prompt(text=body.prompt))
+        return {"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> Body:
+        card = await self._model(body.model)
+        if len(body.tokens) > MAX_DETOKENIZE_IDS:
+            raise bad_request(f"tokens has {len(body.tokens)} ids; at most "
+                              f"{MAX_DETOKENIZE_IDS} are taken", "tokens")
+        bad = next((t for t in body.tokens if t >= card.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary "
+                              f"(0..{card.vocab_size - 1})", "tokens")
+        (text,) = await self.client.detokenize([body.tokens])
+        return {"prompt": text}
+
+
+async def _start(calls: Sequence[GenerationCall]) -> list[Started]:
+    """Each call with its first chunk; on any failure every call is cancelled."""
+    try:
+        return [Started(call, await call.next()) for call in calls]
+    except BaseException:
+        for call in calls:
+            call.cancel()
+        raise
+
+
+async def _collect(call: GenerationCall) -> Collected:
+    collected = Collected()
+    async for chunk in call:
+        collected.add(chunk)
+    if collected.last is None or collected.last.finish_reason is None:
+        raise ApiError(500, "the scheduler ended the stream without a finish reason")
+    return collected

@@ -1,0 +1,177 @@
+"""Streamed responses as server-sent events: one `data: {json}` event per chunk, then
+`data: [DONE]`, as OpenAI's and vLLM's servers stream.
+
+Chat streams open with a chunk that carries only the role; each scheduler chunk that brings
+text, logprobs or the finish reason becomes one event (a chunk that only held back half a
+character is skipped). With `stream_options.include_usage` a last event carries the usage
+and no choices. An error after the stream began is sent as an event holding the error object
+(the `openai` client raises it), then `[DONE]`.
+
+The stream owns its generation calls: however it ends (finished, failed, or the client gone,
+which cancels it), every call is cancelled, so the scheduler aborts what is still running.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from http_svc.errors import ApiError
+from http_svc.outputs import (
+    chat_delta,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    usage_body,
+)
+from http_svc.sampling import Sampling
+from http_svc.scheduler_client import Chunk, GenerationCall, Usage
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class EventStream:
+    """A streamed response's events and the calls they come from. `cancel()` (idempotent) is
+    for a response that ends before its events were read: an async generator never started
+    runs no `finally`."""
+
+    events: AsyncIterator[bytes]
+    calls: Sequence[GenerationCall]
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A generation whose first chunk has arrived (so refusals became an HTTP status)."""
+
+    call: GenerationCall
+    first: Chunk
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHead:
+    """What every event of one response repeats."""
+
+    id: str
+    object: str          # "text_completion" or "chat.completion.chunk"
+    created: int
+    model: str
+
+    def event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse({"id": self.id, "object": self.object, "created": self.created,
+                    "model": self.model, "choices": choices, **extra})
+
+
+async def merged(streams: Sequence[Started]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) of every stream as they come, each stream's first chunk first."""
+    for i, s in enumerate(streams):
+        yield i, s.first
+    open_streams = [(i, s.call) for i, s in enumerate(streams) if s.first.finish_reason is None]
+    if len(open_streams) == 1:
+        i, call = open_streams[0]
+        async for chunk in call:
+            yield i, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, call: GenerationCall) -> None:
+        try:
+            async for chunk in call:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # ApiError, or anything else: the stream reports it
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, call)) for i, call in open_streams]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            i, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,
+                      vocab: Sequence[str] | None, include_usage: bool) -> EventStream:
+    num_chars = [0] * len(streams)      # text sent so far per choice: logprobs' text_offset
+    usages: list[Usage | None] = [None] * len(streams)
+
+    async def events() -> AsyncIterator[bytes]:
+        async for i, chunk in merged(streams):
+            if not (chunk.text or chunk.logprobs or chunk.finish_reason):
+                continue
+            logprobs = None
+            if vocab is not None:
+                logprobs = completion_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0,
+                                               num_chars[i])
+            num_chars[i] += len(chunk.text)
+            usages[i] = chunk.usage or usages[i]
+            yield head.event([completion_choice(i, chunk.text, logprobs, chunk, sampling)])
+        if include_usage:
+            yield head.event([], usage=usage_body(_all(usages)))
+
+    calls = [s.call for s in streams]
+    return EventStream(_guarded(events(), calls), calls)
+
+
+def chat_events(head: StreamHead, role: str, started: Started, sampling: Sampling,
+                vocab: Sequence[str] | None, include_usage: bool) -> EventStream:
+    async def events() -> AsyncIterator[bytes]:
+        yield head.event([{"index": 0, "delta": {"role": role, "content": ""},
+                           "logprobs": None, "finish_reason": None}])
+        usage: Usage | None = None
+        async for _, chunk in merged([started]):
+            if not (chunk.text or chunk.logprobs or chunk.finish_reason):
+                continue
+            logprobs = None
+            if vocab is not None:
+                logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0)
+            usage = chunk.usage or usage
+            yield head.event([chat_delta(0, chunk.text, logprobs, chunk, sampling)])
+        if include_usage:
+            yield head.event([], usage=usage_body(_all([usage])))
+
+    return EventStream(_guarded(events(), [started.call]), [started.call])
+
+
+def _all(usages: Sequence[Usage | None]) -> list[Usage]:
+    if any(u is None for u in usages):
+        raise ApiError(500, "the scheduler ended a stream without its usage")
+    return [u for u in usages if u is not None]
+
+
+async def _guarded(events: AsyncIterator[bytes],
+                   calls: Sequence[GenerationCall]) -> AsyncIterator[bytes]:
+    """`events`, then [DONE]; an error becomes an error event; the calls end with it."""
+    try:
+        try:
+            async for event in events:
+                yield event
+        except ApiError as exc:
+            yield sse(exc.body())
+        except Exception:
+            log.exception("stream failed")
+            yield sse(ApiError(500, "internal error while streaming").body())
+        yield DONE
+    finally:
+        for call in calls:
+            call.cancel()

@@ -1,0 +1,76 @@
+"""Chat messages onto what the gRPC API carries (role and text): text parts joined as vLLM
+joins them, other parts and what the API cannot carry to the template refused by name."""
+
+from typing import Any
+
+import pytest
+
+from http_svc.chat import flatten_messages, refuse_template_inputs
+from http_svc.errors import ApiError
+from http_svc.protocol import ChatCompletionRequest
+
+
+def request(messages: list[dict[str, Any]], **fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": messages, **fields})
+
+
+def flat(*messages: dict[str, Any]) -> list[tuple[str, str]]:
+    return flatten_messages(request(list(messages)).messages)
+
+
+def refused(*messages: dict[str, Any], **fields: Any) -> ApiError:
+    body = request(list(messages), **fields)
+    with pytest.raises(ApiError) as error:
+        refuse_template_inputs(body)
+        flatten_messages(body.messages)
+    assert error.value.status == 400
+    return error.value
+
+
+def test_text_parts_are_joined_with_newlines() -> None:
+    assert flat({"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None}) == [
+        ("system", "Be brief."), ("user", "a\nb"), ("assistant", "")]
+    assert flat({"role": "user", "content": []}) == [("user", "")]
+
+
+def test_other_parts_are_refused_by_position() -> None:
+    user = {"role": "user", "content": [{"type": "text", "text": "look"},
+                                        {"type": "image_url", "image_url": {"url": "x"}}]}
+    error = refused({"role": "system", "content": "s"}, user)
+    assert error.param == "messages[1].content[1].type"
+    assert "'image_url' is not supported" in error.message
+    bad_text = {"role": "user", "content": [{"type": "text", "text": 3}]}
+    assert refused(bad_text).param == "messages[0].content[0].text"
+    extra = {"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}
+    assert refused(extra).param == "messages[0].content[0].cache"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("name", "bob"), ("tool_calls", [{"id": "1"}]), ("tool_call_id", "1")])
+def test_message_fields_the_api_cannot_carry(field: str, value: Any) -> None:
+    error = refused({"role": "user", "content": "x", field: value})
+    assert error.param == f"messages[0].{field}"
+    assert "is not supported yet" in error.message
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+])
+def test_template_inputs_are_refused_not_dropped(fields: dict[str, Any], param: str) -> None:
+    assert refused({"role": "user", "content": "x"}, **fields).param == param
+
+
+def test_empty_template_inputs_are_no_inputs() -> None:
+    body = request([{"role": "user", "content": "x"}], tools=[], documents=[],
+                   chat_template_kwargs={}, tool_choice="none", parallel_tool_calls=False)
+    refuse_template_inputs(body)
+    refuse_template_inputs(request([{"role": "user", "content": "x"}], tool_choice="auto"))

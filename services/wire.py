@@ -112,7 +112,8 @@ class TokenMask(_Wire):
 
 
 class StepInput(_Wire):
-    """One engine step for one replica; every rank of the replica receives the same message."""
+    """One engine step for one replica; every rank of the replica receives the same message
+    (but for `token_masks`, which only the last pipeline stage's ranks get)."""
 
     step_id: Count                      # per replica, strictly increasing
     new_requests: Annotated[list[NewRequest], Meta(max_length=MAX_REQUESTS_PER_STEP)]

@@ -1,0 +1,187 @@
+"""Structured output through the real services (issue 25, point 3): a JSON schema, any JSON
+object, a regex and a choice, over gRPC and over HTTP with the official `openai` client,
+greedy and with temperature sampling; the output always parses against its constraint and
+ends with "stop". The scheduler runs with async scheduling (a constrained request waits for
+its own token before its next step; a free one beside it runs ahead). Bad constraints are
+INVALID_ARGUMENT / 400 naming the field. One more cluster with two pipeline stages: the
+masks reach the last stage only, and the output still parses."""
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from services.rpc.splitserve.v1 import generation_pb2 as pb
+from tests.e2e.harness import RunningCluster, run_cluster, stream_tokens
+from tests.e2e.test_http_api import wait_for_http
+
+pytestmark = pytest.mark.e2e
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+REGEX = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["yes", "no", "maybe not"]
+PROMPT = "Describe a person as JSON with a name, an age and a city:"
+SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1234}]
+
+
+def check_schema(text: str) -> None:
+    """The text is JSON that the schema above accepts (every rule of it checked by hand)."""
+    value = json.loads(text)
+    assert isinstance(value, dict) and set(value) == {"name", "age", "city"}, text
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12, text
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120, text
+    assert value["city"] in ("Paris", "London", "Rome"), text
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    with run_cluster(tmp_path_factory.mktemp("structured"), http=True,
+                     scheduler_args=["--async-scheduling"]) as running:
+        wait_for_http(f"http://{running.procs.http_address}", 200)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.procs.http_address}/v1", api_key="none",
+                         max_retries=0, timeout=300)
+
+
+def grpc_request(structured: pb.StructuredOutput, prompt: str = PROMPT, max_tokens: int = 96,
+                 **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(
+        max_tokens=max_tokens, structured_output=structured, **sampling))
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "temperature"])
+def test_grpc_outputs_follow_their_constraint(cluster: RunningCluster,
+                                              sampling: dict[str, Any]) -> None:
+    stub = cluster.stub
+    _, text, last = stream_tokens(stub, grpc_request(
+        pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), **sampling))
+    assert last.finish_reason == "stop"
+    check_schema(text)
+    _, text, last = stream_tokens(stub, grpc_request(
+        pb.StructuredOutput(regex=REGEX), "Call me at", 32, **sampling))
+    assert last.finish_reason == "stop" and re.fullmatch(REGEX, text), text
+    _, text, last = stream_tokens(stub, grpc_request(
+        pb.StructuredOutput(choice=CHOICES), "Is the sky green? Answer:", 16, **sampling))
+    assert last.finish_reason == "stop" and text in CHOICES, text
+    once = stub.GenerateOnce(grpc_request(pb.StructuredOutput(json_object=True),
+                                          "A JSON object with one key:", 64, **sampling),
+                             timeout=300)
+    if once.finish_reason == "stop":     # any JSON object may run past max_tokens
+        assert isinstance(json.loads(once.text), dict), once.text
+    else:
+        assert once.finish_reason == "length" and once.text.lstrip().startswith("{")
+
+
+def test_a_free_request_beside_constrained_ones_is_unchanged(cluster: RunningCluster) -> None:
+    """The free request's greedy tokens are the same alone and beside three constrained ones
+    (a mask touches only its own row)."""
+    stub = cluster.stub
+    free = pb.GenerateRequest(text="The capital of France is", sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True))
+    alone = stub.GenerateOnce(free, timeout=300).token_ids
+    constrained = [grpc_request(pb.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+                                temperature=0.0),
+                   grpc_request(pb.StructuredOutput(regex=REGEX), "Call me at", 32,
+                                temperature=0.0),
+                   grpc_request(pb.StructuredOutput(choice=CHOICES), "Yes or no?", 16,
+                                temperature=0.0)]
+    with ThreadPoolExecutor(4) as pool:
+        beside = pool.submit(stub.GenerateOnce, free, timeout=300)
+        others = [pool.submit(stub.GenerateOnce, r, timeout=300) for r in constrained]
+        assert list(beside.result().token_ids) == list(alone)
+        texts = [f.result().text for f in others]
+    check_schema(texts[0])
+    assert re.fullmatch(REGEX, texts[1]) and texts[2] in CHOICES, texts
+
+
+@pytest.mark.parametrize("structured, field", [
+    (pb.StructuredOutput(json_schema='{"type": "bogus"}'), "structured_output.json_schema"),
+    (pb.StructuredOutput(json_schema="{nope"), "structured_output.json_schema"),
+    (pb.StructuredOutput(regex="([a-"), "structured_output.regex"),
+    (pb.StructuredOutput(regex="a+", choice=["a"]), "structured_output"),
+])
+def test_grpc_refuses_bad_constraints_by_field(cluster: RunningCluster,
+                                               structured: pb.StructuredOutput,
+                                               field: str) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        cluster.stub.GenerateOnce(grpc_request(structured), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith(field), refused.value.details()
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "temperature"])
+def test_openai_client_chat_json_schema(client: openai.OpenAI,
+                                        sampling: dict[str, Any]) -> None:
+    response = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": PROMPT}], max_tokens=96,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA}}, **sampling)
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    check_schema(choice.message.content or "")
+    stream = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": PROMPT}], max_tokens=96, stream=True,
+        extra_body={"guided_json": SCHEMA}, **sampling)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    check_schema(text)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "temperature"])
+def test_openai_client_completions_regex_and_choice(client: openai.OpenAI,
+                                                    sampling: dict[str, Any]) -> None:
+    response = client.completions.create(model="", prompt="Call me at", max_tokens=32,
+                                         extra_body={"guided_regex": REGEX}, **sampling)
+    assert response.choices[0].finish_reason == "stop"
+    assert re.fullmatch(REGEX, response.choices[0].text), response.choices[0].text
+    response = client.completions.create(model="", prompt="Is the sky green? Answer:",
+                                         max_tokens=16, extra_body={"guided_choice": CHOICES},
+                                         **sampling)
+    assert response.choices[0].text in CHOICES
+
+
+def test_openai_client_bad_schema_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "response_format", error
+    assert "does not compile" in error["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="", prompt="x", max_tokens=8,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert refused.value.body["param"] == "guided_choice"      # type: ignore[index]
+
+
+def test_pipeline_stages_follow_the_constraint(tmp_path: Path) -> None:
+    """Two stages (the batch queue keeps two steps in flight): only the last stage gets the
+    masks, and the output parses; greedy and sampled."""
+    with run_cluster(tmp_path, pp=2) as cluster:
+        for sampling in SAMPLINGS:
+            _, text, last = stream_tokens(cluster.stub, grpc_request(
+                pb.StructuredOutput(json_schema=json.dumps(SCHEMA)), **sampling))
+            assert last.finish_reason == "stop"
+            check_schema(text)
+            _, text, _ = stream_tokens(cluster.stub, grpc_request(
+                pb.StructuredOutput(choice=CHOICES), "Yes or no?", 16, **sampling))
+            assert text in CHOICES

@@ -15,6 +15,7 @@ extra ids xgrammar never allows. The model's EOS ids are the grammar's stop toke
 """
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 
@@ -29,6 +30,7 @@ from scheduler_svc.structured_output import (
 )
 from scheduler_svc.tokenizer import TextTokenizer
 
+log = logging.getLogger(__name__)
 CompiledGrammar = xgr.CompiledGrammar
 
 MAX_CACHED_GRAMMARS = 512          # compiled grammars kept, least recently used dropped
@@ -132,5 +134,7 @@ class GrammarState:
         complete (it took a stop token, or nothing may follow), or the token broke it (the
         mask was not applied: the output would no longer match)."""
         if not self._matcher.accept_token(token_id):
+            log.error("sampled token %d is outside the grammar (its mask was not applied); "
+                      "ending the request", token_id)
             return True
         return bool(self._matcher.is_terminated())

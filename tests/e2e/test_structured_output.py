@@ -1,10 +1,11 @@
 """Structured output through the real services (issue 25, point 3): a JSON schema, any JSON
 object, a regex and a choice, over gRPC and over HTTP with the official `openai` client,
 greedy and with temperature sampling; the output always parses against its constraint and
-ends with "stop". The scheduler runs with async scheduling (a constrained request waits for
-its own token before its next step; a free one beside it runs ahead). Bad constraints are
-INVALID_ARGUMENT / 400 naming the field. One more cluster with two pipeline stages: the
-masks reach the last stage only, and the output still parses."""
+ends with "stop", and greedy tokens are HF transformers' under the same grammar. The
+scheduler runs with async scheduling (a constrained request waits for its own token before
+its next step; a free one beside it runs ahead). Bad constraints are INVALID_ARGUMENT / 400
+naming the field. One more cluster with two pipeline stages: the masks reach the last stage
+only, and the output still parses."""
 
 import json
 import re
@@ -16,9 +17,20 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import torch
+import xgrammar as xgr
 
+from scheduler_svc.grammar import Grammars
+from scheduler_svc.structured_output import OutputKind, StructuredOutput
+from scheduler_svc.tokenizer import ChatMessage
 from services.rpc.splitserve.v1 import generation_pb2 as pb
-from tests.e2e.harness import RunningCluster, run_cluster, stream_tokens
+from tests.e2e.harness import (
+    HFOracle,
+    RunningCluster,
+    assert_matches_reference,
+    run_cluster,
+    stream_tokens,
+)
 from tests.e2e.test_http_api import wait_for_http
 
 pytestmark = pytest.mark.e2e
@@ -36,6 +48,7 @@ SCHEMA = {
 REGEX = r"[0-9]{3}-[0-9]{4}"
 CHOICES = ["yes", "no", "maybe not"]
 PROMPT = "Describe a person as JSON with a name, an age and a city:"
+EOS_ID = 2                  # <|im_end|>, the default model's EOS
 SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1234}]
 
 
@@ -185,3 +198,50 @@ def test_pipeline_stages_follow_the_constraint(tmp_path: Path) -> None:
             _, text, _ = stream_tokens(cluster.stub, grpc_request(
                 pb.StructuredOutput(choice=CHOICES), "Yes or no?", 16, **sampling))
             assert text in CHOICES
+
+
+@torch.inference_mode()
+def hf_constrained_greedy(oracle: HFOracle, grammar: Any, vocab_size: int,
+                          prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """HF transformers' greedy tokens under the grammar, masked with xgrammar's own CPU
+    kernel (not ours), until the grammar is complete; with each step's top-1 minus top-2
+    margin among the allowed tokens (inf where only one is allowed)."""
+    matcher = xgr.GrammarMatcher(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    out = oracle.model(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    margins: list[float] = []
+    for _ in range(max_tokens):
+        logits = out.logits[0, -1:].float().clone()                 # [1, vocab]
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        top2 = torch.topk(logits[0], 2)
+        tokens.append(int(top2.indices[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
+        assert matcher.accept_token(tokens[-1])
+        if matcher.is_terminated():
+            break
+        out = oracle.model(input_ids=top2.indices[:1].view(1, 1),
+                           past_key_values=out.past_key_values, use_cache=True)
+    return tokens, margins
+
+
+def test_greedy_constrained_tokens_match_hf_under_the_same_grammar(
+        cluster: RunningCluster, oracle: HFOracle, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Greedy outputs stay token-exact against HF transformers (fp32), now under a grammar."""
+    grammars = Grammars(tokenizer, oracle.model.config.vocab_size, (EOS_ID,))
+    prompt = tokenizer.encode(tokenizer.render_chat([ChatMessage("user", PROMPT)], True))
+    cases = [(StructuredOutput(OutputKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+              pb.StructuredOutput(json_schema=json.dumps(SCHEMA))),
+             (StructuredOutput(OutputKind.REGEX, REGEX), pb.StructuredOutput(regex=REGEX)),
+             (StructuredOutput(OutputKind.CHOICE, choices=tuple(CHOICES)),
+              pb.StructuredOutput(choice=CHOICES))]
+    for spec, message in cases:
+        ref, margins = hf_constrained_greedy(oracle, grammars.compile(spec),
+                                             oracle.model.config.vocab_size, prompt, 96)
+        assert ref[-1] == EOS_ID, "the reference did not complete its grammar"
+        ours = cluster.stub.GenerateOnce(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                temperature=0.0, max_tokens=96, structured_output=message)), timeout=300)
+        assert ours.finish_reason == "stop"
+        assert_matches_reference(list(ours.token_ids), ref, margins, spec.kind.value)

@@ -168,3 +168,16 @@ def test_only_the_last_stage_gets_the_masks(ctx) -> None:  # type: ignore[no-unt
         transport.close()
         for r in [*ranks, outputs]:
             r.close()
+
+
+def test_no_mask_for_a_prefill_chunk_that_samples_nothing(grammars: Grammars) -> None:
+    sched, kv = make_scheduler(max_num_batched_tokens=4)
+    request = add(sched, "r", list(range(10)), max_tokens=5)
+    request.grammar = grammars.new_state(grammars.compile(
+        StructuredOutput(OutputKind.REGEX, "[a-z]+")))
+    chunks = []
+    for _ in range(3):
+        s = step(sched, kv)
+        chunks.append((scheduled(s)["r"], [m.request_id for m in s.token_masks]))
+        sched.update(sample(s, {"r": 100} if s.token_masks else {}))
+    assert chunks == [(4, []), (4, []), (2, ["r"])]

@@ -81,7 +81,6 @@ NOT_YET: tuple[NotYet, ...] = (
     NotYet("suffix", _falsy, "null"),
     NotYet("prompt_logprobs", _unset, "null"),
     NotYet("include_stop_str_in_output", _falsy, "false"),
-    NotYet("structured_outputs", _unset, "null"),
     NotYet("guided_grammar", _unset, "null"),
 )
 

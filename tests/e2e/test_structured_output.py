@@ -171,6 +171,25 @@ def test_openai_client_completions_regex_and_choice(client: openai.OpenAI,
     assert response.choices[0].text in CHOICES
 
 
+def test_openai_client_json_object_and_structured_outputs(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Give me a JSON object."}],
+        max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    choice = response.choices[0]
+    if choice.finish_reason == "stop":       # any JSON object may run past max_tokens
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+    else:
+        assert (choice.message.content or "").lstrip().startswith("{")
+    response = client.completions.create(
+        model="", prompt="Is the sky green? Answer:", max_tokens=16, temperature=0,
+        extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert response.choices[0].text in CHOICES
+    response = client.completions.create(
+        model="", prompt="Call me at", max_tokens=32, temperature=0,
+        extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, response.choices[0].text), response.choices[0].text
+
+
 def test_openai_client_bad_schema_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(

@@ -1,5 +1,6 @@
-"""Structured output parameters over HTTP (http_svc.structured): response_format and vLLM's
-guided_json / guided_regex / guided_choice onto the gRPC StructuredOutput, malformed ones and
+"""Structured output parameters over HTTP (http_svc.structured): response_format, vLLM's
+structured_outputs and guided_json / guided_regex / guided_choice onto the gRPC
+StructuredOutput, malformed ones and
 more than one refused with a 400 naming the field, and the scheduler's refusal of a schema
 it cannot compile named as the field it came from. No network."""
 
@@ -53,6 +54,14 @@ def test_each_form_maps_to_its_constraint() -> None:
                                                              json_schema=schema_text)
     assert completion(guided_regex=r"\d+") == Structured("guided_regex", regex=r"\d+")
     assert completion(guided_choice=["a", "b"]) == Structured("guided_choice", choice=("a", "b"))
+    assert chat(structured_outputs={"json": SCHEMA}) == Structured(
+        "structured_outputs", json_schema=schema_text)
+    assert chat(structured_outputs={"regex": "a+", "grammar": None}) == Structured(
+        "structured_outputs", regex="a+")
+    assert chat(structured_outputs={"choice": ["x"]}) == Structured("structured_outputs",
+                                                                   choice=("x",))
+    assert chat(structured_outputs={"json_object": True}) == Structured(
+        "structured_outputs", json_object=True)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -66,6 +75,12 @@ def test_each_form_maps_to_its_constraint() -> None:
     ({"guided_regex": ""}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": [1]}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
 ])
 def test_malformed_or_several_are_refused_by_name(fields: dict[str, Any], param: str) -> None:

@@ -181,3 +181,35 @@ def test_no_mask_for_a_prefill_chunk_that_samples_nothing(grammars: Grammars) ->
         chunks.append((scheduled(s)["r"], [m.request_id for m in s.token_masks]))
         sched.update(sample(s, {"r": 100} if s.token_masks else {}))
     assert chunks == [(4, []), (4, []), (2, ["r"])]
+
+
+def test_a_preempted_request_keeps_its_grammar_state(grammars: Grammars,
+                                                     tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Preemption by recompute keeps the tokens, so the grammar state goes on from them: every
+    step that samples for the constrained request carries its mask, before and after, and the
+    grammar completes exactly when its 11 digits and EOS are out."""
+    (digit,) = tokenizer.encode("7")
+    sched, kv = make_scheduler(num_blocks=9, prefix_caching=False, max_num_batched_tokens=64)
+    add(sched, "a", list(range(12)), max_tokens=12)
+    b = add(sched, "b", list(range(20, 32)), max_tokens=20)
+    b.grammar = grammars.new_state(grammars.compile(
+        StructuredOutput(OutputKind.REGEX, "[0-9]{11}")))
+    finals = {}
+    for _ in range(60):
+        s = step(sched, kv)
+        if s is None:
+            continue
+        sampling = [rid for rid in scheduled(s) if sched.requests[rid].num_computed_tokens
+                    == sched.requests[rid].num_tokens]
+        assert sorted(m.request_id for m in s.token_masks) == sorted(
+            r for r in sampling if r == "b")
+        tokens = {rid: 3 if rid == "a" else digit if b.num_output_tokens < 11 else EOS
+                  for rid in sampling}
+        for out in sched.update(sample(s, tokens)):
+            if out.finish_reason is not None:
+                finals[out.request_id] = out
+        if not sched.requests:
+            break
+    assert b.num_preemptions >= 1
+    assert finals["b"].finish_reason is FinishReason.STOP
+    assert b.output_token_ids == [digit] * 11 + [EOS]

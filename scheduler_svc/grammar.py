@@ -42,16 +42,23 @@ class Grammars:
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
-        """`vocab_size`: the model's logits width (at least the tokenizer's vocabulary)."""
-        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        """`vocab_size`: the model's logits width, the length of every mask."""
+        self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos_token_ids = list(eos_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None   # built on first use (~1 s)
-        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()   # held while it is built (off the loop)
+        self._lock = threading.Lock()            # the cache's; never held while compiling
         self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        if self._tokenizer.vocab_size > self.vocab_size:
+            # A mask can only cover the logits; such a model's tokens past them cannot be
+            # told apart from the grammar's.
+            raise StructuredOutputError(
+                f"{FIELD} is not served for this model: its tokenizer has "
+                f"{self._tokenizer.vocab_size} ids, its logits {self.vocab_size}")
+        with self._compiler_lock:
             if self._compiler is None:
                 fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(

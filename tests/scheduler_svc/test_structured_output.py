@@ -213,3 +213,9 @@ def test_a_preempted_request_keeps_its_grammar_state(grammars: Grammars,
     assert b.num_preemptions >= 1
     assert finals["b"].finish_reason is FinishReason.STOP
     assert b.output_token_ids == [digit] * 11 + [EOS]
+
+
+def test_a_tokenizer_wider_than_the_logits_is_refused(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    narrow = Grammars(tokenizer, tokenizer.vocab_size - 1, (EOS,))
+    with pytest.raises(StructuredOutputError, match="structured_output is not served"):
+        narrow.compile(StructuredOutput(OutputKind.JSON_OBJECT))

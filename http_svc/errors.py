@@ -47,6 +47,7 @@ GRPC_MESSAGE_FIELDS = (
     (re.compile(r"(at most \d+ )?stop strings"), "stop"),
     (re.compile(r"(prompt|token id|chat|rendered chat)\b"), "PROMPT"),
     (re.compile(r"unknown model"), "model"),
+    (re.compile(r"structured_output\b"), "STRUCTURED"),
 )
 
 
@@ -113,22 +114,28 @@ def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
 
 
 @contextmanager
-def grpc_fields_named(prompt_param: str, logprobs_param: str = "logprobs") -> Iterator[None]:
+def grpc_fields_named(prompt_param: str, logprobs_param: str = "logprobs",
+                      structured_param: str | None = None) -> Iterator[None]:
     """Gives a 400 from the scheduler the request field its message begins with, as `param`
-    (`prompt_param` for the prompt, `logprobs_param` for the logprobs count)."""
+    (`prompt_param` for the prompt, `logprobs_param` for the logprobs count,
+    `structured_param` for the output constraint)."""
     try:
         yield
     except ApiError as exc:
         if exc.status == 400 and exc.param is None:
-            exc.param = _grpc_field(exc.message, prompt_param, logprobs_param)
+            exc.param = _grpc_field(exc.message, prompt_param, logprobs_param,
+                                    structured_param)
         raise
 
 
-def _grpc_field(message: str, prompt_param: str, logprobs_param: str) -> str | None:
+def _grpc_field(message: str, prompt_param: str, logprobs_param: str,
+                structured_param: str | None = None) -> str | None:
     for pattern, param in GRPC_MESSAGE_FIELDS:
         if (match := pattern.match(message)) is not None:
             if param == "PROMPT":
                 return prompt_param
+            if param == "STRUCTURED":
+                return structured_param
             if param == "logprobs":
                 return logprobs_param
             return param or match.group(1)

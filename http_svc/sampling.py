@@ -9,7 +9,7 @@ string or a list; chat's logprobs a bool with top_logprobs alternatives, complet
 the number of alternatives. Seeds are int64 as in vLLM; the engine takes their 64 bits.
 
 `NOT_YET` lists what the engine cannot do yet. Such a parameter is accepted at its neutral
-value (`presence_penalty: 0`, `n: 1`, `response_format: {"type": "text"}`) and otherwise
+value (`presence_penalty: 0`, `n: 1`, `echo: false`) and otherwise
 refused with a 400 that names it. When the engine gains one, its line leaves `NOT_YET` and
 one line in `_sampling` carries it.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from http_svc.errors import bad_request, not_supported
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from http_svc.structured import Structured, structured_output
 from services.wire import MAX_TOP_LOGPROBS
 
 INT32_MAX = (1 << 31) - 1   # the engine's token counts are int32
@@ -43,6 +44,7 @@ class Sampling:
     ignore_eos: bool
     logprobs: int | None             # alternatives per sampled token; None: no logprobs
     keep_special_tokens: bool
+    structured: Structured | None = None   # response_format / guided_* (http_svc.structured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +81,6 @@ NOT_YET: tuple[NotYet, ...] = (
     NotYet("suffix", _falsy, "null"),
     NotYet("prompt_logprobs", _unset, "null"),
     NotYet("include_stop_str_in_output", _falsy, "false"),
-    NotYet("response_format", lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
-    NotYet("structured_outputs", _unset, "null"),
-    NotYet("guided_json", _unset, "null"),
-    NotYet("guided_regex", _unset, "null"),
-    NotYet("guided_choice", _unset, "null"),
     NotYet("guided_grammar", _unset, "null"),
 )
 
@@ -159,4 +156,5 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
         seed=None if seed is None else seed % UINT64,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-        logprobs=logprobs, keep_special_tokens=not request.skip_special_tokens)
+        logprobs=logprobs, keep_special_tokens=not request.skip_special_tokens,
+        structured=structured_output(request))

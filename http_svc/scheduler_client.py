@@ -19,6 +19,7 @@ import grpc
 
 from http_svc.errors import ApiError, from_grpc
 from http_svc.sampling import Sampling
+from http_svc.structured import to_pb as structured_to_pb
 from services.grpc_server import CHANNEL_OPTIONS
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -92,6 +93,8 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
         sampling.max_tokens = s.max_tokens
     if s.logprobs is not None:
         sampling.logprobs = s.logprobs
+    if s.structured is not None:
+        sampling.structured_output.CopyFrom(structured_to_pb(s.structured))
     request = pb.GenerateRequest(request_id=spec.request_id, sampling=sampling,
                                  keep_special_tokens=s.keep_special_tokens,
                                  cache_salt=spec.cache_salt)

@@ -47,6 +47,7 @@ from http_svc.scheduler_client import (
     SchedulerClient,
 )
 from http_svc.streaming import EventStream, Started, StreamHead, chat_events, completion_events
+from http_svc.structured import param_of
 
 # Ids one /detokenize may carry: the scheduler reads requests of at least 1 MiB, and a
 # token id takes at most 5 bytes.
@@ -131,7 +132,7 @@ class OpenAIServing:
         sampling = completion_sampling(body)
         prompts = self._completion_prompts(body.prompt, card)
         self._require_ready()
-        with grpc_fields_named("prompt"):
+        with grpc_fields_named("prompt", structured_param=param_of(sampling.structured)):
             return await self._complete(body, card, sampling, prompts)
 
     async def _complete(self, body: CompletionRequest, card: ModelCard, sampling: Sampling,
@@ -178,7 +179,7 @@ class OpenAIServing:
         self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
                          card, "messages")
         self._require_ready()
-        with grpc_fields_named("messages", "top_logprobs"):
+        with grpc_fields_named("messages", "top_logprobs", param_of(sampling.structured)):
             return await self._chat(body, card, sampling, messages)
 
     async def _chat(self, body: ChatCompletionRequest, card: ModelCard, sampling: Sampling,

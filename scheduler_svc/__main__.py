@@ -16,6 +16,7 @@ import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.grammar import Grammars
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.membership import Membership
 from scheduler_svc.metrics import SchedulerMetrics
@@ -126,7 +127,8 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
     limits = Limits(served_name, model.vocab_size, max_model_len,
                     max_prompt_bytes=max_prompt_bytes)
     frontend = Frontend(router, tokenizer, limits, max_live_requests=config.max_queue_len,
-                        replica_wait_s=config.replica_wait_s, metrics=metrics)
+                        replica_wait_s=config.replica_wait_s, metrics=metrics,
+                        grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids))
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, served_name), server)
     control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(membership),

@@ -9,11 +9,12 @@ sockets belong to one thread.
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
 import zmq
 
 from services.channels import Receiver, RequestClient, Sender
 from services.codec import Codec
-from services.wire import FromKvCache, FromWorker, ToKvCache, ToWorker
+from services.wire import FromKvCache, FromWorker, StepInput, ToKvCache, ToWorker
 
 
 class EngineTransport(Protocol):
@@ -23,7 +24,8 @@ class EngineTransport(Protocol):
         """kvcache_svc's reply, or None when it did not answer in time."""
 
     def send_to_ranks(self, message: ToWorker) -> None:
-        """To every rank of the replica, in rank order."""
+        """To every rank of the replica, in rank order; a step's token masks only to the
+        last pipeline stage's ranks (the others do not sample)."""
 
     def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
         """The next message any rank sent, or None after `timeout_ms`."""
@@ -40,8 +42,11 @@ class ZmqTransport:
     register; closed by membership when the replica retires)."""
 
     def __init__(self, ctx: zmq.Context, kvcache_address: str, step_addresses: list[str],
-                 outputs: Receiver[FromWorker]) -> None:
+                 outputs: Receiver[FromWorker], tp_size: int = 1) -> None:
+        """`step_addresses` in rank order (pp_rank * tp_size + tp_rank): the last `tp_size`
+        are the last pipeline stage."""
         self.num_ranks = len(step_addresses)
+        self._first_last_stage_rank = max(0, self.num_ranks - tp_size)
         self._kv: RequestClient[FromKvCache] = RequestClient(ctx, Codec(FromKvCache),
                                                              kvcache_address)
         self._ranks = [Sender(ctx, Codec(ToWorker), address) for address in step_addresses]
@@ -51,8 +56,11 @@ class ZmqTransport:
         return self._kv.call(message, timeout_ms=timeout_ms)
 
     def send_to_ranks(self, message: ToWorker) -> None:
-        for rank in self._ranks:
-            rank.send(message)
+        unmasked = message
+        if isinstance(message, StepInput) and message.token_masks:
+            unmasked = msgspec.structs.replace(message, token_masks=[])
+        for i, rank in enumerate(self._ranks):
+            rank.send(message if i >= self._first_last_stage_rank else unmasked)
 
     def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
         return self._outputs.recv(timeout_ms=timeout_ms)

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.grammar import CompiledGrammar, Grammars
 from scheduler_svc.live_requests import DuplicateRequest
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
 from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from scheduler_svc.router import Router
+from scheduler_svc.structured_output import StructuredOutput, StructuredOutputError
 from scheduler_svc.tokenizer import ChatMessage, TemplateError, TextTokenizer
 from scheduler_svc.validation import (
     InvalidRequest,
@@ -77,6 +79,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_salt: bytes = b""     # the tenant's prefix-cache salt, UTF-8; empty = unsalted
+    grammar: CompiledGrammar | None = None   # sampling.structured_output, compiled
 
 
 class LoopPoster:
@@ -109,7 +112,9 @@ class Frontend:
     def __init__(self, router: Router, tokenizer: TextTokenizer, limits: Limits,
                  max_live_requests: int, replica_wait_s: float = 60.0,
                  metrics: SchedulerMetrics | None = None,
-                 tokenizer_threads: int = TOKENIZER_THREADS) -> None:
+                 tokenizer_threads: int = TOKENIZER_THREADS,
+                 grammars: Grammars | None = None) -> None:
+        """`grammars`: structured output's compiler (None: such requests are refused)."""
         self.router = router
         self.membership = router.membership
         self.live = router.live
@@ -123,6 +128,7 @@ class Frontend:
         self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
                                                  thread_name_prefix="tokenize")
         self.metrics = metrics
+        self.grammars = grammars
         self.num_requests_total = 0
         self.draining = False
 
@@ -192,7 +198,25 @@ class Frontend:
         limits = dataclasses.replace(self.limits, max_kv_tokens=self.membership.max_kv_tokens())
         validate_prompt(token_ids, limits)
         sampling = validate_sampling(raw, len(token_ids), limits)
-        return PreparedRequest(request_id, token_ids, sampling, salt)
+        grammar = None
+        if sampling.structured_output is not None:
+            grammar = await self.compile_grammar(sampling.structured_output)
+        return PreparedRequest(request_id, token_ids, sampling, salt, grammar)
+
+    async def compile_grammar(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The constraint's grammar: from the cache, or compiled on a tokenizer thread (a
+        large schema takes long enough to stall every other client on the loop)."""
+        if self.grammars is None:
+            raise InvalidRequest("structured_output is not served by this scheduler")
+        grammars = self.grammars
+        grammar = grammars.cached(spec)
+        if grammar is not None:
+            return grammar
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._tokenize_pool, grammars.compile, spec)
+        except StructuredOutputError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     async def generate(self, prepared: PreparedRequest,
                        time_remaining: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -257,4 +281,6 @@ class Frontend:
             self.tokenizer, prepared.prompt_token_ids, prepared.sampling.skip_special_tokens,
             prepared.sampling.stop)
         request.deadline = deadline
+        if prepared.grammar is not None and self.grammars is not None:
+            request.grammar = self.grammars.new_state(prepared.grammar)
         return request

@@ -208,7 +208,8 @@ class Membership:
         outputs, kvcache_address = replica.outputs, self.config.kvcache_address
 
         def connect() -> ZmqTransport:
-            return ZmqTransport(self.ctx, kvcache_address, addresses, outputs)
+            return ZmqTransport(self.ctx, kvcache_address, addresses, outputs,
+                                tp_size=self.config.tp_size)
 
         replica.engine = ReplicaEngine(engine_config, connect, self._on_outputs,
                                        self._on_engine_down, on_kv_change=self.on_change)

@@ -7,9 +7,14 @@ when a step is scheduled and catches up with `num_tokens`; preemption resets it 
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from scheduler_svc.structured_output import StructuredOutput
 from services.block_hash import NONE_HASH, hash_full_blocks
 from services.wire import SamplingSpec, TokenLogprobs
+
+if TYPE_CHECKING:
+    from scheduler_svc.grammar import GrammarState
 
 
 class FinishReason(enum.Enum):
@@ -39,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None   # a grammar the output must follow
 
     def to_spec(self) -> SamplingSpec:
         return SamplingSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -72,7 +78,7 @@ class Request:
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
-        "cache_salt", "num_freed_blocks",
+        "cache_salt", "num_freed_blocks", "grammar",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -109,6 +115,9 @@ class Request:
         self.detokenizer: object | None = None      # IncrementalDetokenizer, set on creation
         self.deadline: float | None = None    # time.monotonic() by which it must have a replica
         self.num_migrations = 0
+        # Structured output: its place in the grammar (scheduler_svc.grammar.GrammarState),
+        # set by the frontend; None = free text.
+        self.grammar: GrammarState | None = None
         self._extend_hashes()
 
     @property

@@ -42,6 +42,7 @@ from services.wire import (
     StepInput,
     StepOutput,
     TokenLogprobs,
+    TokenMask,
 )
 
 
@@ -136,10 +137,12 @@ class Scheduler:
                     or any(self._schedulable(r) for r in self.running))
 
     def _schedulable(self, request: Request) -> bool:
-        """Idle, or (async) decoding with its one pending token not yet past max tokens."""
+        """Idle, or (async) decoding with its one pending token not yet past max tokens. A
+        request with a grammar waits for its token: its next step's mask depends on it."""
         if not request.in_flight:
             return True
-        return (self.async_scheduling and request.num_in_flight == 1
+        return (self.async_scheduling and request.grammar is None
+                and request.num_in_flight == 1
                 and request.num_pending_tokens == 1
                 and request.num_computed_tokens == request.num_tokens
                 and request.num_tokens + 1 < request.max_num_tokens)
@@ -354,6 +357,7 @@ class Scheduler:
         in_step = [self.requests[r.request_id] for r in running] + list(
             draft.admit_reqs[:len(reply.admitted)])
         entries = []
+        masks: list[TokenMask] = []    # structured output (scheduler_svc.grammar)
         for request in in_step:
             # The step samples for a request when it reaches the end of its known tokens
             # (a non-final prefill chunk does not).
@@ -362,10 +366,12 @@ class Scheduler:
             request.num_in_flight += 1
             request.num_pending_tokens += samples
             entries.append(_InStep(request, samples, request.request_id in committing))
+            if samples and request.grammar is not None:
+                masks.append(TokenMask(request.request_id, request.grammar.next_token_mask()))
         self._step_requests[self._step_id] = entries
         self.loads.add(self._step_id, loading)
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
-                         finished_ids=self._finished_ids)
+                         finished_ids=self._finished_ids, token_masks=masks)
         self._finished_ids = []
         return step
 
@@ -431,6 +437,8 @@ class Scheduler:
     def _after_token(self, request: Request, token_id: int,
                      logprobs: TokenLogprobs | None) -> RequestOutput:
         reason, stop_reason = stop_check(request, token_id)
+        if reason is None and request.grammar is not None and request.grammar.advance(token_id):
+            reason = FinishReason.STOP      # the grammar is complete
         detok = request.detokenizer
         if reason is not None:
             self.running.remove(request)

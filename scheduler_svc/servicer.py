@@ -21,6 +21,11 @@ from scheduler_svc.membership import Membership
 from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.stats import cluster_stats
+from scheduler_svc.structured_output import (
+    StructuredOutput,
+    StructuredOutputError,
+    validate_structured_output,
+)
 from scheduler_svc.tokenizer import ChatMessage
 from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
 from services.kv_store_wire import KvSlice, store_stats_to_pb
@@ -61,7 +66,20 @@ def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
         seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
-        keep_special_tokens=request.keep_special_tokens)
+        keep_special_tokens=request.keep_special_tokens,
+        structured_output=structured_output_from_pb(s))
+
+
+def structured_output_from_pb(s: generation_pb2.SamplingParams) -> StructuredOutput | None:
+    if not s.HasField("structured_output"):
+        return None
+    so = s.structured_output
+    try:
+        return validate_structured_output(
+            so.json_schema if so.HasField("json_schema") else None, so.json_object,
+            so.regex if so.HasField("regex") else None, list(so.choice))
+    except StructuredOutputError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:

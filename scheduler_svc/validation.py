@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.request import SamplingParams
+from scheduler_svc.structured_output import StructuredOutput
 from scheduler_svc.tokenizer import ChatMessage
 from services.wire import MAX_CACHE_SALT_BYTES, MAX_ID_LEN, MAX_TOP_LOGPROBS
 
@@ -77,6 +78,7 @@ class RawSampling:
     ignore_eos: bool | None = None
     logprobs: int | None = None
     keep_special_tokens: bool = False
+    structured_output: StructuredOutput | None = None   # checked by the servicer already
 
 
 def validate_model(model: str, limits: Limits) -> None:
@@ -197,4 +199,5 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
-        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens)
+        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens,
+        structured_output=raw.structured_output)

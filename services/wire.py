@@ -32,6 +32,7 @@ MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
 MAX_ID_LEN = 256                   # characters of a request or worker id
 MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
 MAX_CACHE_SALT_BYTES = 256         # UTF-8 bytes of a request's cache salt (a tenant id or secret)
+MAX_TOKEN_MASK_BYTES = 1 << 18     # one packed token bitmask: vocabularies up to 2M tokens
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -99,13 +100,29 @@ class RunningRequest(_Wire):
     new_token_ids: TokenIds
 
 
+class TokenMask(_Wire):
+    """The tokens one request may sample in one step (its grammar's next allowed tokens).
+
+    `bitmask` is packed little-endian int32 words: token i is allowed when bit i % 32 of word
+    i // 32 is set. Exactly ceil(vocab_size / 32) words, vocab_size being the model's logits
+    width (the worker refuses any other length); ids past the tokenizer's vocabulary are 0."""
+
+    request_id: RequestId
+    bitmask: Annotated[bytes, Meta(min_length=4, max_length=MAX_TOKEN_MASK_BYTES)]
+
+
 class StepInput(_Wire):
-    """One engine step for one replica; every rank of the replica receives the same message."""
+    """One engine step for one replica; every rank of the replica receives the same message
+    (but for `token_masks`, which only the last pipeline stage's ranks get)."""
 
     step_id: Count                      # per replica, strictly increasing
     new_requests: Annotated[list[NewRequest], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     running: Annotated[list[RunningRequest], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     finished_ids: RequestIds            # finished, aborted or preempted: drop their state first
+    # Structured output: the tokens each constrained request may sample this step, at most one
+    # mask per request and only for requests that sample in this step. Only the last pipeline
+    # stage receives them (the scheduler sends the other ranks an empty list).
+    token_masks: Annotated[list[TokenMask], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
 
 
 class InitCache(_Wire):

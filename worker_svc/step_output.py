@@ -18,6 +18,7 @@ from worker_svc.model.llama import LlamaModel
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.sampler import is_greedy, sample
 from worker_svc.step_clock import step_timings
+from worker_svc.token_mask import apply_token_masks
 
 
 def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[ScheduledRequest],
@@ -39,6 +40,9 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     index = torch.tensor(rows).to(device, non_blocking=True)
     logits = model.compute_logits(hidden.index_select(0, index),
                                   residual.index_select(0, index))  # [rows, vocab]
+    if launched.step.token_masks:    # structured output (worker_svc.token_mask)
+        apply_token_masks(logits, launched.step.token_masks,
+                          [s.state.request_id for s in sampling])
     specs = [s.state.sampling for s in sampling]
     if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
         token_ids, sampled.logprobs = sample(logits, specs,

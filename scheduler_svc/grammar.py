@@ -1,0 +1,147 @@
+"""Structured output's grammars, with xgrammar: compiled once per constraint (cached) against
+the scheduler's tokenizer, and one matcher per request that says which tokens may come next.
+
+The frontend compiles a request's constraint (`Grammars.compile`, on its tokenizer threads:
+a large schema takes a while, and the event loop serves every client) and `make_request`
+gives the request its own `GrammarState`. The replica's scheduler then, for each step that
+samples a token for the request, packs the allowed tokens into `StepInput.token_masks` (the
+worker masks the logits with them, worker_svc.token_mask), and advances the state with the
+token that comes back; a grammar that is complete finishes the request. A request with a
+grammar never has two tokens in flight (scheduler_svc.scheduler's `_schedulable`): the mask
+for a step can only be computed once the previous token is known.
+
+Vocabulary: the tokenizer's ids, padded to the model's logits width (`vocab_size`), whose
+extra ids xgrammar never allows. The model's EOS ids are the grammar's stop tokens.
+"""
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
+
+from scheduler_svc.structured_output import (
+    FIELD,
+    OutputKind,
+    StructuredOutput,
+    StructuredOutputError,
+)
+from scheduler_svc.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+CompiledGrammar = xgr.CompiledGrammar
+
+MAX_CACHED_GRAMMARS = 512          # compiled grammars kept, least recently used dropped
+COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compilation intermediates
+
+
+class Grammars:
+    """Compiles constraints into grammars for one tokenizer; thread-safe."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        """`vocab_size`: the model's logits width, the length of every mask."""
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos_token_ids = list(eos_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None   # built on first use (~1 s)
+        self._compiler_lock = threading.Lock()   # held while it is built (off the loop)
+        self._lock = threading.Lock()            # the cache's; never held while compiling
+        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._tokenizer.vocab_size > self.vocab_size:
+            # A mask can only cover the logits; such a model's tokens past them cannot be
+            # told apart from the grammar's.
+            raise StructuredOutputError(
+                f"{FIELD} is not served for this model: its tokenizer has "
+                f"{self._tokenizer.vocab_size} ids, its logits {self.vocab_size}")
+        with self._compiler_lock:
+            if self._compiler is None:
+                fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tokenizer)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    fast, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                     cache_limit_bytes=COMPILER_CACHE_BYTES)
+            return self._compiler
+
+    def cached(self, spec: StructuredOutput) -> xgr.CompiledGrammar | None:
+        """The compiled grammar if it is cached (no compiling: safe on the event loop)."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
+            return grammar
+
+    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        """The grammar of `spec`; raises StructuredOutputError naming the field when xgrammar
+        cannot compile it (an unsupported schema keyword, a malformed regex)."""
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        compiler = self._get_compiler()
+        try:
+            if spec.kind is OutputKind.JSON_SCHEMA:
+                grammar = compiler.compile_json_schema(spec.text)
+            elif spec.kind is OutputKind.JSON_OBJECT:
+                # A JSON object, as OpenAI's json_object means (the builtin JSON grammar
+                # takes any JSON value, arrays and numbers too).
+                grammar = compiler.compile_json_schema('{"type": "object"}')
+            elif spec.kind is OutputKind.REGEX:
+                grammar = compiler.compile_regex(spec.text)
+            else:
+                grammar = compiler.compile_grammar(choice_grammar(spec.choices))
+        except RuntimeError as exc:   # xgrammar's parse and conversion errors
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            raise StructuredOutputError(
+                f"{FIELD}.{spec.kind.value} does not compile: {_drop_location(reason)}"
+            ) from None
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def new_state(self, grammar: xgr.CompiledGrammar) -> "GrammarState":
+        return GrammarState(grammar, self.vocab_size)
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose sentences are exactly the choices (JSON string escapes are
+    xgrammar's EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _drop_location(reason: str) -> str:
+    """xgrammar prefixes its messages with a time and a C++ source location."""
+    head, sep, rest = reason.partition(".cc:")
+    if sep and ": " in rest:
+        return rest.split(": ", 1)[1]
+    return reason
+
+
+class GrammarState:
+    """One request's place in its grammar; the scheduler's engine thread alone uses it."""
+
+    __slots__ = ("_matcher", "_bitmask")
+
+    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgr.GrammarMatcher(grammar)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, words] int32
+
+    def next_token_mask(self) -> bytes:
+        """The tokens allowed next, packed as `TokenMask.bitmask` (little-endian int32)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask.numpy().astype("<i4", copy=False).tobytes()
+
+    def advance(self, token_id: int) -> bool:
+        """Takes the sampled token; True when the request must end here: the grammar is
+        complete (it took a stop token, or nothing may follow), or the token broke it (the
+        mask was not applied: the output would no longer match)."""
+        if not self._matcher.accept_token(token_id):
+            log.error("sampled token %d is outside the grammar (its mask was not applied); "
+                      "ending the request", token_id)
+            return True
+        return bool(self._matcher.is_terminated())

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
     a = p.parse_args(argv)
     if a.max_num_seqs < 1 or a.max_num_batched_tokens < 1 or a.block_size < 1:
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
+    if a.stream_interval < 1:
+        p.error("--stream-interval must be >= 1")
     if a.max_prompt_bytes is not None and a.max_prompt_bytes < 1:
         p.error("--max-prompt-bytes must be >= 1")
     if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
@@ -69,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         heartbeat_timeout_s=a.heartbeat_timeout, replica_wait_s=a.replica_wait_timeout,
         route_tokens_per_request=a.route_tokens_per_request,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-        async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes)
+        async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes,
+        stream_interval=a.stream_interval)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,
@@ -128,7 +131,8 @@ async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: flo
                     max_prompt_bytes=max_prompt_bytes)
     frontend = Frontend(router, tokenizer, limits, max_live_requests=config.max_queue_len,
                         replica_wait_s=config.replica_wait_s, metrics=metrics,
-                        grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids))
+                        grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids),
+                        stream_interval=config.stream_interval)
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, served_name), server)
     control_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(membership),

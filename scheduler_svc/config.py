@@ -52,6 +52,7 @@ class ServerConfig:
                                             # cached prefix tokens (see Router.route)
     metrics_port: int | None = 50056      # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # waiting requests before RESOURCE_EXHAUSTED
+    stream_interval: int = 1              # tokens per client stream message (OutputStream)
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs
     max_prompt_bytes: int | None = None   # text prompt limit in UTF-8 bytes; None = derived

@@ -23,7 +23,7 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.grammar import CompiledGrammar, Grammars
 from scheduler_svc.live_requests import DuplicateRequest
 from scheduler_svc.metrics import RequestTimer, SchedulerMetrics
-from scheduler_svc.request import Request, RequestOutput, SamplingParams
+from scheduler_svc.request import Request, RequestOutput, SamplingParams, merge_outputs
 from scheduler_svc.router import Router
 from scheduler_svc.structured_output import StructuredOutput, StructuredOutputError
 from scheduler_svc.tokenizer import ChatMessage, TemplateError, TextTokenizer
@@ -108,19 +108,59 @@ class LoopPoster:
             fn(arg)
 
 
+class OutputStream:
+    """One request's outputs on their way from the engine thread to its client stream.
+
+    Outputs that arrive while the stream is busy are sent together as one: a stream that fell
+    behind (its event loop busy with many streams, or a slow client) sends one message for
+    several steps instead of falling further behind. With `interval` > 1 the stream also waits
+    for that many tokens before it wakes (as vLLM's --stream-interval): the first tokens and
+    the end go out at once. An error is never merged: the tokens before it go first."""
+
+    def __init__(self, interval: int = 1) -> None:
+        self.interval = interval
+        self._waiting: list[RequestOutput] = []
+        self._num_waiting_tokens = 0
+        self._sent_tokens = False
+        self._ready = asyncio.Event()
+        self._held: RequestOutput | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self._waiting.append(out)
+        self._num_waiting_tokens += len(out.new_token_ids)
+        if (self._num_waiting_tokens >= self.interval or not self._sent_tokens
+                or out.finish_reason is not None or out.error is not None):
+            self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        if self._held is not None:
+            out, self._held = self._held, None
+            return out
+        await self._ready.wait()
+        self._ready.clear()
+        ready, self._waiting, self._num_waiting_tokens = self._waiting, [], 0
+        if len(ready) > 1 and ready[-1].error is not None:
+            self._held = ready.pop()
+        out = merge_outputs(ready)
+        self._sent_tokens = self._sent_tokens or bool(out.new_token_ids)
+        return out
+
+
 class Frontend:
     def __init__(self, router: Router, tokenizer: TextTokenizer, limits: Limits,
                  max_live_requests: int, replica_wait_s: float = 60.0,
                  metrics: SchedulerMetrics | None = None,
                  tokenizer_threads: int = TOKENIZER_THREADS,
-                 grammars: Grammars | None = None) -> None:
-        """`grammars`: structured output's compiler (None: such requests are refused)."""
+                 grammars: Grammars | None = None, stream_interval: int = 1) -> None:
+        """`grammars`: structured output's compiler (None: such requests are refused).
+        `stream_interval`: tokens per client stream message (OutputStream)."""
         self.router = router
         self.membership = router.membership
         self.live = router.live
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_live_requests = max_live_requests
+        self.stream_interval = stream_interval      # tokens per stream message (OutputStream)
         # How long a request may wait for a ready replica (at start, or after its replica
         # was lost with no other left), unless the client's deadline comes first.
         self.replica_wait_s = replica_wait_s
@@ -232,10 +272,10 @@ class Frontend:
         if self._poster is None or self._poster.loop is not loop:
             self._poster = LoopPoster(loop)
         poster = self._poster
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs = OutputStream(self.stream_interval)
 
         def sink(out: RequestOutput) -> None:
-            poster.post(outputs.put_nowait, out)
+            poster.post(outputs.put, out)
 
         wait_s = self.replica_wait_s
         if time_remaining is not None:   # end before the client's own deadline fires

@@ -4,6 +4,7 @@
 when a step is scheduled and catches up with `num_tokens`; preemption resets it to 0.
 """
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass
@@ -69,6 +70,19 @@ class RequestOutput:
                                        # not an unavailable one (INTERNAL, not UNAVAILABLE)
     invalid: bool = False              # the replica refused the request as it can never run
                                        # there (longer than its KV pool): INVALID_ARGUMENT
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order,
+    the last one's ending and counts. For a stream that fell behind its engine: one message
+    for what several steps made (none may carry an error)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return dataclasses.replace(
+        last, new_token_ids=[t for out in outputs for t in out.new_token_ids],
+        text="".join(out.text for out in outputs),
+        logprobs=[lp for out in outputs for lp in out.logprobs])
 
 
 class Request:

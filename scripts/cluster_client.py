@@ -8,6 +8,10 @@ through its load).
 - `RequestLoad`: client threads that keep sending greedy requests while the cluster changes
   underneath (a worker killed, replicas added or removed, a scheduler draining) and count
   every answer that is late, short, wrong or an error.
+- `deployment_env`: the environment a deployment under check runs with (a fresh cluster
+  token, the reference's dtype and threads).
+- `check_greedy`, `wait_replica_steps`: every reference answered exactly; a new replica took
+  requests.
 - `fetch_metrics`: the Prometheus text of the metrics port.
 - `Timer`: each step of a scenario announced, timed, and the times listed at the end.
 
@@ -15,6 +19,7 @@ A check that fails raises `CheckFailed` with what was expected and what was seen
 """
 
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -191,6 +196,35 @@ def wait_replicas(stub: generation_pb2_grpc.GenerationStub, count: int, timeout_
 
     return wait_until(f"{count} ready replica(s)", probe, timeout_s,
                       lambda: describe(last[0]) if last else "ServerInfo never answered")
+
+
+def deployment_env() -> dict[str, str]:
+    """This process's environment plus what a deployment under check runs with: a fresh
+    cluster token, and float32 with one thread per worker as `reference_answers` (2 cores)."""
+    return {**os.environ,
+            "SPLITSERVE_CLUSTER_TOKEN": os.urandom(32).hex(),
+            "SPLITSERVE_DTYPE": "float32",
+            "SPLITSERVE_WORKER_THREADS": "1"}
+
+
+def check_greedy(stub: generation_pb2_grpc.GenerationStub, references: dict[str, list[int]],
+                 who: str) -> None:
+    """Every reference prompt answered token-exact by the deployment (`who`, for the error)."""
+    for prompt, want in references.items():
+        got = generate(stub, prompt, len(want))
+        if got != want:
+            raise CheckFailed(f"{prompt!r}: {who} answered {got}, the local cluster {want}")
+
+
+def wait_replica_steps(stub: generation_pb2_grpc.GenerationStub, replica_id: int,
+                       timeout_s: float = 60) -> None:
+    """Until replica `replica_id` has run a step (the router gave it work)."""
+    def stepped() -> bool | None:
+        return True if any(r.replica_id == replica_id and r.num_steps > 0
+                           for r in server_info(stub).replicas) else None
+
+    wait_until(f"replica {replica_id} takes requests", stepped, timeout_s,
+               describe_last=lambda: describe(server_info(stub)))
 
 
 def fetch_metrics(url: str) -> str:

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import secrets
 import subprocess
 import sys
 import threading
@@ -43,12 +42,15 @@ from cluster_client import (
     CheckFailed,
     RequestLoad,
     Timer,
+    check_greedy,
+    deployment_env,
     describe,
     fetch_metrics,
     free_port,
     generate,
     load_references,
     server_info,
+    wait_replica_steps,
     wait_replicas,
     wait_until,
 )
@@ -88,10 +90,7 @@ class Project:
             "  http:\n    ports: !override\n"
             f'      - "127.0.0.1:{self.http_port}:8000"\n')
         self.files = ["-f", str(ROOT / "compose.yaml"), "-f", str(override)]
-        self.env = {**os.environ,
-                    "SPLITSERVE_CLUSTER_TOKEN": secrets.token_hex(32),
-                    "SPLITSERVE_DTYPE": "float32",          # as the reference
-                    "SPLITSERVE_WORKER_THREADS": "1"}       # as the reference; 2 cores here
+        self.env = deployment_env()
         self.address = f"127.0.0.1:{self.api_port}"
 
     def compose(self, *args: str, timeout_s: float = 300,
@@ -167,11 +166,7 @@ class Scenario:
         with self.step("replicas"):
             wait_replicas(self.stub, 2, timeout_s=120)
         with self.step("greedy"):
-            for prompt, want in self.references.items():
-                got = generate(self.stub, prompt, len(want))
-                if got != want:
-                    raise CheckFailed(f"{prompt!r}: the compose cluster answered {got}, the "
-                                      f"local one {want}")
+            check_greedy(self.stub, self.references, "the compose cluster")
         with self.step("metrics"):
             text = fetch_metrics(f"http://127.0.0.1:{p.metrics_port}/metrics")
             if not re.search(r"^splitserve:replicas_up(\{[^}]*\})? 2\.0$", text, re.M):
@@ -259,15 +254,7 @@ class Scenario:
             info = wait_replicas(self.stub, 3, timeout_s=180)
             (new,) = [r.replica_id for r in info.replicas
                       if r.state == "ready" and r.replica_id not in old_ids]
-
-            def new_replica_stepped() -> bool | None:
-                for r in server_info(self.stub).replicas:
-                    if r.replica_id == new and r.num_steps > 0:
-                        return True
-                return None
-
-            wait_until(f"replica {new} takes requests", new_replica_stepped, timeout_s=60,
-                       describe_last=lambda: describe(server_info(self.stub)))
+            wait_replica_steps(self.stub, new)
             load.wait_answers(4, timeout_s=60)
         load.check(min_answered=6)
         now = restarts([*p.containers("scheduler"), *p.containers("kvcache"),

@@ -18,7 +18,6 @@ Steps, each timed; the first that fails ends the run with every service's tasks 
 """
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +27,13 @@ from cluster_client import (
     CheckFailed,
     RequestLoad,
     Timer,
+    check_greedy,
+    deployment_env,
     describe,
     free_port,
-    generate,
     load_references,
     server_info,
+    wait_replica_steps,
     wait_replicas,
     wait_until,
 )
@@ -56,10 +57,7 @@ class Stack:
         self.name = name
         self.api_port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.api_port}"
-        self.env = {**os.environ,
-                    "SPLITSERVE_CLUSTER_TOKEN": os.urandom(32).hex(),
-                    "SPLITSERVE_DTYPE": "float32",
-                    "SPLITSERVE_WORKER_THREADS": "1"}
+        self.env = deployment_env()
         self.made_swarm = False
 
     def join_swarm(self) -> None:
@@ -137,11 +135,7 @@ def run(stack: Stack, references: dict[str, list[int]], step) -> None:  # type: 
     with step("replicas"):
         wait_replicas(stub, 1, timeout_s=240)
     with step("greedy"):
-        for prompt, want in references.items():
-            got = generate(stub, prompt, len(want))
-            if got != want:
-                raise CheckFailed(f"{prompt!r}: the stack answered {got}, the local cluster "
-                                  f"{want}")
+        check_greedy(stub, references, "the stack")
     with step("scale"):
         (first,) = [r.replica_id for r in server_info(stub).replicas if r.state == "ready"]
         with RequestLoad(stack.address, references, num_clients=3) as load:
@@ -150,13 +144,7 @@ def run(stack: Stack, references: dict[str, list[int]], step) -> None:  # type: 
             info = wait_replicas(stub, 2, timeout_s=240)
             (new,) = [r.replica_id for r in info.replicas
                       if r.state == "ready" and r.replica_id != first]
-
-            def new_replica_stepped() -> bool | None:
-                return True if any(r.replica_id == new and r.num_steps > 0
-                                   for r in server_info(stub).replicas) else None
-
-            wait_until(f"replica {new} takes requests", new_replica_stepped, timeout_s=60,
-                       describe_last=lambda: describe(server_info(stub)))
+            wait_replica_steps(stub, new)
             load.wait_answers(4, timeout_s=60)
         result = load.check(min_answered=6)
         print(f"compose-check:   {describe(server_info(stub))}; {result.num_answered} "

@@ -14,7 +14,7 @@ Three forms, each printing one line and exiting 0 when healthy, 1 otherwise:
         An HTTP GET, for the HTTP API (http_svc): healthy on a 2xx answer. Its /version is
         liveness (the process serves HTTP), its /health readiness (a replica can serve).
 
-Called by the container engine inside each container, and by tests/test_compose.py.
+Called by the container engine inside each container, and by tests/compose/test_config.py.
 """
 
 import argparse

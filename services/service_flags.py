@@ -90,6 +90,10 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--route-tokens-per-request", env="ROUTE_TOKENS_PER_REQUEST", type=float,
                default=64.0, help="routing across replicas: how many cached prefix tokens "
                                   "outweigh one more live request on a replica")
+    p.add_flag("--stream-interval", env="STREAM_INTERVAL", type=int, default=1,
+               help="tokens a client stream collects before it sends a message (the first "
+                    "tokens and the end go at once): fewer messages for the event loop, "
+                    "which bounds a large batch's tokens/s on a GPU")
     p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=METRICS_PORT,
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,

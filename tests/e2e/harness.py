@@ -135,6 +135,17 @@ def _read_logs(log_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(log_dir.glob("*")))
 
 
+def hf_greedy_tokens(hf_model, prompt: Sequence[int],  # type: ignore[no-untyped-def]
+                     max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt`, EOS ignored (as `greedy_request`)."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
 def greedy_request(token_ids: Sequence[int], max_tokens: int, request_id: str = "",
                    **sampling: object) -> generation_pb2.GenerateRequest:
     params = generation_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,

@@ -79,11 +79,21 @@ def test_forced_preemption(tmp_path: Path, prompts, references, mode: str) -> No
                                   "launch-ahead"])
 def test_sync_and_async_scheduling_match(tmp_path: Path, prompts, references, mode: str) -> None:  # type: ignore[no-untyped-def]
     # Async is the default with one pipeline stage; both modes give the reference outputs,
-    # and so does async with the workers' launch-ahead loop (a GPU worker's default).
+    # and so does async with the workers' launch-ahead loop (a GPU worker's default), there
+    # with client streams that send 4 tokens a message (--stream-interval).
     env = LAUNCH_AHEAD if mode == "launch-ahead" else None
-    args = ["--async-scheduling"] if mode == "launch-ahead" else [mode]
+    args = ["--async-scheduling", "--stream-interval", "4"] if mode == "launch-ahead" else [mode]
     with run_cluster(tmp_path, scheduler_args=args, env=env) as cluster:
         check_all(cluster, prompts, references)
+        if mode == "launch-ahead":
+            request = greedy_request(prompts[1], 18)
+            chunks = list(cluster.stub.Generate(request, timeout=60))
+            sizes = [len(c.token_ids) for c in chunks]
+            assert sizes[0] == 1 and sum(sizes) == 18, sizes      # first token at once
+            assert all(n >= 4 for n in sizes[1:-1]) and len(chunks) <= 6, sizes
+            once = cluster.stub.GenerateOnce(request, timeout=60)
+            assert [t for c in chunks for t in c.token_ids] == list(once.token_ids)
+            assert "".join(c.text for c in chunks) == once.text
         # Stopping at EOS (async: the token computed one step ahead is dropped, not
         # streamed).
         r = greedy_request(prompts[0], 200)

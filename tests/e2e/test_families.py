@@ -10,7 +10,7 @@ import torch
 
 from scripts.random_family import build_family_model
 from services.rpc.splitserve.v1 import generation_pb2
-from tests.e2e.harness import greedy_request, stream_tokens
+from tests.e2e.harness import greedy_request, hf_greedy_tokens, stream_tokens
 from tests.gpu.cluster import gpu_cluster
 
 NUM_NEW_TOKENS = 16
@@ -29,12 +29,7 @@ def test_qwen3_greedy_through_the_services_matches_hf(tmp_path: Path,
     path, model = qwen3
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (21, 6)]
-    references = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            references.append(out[0, len(prompt):].tolist())
+    references = [hf_greedy_tokens(model, p, NUM_NEW_TOKENS) for p in prompts]
     assert len({t for r in references for t in r}) >= 6, references
     with gpu_cluster(tmp_path, path, device="cpu") as cluster:
         info = cluster.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)

@@ -16,7 +16,13 @@ from transformers import AutoModelForCausalLM
 from scripts.random_family import build_family_model
 from services.kv_groups import max_blocks_in_window
 from services.rpc.splitserve.v1 import generation_pb2
-from tests.e2e.harness import RunningCluster, greedy_request, run_cluster, stream_tokens
+from tests.e2e.harness import (
+    RunningCluster,
+    greedy_request,
+    hf_greedy_tokens,
+    run_cluster,
+    stream_tokens,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,12 +41,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     generator = torch.Generator().manual_seed(23)
     prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist()
                for n in (45, 30, 38, 33)]
-    references = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            references.append(out[0, len(prompt):].tolist())
+    references = [hf_greedy_tokens(model, p, NUM_NEW_TOKENS) for p in prompts]
     assert len({t for r in references for t in r}) >= 8, references
     return path, prompts, references
 
@@ -93,10 +94,7 @@ def test_a_long_request_holds_a_window_of_blocks_in_its_sliding_group(
     generator = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, 49152, (300,), generator=generator).tolist()
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    reference = out[0, len(prompt):].tolist()
+    reference = hf_greedy_tokens(model, prompt, 60)
     args = ["--block-size", "4"]
     with run_cluster(tmp_path, scheduler_args=args, model=str(path),
                      kvcache_args=["--no-kv-store"]) as cluster:

@@ -5,15 +5,13 @@ initialisation repeats one token after a step or two."""
 import torch
 
 from scripts.random_model import SHAPES, hf_config, spread_weights
+from tests.e2e.harness import hf_greedy_tokens
 
 NUM_TOKENS = 24
 
 
 def greedy(model, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_tokens(model, prompt, NUM_TOKENS)
 
 
 def smollm2_model(num_layers: int):  # type: ignore[no-untyped-def]

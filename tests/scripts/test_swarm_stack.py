@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_compose import compose_binary
+from tests.compose.files import compose_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "swarm-test-token-" + "cd" * 16

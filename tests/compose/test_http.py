@@ -1,8 +1,8 @@
 """compose.yaml's `http` service (the OpenAI-compatible HTTP API), checked with Compose's own
-`config` as tests/test_compose.py checks the rest: the same image, its own service (scalable
+`config` as tests/compose/test_config.py checks the rest: the same image, its own service (scalable
 on a range of host ports), no member of the cluster (no token, no model), its command parsing
 into the scheduler's public address, a liveness probe on /version; the scheduler's metrics
-off port 8000. tests/test_compose.py runs it as a local process with the others and calls
+off port 8000. tests/compose/test_config.py runs it as a local process with the others and calls
 `check_http_api`."""
 
 import json
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from services import cluster_token
-from tests.test_compose import config, probe_args  # noqa: F401 - `config` is a fixture
+from tests.compose.files import probe_args
 
 HTTP_TARGET = 8000
 

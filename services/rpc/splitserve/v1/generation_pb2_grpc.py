@@ -75,8 +75,8 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams one chunk per engine step that produced tokens; the last chunk carries
-        finish_reason and usage.
+        """Streams the tokens as they come: a chunk holds what one engine step produced, or what
+        several did when the stream fell behind; the last chunk carries finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,6 +19,7 @@ from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore
 from services.model_config import default_model_path, load_model_config
 from services.rpc.splitserve.v1 import generation_pb2, kvcache_pb2
+from services.weights_fingerprint import weights_model_name
 from tests.e2e.conftest import QUESTIONS
 from tests.e2e.harness import (
     RunningCluster,
@@ -58,7 +59,7 @@ def test_long_prompt_is_stored_in_whole_chunks(cluster: RunningCluster,
     try:
         info = client.describe()
         assert info is not None
-        kv_slice = KvSlice(config.name, "float32", 0, config.num_layers, 0,
+        kv_slice = KvSlice(weights_model_name(config.name, default_model_path()), "float32", 0, config.num_layers, 0,
                            config.num_kv_heads)
         hashes = hash_full_blocks(prompt, BLOCK_SIZE, cache_salt=SALT.encode())
         keys = chunk_keys(hashes, BLOCK_SIZE, info.chunk_tokens, kv_slice)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services import weights_fingerprint
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
+from services import weights_fingerprint
 from services.kv_chunks import make_chunk
 from services.model_config import load_model_config
 from services.weights_fingerprint import weights_fingerprint as fingerprint

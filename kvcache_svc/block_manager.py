@@ -252,13 +252,12 @@ class ReplicaBlockManager:
     def _num_store_tokens(self, op: AdmitOp, num_hit_blocks: int) -> int:
         """Tokens after the cached prefix to load from the KV store (0: compute them), leaving
         at least one token to compute, as a prefix hit does."""
-        if self.store is None:
+        if self.store is None or not op.block_hashes and op.tail_hash is None:
             return 0
         self.store.last_lookup = (0, 0)
-        if len(op.block_hashes) < self.store.blocks_per_chunk:
-            return 0
-        num_held = self.store.num_held_blocks(op.block_hashes, num_hit_blocks)
-        num_stored = min(num_held * self.block_size, op.num_tokens - 1)
+        num_held = self.store.num_held_tokens(op.block_hashes, op.num_tokens, op.tail_hash,
+                                              num_hit_blocks)
+        num_stored = min(num_held, op.num_tokens - 1)
         return max(0, num_stored - num_hit_blocks * self.block_size)
 
     def _num_hit_blocks(self, op: AdmitOp) -> int:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from services.block_hash import NONE_HASH, hash_full_blocks
+from services.kv_chunks import prefix_hash
 from services.wire import SamplingSpec, TokenLogprobs
 
 
@@ -172,6 +173,18 @@ class Request:
         self.block_hashes.extend(hash_full_blocks(
             self.token_ids, self.block_size, parent, start_block=len(self.block_hashes),
             cache_salt=self.cache_salt))
+
+    def tail_hash(self) -> bytes | None:
+        """The chained hash of every token when the last block is partial: the KV store's key
+        of a partial last chunk (services.kv_chunks); None when the block is full, or its
+        tokens unknown or unhashed."""
+        num_full = self.num_tokens // self.block_size
+        if (not self.hash_blocks or self.num_tokens % self.block_size == 0
+                or len(self.block_hashes) != num_full
+                or min(self.token_ids[num_full * self.block_size:]) < 0):
+            return None
+        return prefix_hash(self.block_hashes, self.token_ids, self.num_tokens, self.block_size,
+                           self.cache_salt)
 
     def reset_for_preemption(self) -> None:
         """Back to waiting with no blocks; outputs are kept and recomputed on resume.

@@ -248,7 +248,8 @@ class Scheduler:
             admits.append(AdmitOp(request_id=request.request_id, num_tokens=num_tokens,
                                   block_hashes=list(request.block_hashes),
                                   max_num_new_tokens=max_new,
-                                  allow_partial=cfg.chunked_prefill))
+                                  allow_partial=cfg.chunked_prefill,
+                                  tail_hash=request.tail_hash()))
 
         self._plan_id += 1
         plan = PlanRequest(replica_id=self.replica_id, plan_id=self._plan_id,

@@ -175,9 +175,10 @@ def test_a_device_hit_of_a_chunk_loads_only_past_it(stored: list[int]) -> None:
     assert result.block_ids[0][:BLOCKS_PER_CHUNK] == warm_blocks
     assert len(result.block_ids[0]) == 768 // BLOCK_SIZE
     assert result.num_committed_blocks == BLOCKS_PER_CHUNK
-    # Looked up from the hit's chunk on: chunks 1 and 2, both held, counted once.
+    # Looked up from the hit's chunk on: chunks 1 and 2, both held, and the partial last
+    # chunk [768, 800), not held (a miss), counted once.
     after = hit_miss(store)
-    assert (after[0] - before[0], after[1] - before[1]) == (512, 0)
+    assert (after[0] - before[0], after[1] - before[1]) == (512, 32)
 
 
 def test_a_device_hit_covering_what_the_store_holds_loads_nothing() -> None:
@@ -238,12 +239,14 @@ def test_routing_queries_count_nothing_admissions_count_once() -> None:
     assert hit_miss(store) == (0, 0)
 
     admit(mgr, "a", tokens)
-    # One admission: 2 chunks held, 1 missed; not once per slice (that would double them).
-    assert hit_miss(store) == (512, 256)
-    admit(mgr, "short", prompt(CHUNK_TOKENS - 1, seed=5))   # shorter than a chunk: no lookup
-    assert hit_miss(store) == (512, 256)
+    # One admission: 2 chunks held, 1 and the partial last [768, 800) missed; not once per
+    # slice (that would double them).
+    assert hit_miss(store) == (512, 288)
+    # Shorter than a chunk, its last block partial and no tail hash given: no lookup.
+    admit(mgr, "short", prompt(CHUNK_TOKENS - 1, seed=5))
+    assert hit_miss(store) == (512, 288)
     assert mgr.num_stored_prefix_blocks(hashes) == 2 * BLOCKS_PER_CHUNK
-    assert hit_miss(store) == (512, 256)
+    assert hit_miss(store) == (512, 288)
 
 
 def test_a_view_needs_whole_blocks_per_chunk_and_a_slice() -> None:
@@ -348,7 +351,7 @@ def test_prefix_query_answers_stored_blocks_and_store_stats() -> None:
     plan_admit(pools, 0, tokens)                           # loads 512, misses chunk 2
     again = pools.handle(PrefixQuery(hashes))
     assert isinstance(again, PrefixReply) and again.store is not None
-    assert (again.store.num_hit_tokens, again.store.num_miss_tokens) == (512, 256)
+    assert (again.store.num_hit_tokens, again.store.num_miss_tokens) == (512, 288)  # + tail
     assert again.replicas[0] == ReplicaPrefix(0, 0, 32)    # loaded blocks: not indexed yet
 
     # The reply crosses the wire with its store stats.

@@ -59,6 +59,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_store_loaded_tokens: int = 0   # of num_cached_tokens, loaded from the KV store
     error: str | None = None           # the request ended without finishing (replica lost, ...)
     server_fault: bool = False         # the error is a fault of the server (a failed step),
                                        # not an unavailable one (INTERNAL, not UNAVAILABLE)
@@ -71,6 +72,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "eos_token_ids",
         "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
+        "num_store_loaded_tokens",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
         "cache_salt", "num_freed_blocks",
@@ -101,6 +103,7 @@ class Request:
         self.block_hashes: list[bytes] = []          # hashes of full blocks of token_ids
         self.num_committed_blocks = 0                # of those, how many kvcache_svc indexed
         self.num_cached_tokens: int | None = None    # prefix hit at first admission
+        self.num_store_loaded_tokens = 0              # of those, loaded from the KV store
         self.on_worker = False                       # the worker holds state for it
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

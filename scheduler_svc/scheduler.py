@@ -460,4 +460,5 @@ class Scheduler:
             request.request_id, token_ids, text, logprobs, request.finish_reason,
             request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0)
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_store_loaded_tokens=request.num_store_loaded_tokens)

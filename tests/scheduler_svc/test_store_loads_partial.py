@@ -63,6 +63,7 @@ def test_a_prompt_held_to_its_end_loads_all_but_its_last_token(num_tokens: int) 
     sched.loads.finish_reported(2, {"a": request})
     assert request.num_computed_tokens == num_tokens - 1
     assert request.num_cached_tokens == num_tokens - 1     # the client's usage
+    assert request.num_store_loaded_tokens == num_tokens - 1   # its store hits
 
     step = run_step(sched, kv)
     [running] = step.running

@@ -224,7 +224,14 @@ class ReplicaBlockManager:
         num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
         # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
         num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_new_blocks * self.num_groups > self.pool.num_free_blocks - num_evictable_hits:
+        num_free = (self.pool.num_free_blocks - num_evictable_hits) // self.num_groups
+        if num_new_blocks > num_free and num_load and op.allow_partial:
+            # Memory pressure: load the whole chunks that fit; chunked prefill computes the
+            # rest once the load is in (issue 24).
+            num_load = self._num_load_within(num_hit_blocks + num_free, num_cached)
+            num_covered = num_cached + num_load
+            num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
+        if num_load == 0 and num_new == 0 or num_new_blocks > num_free:
             return None
 
         self.pool.touch(hits)
@@ -259,6 +266,14 @@ class ReplicaBlockManager:
                                               num_hit_blocks)
         num_stored = min(num_held, op.num_tokens - 1)
         return max(0, num_stored - num_hit_blocks * self.block_size)
+
+    def _num_load_within(self, num_blocks: int, num_cached: int) -> int:
+        """Tokens to load past `num_cached` ending on a chunk boundary within `num_blocks`
+        blocks (0: not one more chunk fits)."""
+        assert self.store is not None
+        chunk_tokens = self.store.store.chunk_tokens
+        end = num_blocks * self.block_size // chunk_tokens * chunk_tokens
+        return max(0, end - num_cached)
 
     def _num_hit_blocks(self, op: AdmitOp) -> int:
         """Blocks of the longest prefix of `op` every group serves from cache, leaving at

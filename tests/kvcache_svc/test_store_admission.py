@@ -202,12 +202,13 @@ def test_without_a_store_nothing_loads() -> None:
         assert mgr.num_stored_prefix_blocks(hash_full_blocks(tokens, BLOCK_SIZE)) == 0
 
 
-def test_a_load_that_does_not_fit_admits_nothing() -> None:
+def test_a_load_that_does_not_fit_admits_nothing_without_chunked_prefill() -> None:
+    """(With chunked prefill the chunks that fit load: test_store_admission_partial.py.)"""
     store = new_store()
     tokens = prompt(600)
     put_chunks(store, tokens, [0, 1])
     mgr = manager(store, num_blocks=31)                    # 30 usable blocks, 32 needed
-    reply = mgr.apply(PlanRequest(0, 1, [], [], [admit_op("a", tokens)]))
+    reply = mgr.apply(PlanRequest(0, 1, [], [], [admit_op("a", tokens, allow_partial=False)]))
     assert reply.error is None and reply.admitted == []
     assert mgr.stats().num_used_blocks == 0 and mgr.stats().num_store_hits == 0
 
@@ -262,7 +263,8 @@ def test_a_refused_admission_counts_no_lookup() -> None:
     put_chunks(store, tokens, [0, 1])
     mgr = manager(store, num_blocks=31)                    # 32 blocks needed: does not fit
     for plan_id in (1, 2, 3):                              # the scheduler retries each step
-        reply = mgr.apply(PlanRequest(0, plan_id, [], [], [admit_op("a", tokens)]))
+        reply = mgr.apply(PlanRequest(0, plan_id, [], [],
+                                      [admit_op("a", tokens, allow_partial=False)]))
         assert reply.admitted == []
     assert hit_miss(store) == (0, 0)
 

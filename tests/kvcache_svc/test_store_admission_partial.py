@@ -97,3 +97,22 @@ def test_a_device_hit_loads_only_the_tail_past_it() -> None:
     result = admit(mgr, "a", tokens)
     assert (result.num_cached_tokens, result.num_load_tokens) == (256, 43)
     assert len(result.block_ids[0]) == 19
+
+
+def test_under_memory_pressure_the_whole_chunks_that_fit_are_loaded() -> None:
+    """Blocks for 2 of the 3 held chunks: those 2 load now, chunked prefill computes the rest
+    later; without chunked prefill (all or nothing) the request waits."""
+    store = KvStore([MemoryTier(1 << 20)], chunk_tokens=CHUNK_TOKENS)
+    tokens = prompt(800)
+    store_prefix(store, tokens, [0, 1, 2, 3])
+    mgr = ReplicaBlockManager(2 * 16 + 5 + 1, BLOCK_SIZE, True,
+                              store=StoreView(store, SLICES, BLOCK_SIZE))   # 37 usable
+    op = AdmitOp("a", 800, hash_full_blocks(tokens, BLOCK_SIZE), 4096, False, None)
+    assert mgr.apply(PlanRequest(0, 1, [], [], [op])).admitted == []
+    result = admit(mgr, "a", tokens)
+    assert (result.num_cached_tokens, result.num_load_tokens, result.num_new_tokens) == (
+        0, 512, 0)
+    assert len(result.block_ids[0]) == 32
+    tight = ReplicaBlockManager(16 + 1, BLOCK_SIZE, True,
+                                store=StoreView(store, SLICES, BLOCK_SIZE))   # 16 usable
+    assert admit(tight, "b", tokens).num_load_tokens == 256

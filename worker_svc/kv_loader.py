@@ -5,12 +5,14 @@ A step may carry requests with `NewRequest.num_load_tokens`: kvcache_svc found t
 (past the request's prefix hit) in the store for every rank. Such a request computes nothing
 in that step; instead `start` keys its chunks on the step's thread (the same chained hashes
 and cache salt the saver uses, `kv_saver.extend_block_hashes`) and the loader's thread fetches
-them while the step's forward runs the other requests. Each chunk in the leading run that
-arrived intact (the client checks key, sizes and checksum) is copied into the request's own
-blocks past its prefix hit; a chunk that is gone, damaged or late ends the run there. The
-ticket's `wait` gives, per request, how many of its load tokens are now in the cache: the
-worker reports that in a `KvLoaded`, and the scheduler recomputes from the smallest count
-any rank reported. Nothing here raises into the step: a failure is a short count.
+them while the step's forward runs the other requests, a chunk per message a few chunks
+ahead (worker_svc.kv_fetcher), so copying one into the cache overlaps the next one's
+transfer. Each chunk in the leading run that arrived intact (the client checks key, sizes and
+checksum) is copied into the request's own blocks past its prefix hit; a chunk that is gone,
+damaged or late ends the run there. The ticket's `wait` gives, per request, how many of its
+load tokens are now in the cache: the worker reports that in a `KvLoaded`, and the scheduler
+recomputes from the smallest count any rank reported. Nothing here raises into the step: a
+failure is a short count.
 
 Loads run in the background across steps: the worker sends a step's output without waiting
 for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.step_loop).
@@ -33,11 +35,10 @@ import queue
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from services.codec import Codec
 from services.kv_chunks import KvChunk, prefix_chunk_keys
@@ -46,6 +47,7 @@ from services.kv_store_wire import ChunkKey, FromKvStore
 from services.kv_tensors import TORCH_DTYPES
 from services.wire import KvLoaded, StepInput
 from worker_svc.input_batch import InputBatch, RequestState
+from worker_svc.kv_fetcher import ChunkFetcher
 from worker_svc.kv_saver import KvSaver, extend_block_hashes, token_slots
 
 log = logging.getLogger(__name__)
@@ -144,14 +146,17 @@ class KvLoader:
         self._jobs: queue.SimpleQueue[
             tuple[LoadTicket, list[_Job], list[torch.Tensor], list[int]] | None] \
             = queue.SimpleQueue()
-        self._ctx = zmq.Context()
-        self._thread = threading.Thread(target=self._run, args=(codec,), name="kv-loader",
-                                        daemon=True)
+        # Chunks come a few ahead, on the fetcher's thread: the loader's copies of one chunk
+        # overlap the next one's transfer (worker_svc.kv_fetcher).
+        self._fetcher = ChunkFetcher(
+            lambda ctx: KvStoreClient(ctx, saver.address, codec=codec))
+        self._thread = threading.Thread(target=self._run, name="kv-loader", daemon=True)
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout_s)
+        self._fetcher.close(timeout_s)
 
     # ----------------------------------------------------------------------- the step's thread
 
@@ -234,48 +239,43 @@ class KvLoader:
 
     # ---------------------------------------------------------------------- the loader's thread
 
-    def _run(self, codec: Codec[FromKvStore] | None) -> None:
-        client = KvStoreClient(self._ctx, self.saver.address, codec=codec)
-        try:
-            while (work := self._jobs.get()) is not None:
-                ticket, jobs, kv_caches, layer_groups = work
-                order = self._order if ticket.ready is not None else None
-                try:
-                    with order.copying(ticket.ready) if order is not None else nullcontext():
-                        for job in jobs:
-                            ticket.loaded[job.request_id] = self._load(client, job, kv_caches,
-                                                                       layer_groups)
-                except Exception:   # a bug: the rest fall back to recompute, the step goes on
-                    log.exception("KV load failed")
-                finally:
-                    if order is not None:
-                        ticket.copied = order.mark_copied()
-                    self.num_loads_short += sum(
-                        1 for job in jobs if ticket.loaded[job.request_id] < job.end - job.start)
-                    ticket.complete()
-        finally:
-            client.close()
-            self._ctx.term()
+    def _run(self) -> None:
+        while (work := self._jobs.get()) is not None:
+            ticket, jobs, kv_caches, layer_groups = work
+            order = self._order if ticket.ready is not None else None
+            try:
+                with order.copying(ticket.ready) if order is not None else nullcontext():
+                    for job in jobs:
+                        ticket.loaded[job.request_id] = self._load(job, kv_caches,
+                                                                   layer_groups)
+            except Exception:   # a bug: the rest fall back to recompute, the step goes on
+                log.exception("KV load failed")
+            finally:
+                if order is not None:
+                    ticket.copied = order.mark_copied()
+                self.num_loads_short += sum(
+                    1 for job in jobs if ticket.loaded[job.request_id] < job.end - job.start)
+                ticket.complete()
 
-    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor],
-              layer_groups: list[int]) -> int:
+    def _load(self, job: _Job, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> int:
         """Tokens of the job now in its blocks: the leading run of chunks that arrived."""
         chunk_tokens = self.saver.chunk_tokens
         assert chunk_tokens is not None
         cache = kv_caches[0]                 # [2, num_blocks, block_size, heads, head_dim]
         loaded_end = job.start
-        for offset, chunk in enumerate(client.load(job.keys)):
-            shape = (len(kv_caches), 2, chunk.key.num_tokens, *cache.shape[3:]) if chunk else ()
-            if chunk is None or tuple(chunk.header.shape) != shape or (
-                    TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
-                break
-            window = (job.first_chunk + offset) * chunk_tokens
-            first = max(window, job.start)
-            end = min(window + chunk.key.num_tokens, job.end)   # never the request's last
-            scatter_tokens(kv_caches, chunk, job.block_ids, first - window, first, end - first,
-                           layer_groups)
-            self.num_chunks_loaded += 1
-            loaded_end = window + chunk.key.num_tokens
+        with closing(self._fetcher.fetch(job.keys)) as chunks:   # stops the fetch on a break
+            for offset, chunk in enumerate(chunks):
+                if chunk is None or tuple(chunk.header.shape) != (
+                        len(kv_caches), 2, chunk.key.num_tokens, *cache.shape[3:]) or (
+                        TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
+                    break
+                window = (job.first_chunk + offset) * chunk_tokens
+                first = max(window, job.start)
+                end = min(window + chunk.key.num_tokens, job.end)   # never the request's last
+                scatter_tokens(kv_caches, chunk, job.block_ids, first - window, first,
+                               end - first, layer_groups)
+                self.num_chunks_loaded += 1
+                loaded_end = window + chunk.key.num_tokens
         num_loaded = max(0, min(loaded_end, job.end) - job.start)
         self.num_tokens_loaded += num_loaded
         return num_loaded

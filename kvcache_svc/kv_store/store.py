@@ -267,6 +267,13 @@ class KvStore:
                 num_load_miss_tokens=self._num_load_miss_tokens,
                 tiers=tuple(tier.stats() for tier in self.tiers))
 
+    def _tier_get(self, tier: StoreTier, key: ChunkKey) -> KvChunk | None:
+        """`tier.get`, under the lock unless the tier locks itself."""
+        if tier.locks_itself:
+            return tier.get(key)
+        with self._lock:
+            return tier.get(key)
+
     def close(self) -> None:
         """Writes every chunk down (see the module docstring), then closes the tiers."""
         for index, tier in enumerate(self.tiers[:-1]):
@@ -274,10 +281,7 @@ class KvStore:
             with self._lock:                     # oldest first: the LRU order carries over
                 keys = [key for key in tier.keys() if not below.contains(key)]
             for key in keys:
-                with self._lock:
-                    chunk = tier.get(key) if not tier.locks_itself else None
-                if tier.locks_itself:
-                    chunk = tier.get(key)
+                chunk = self._tier_get(tier, key)
                 if chunk is not None:
                     self._place(chunk, first=index + 1)
         for tier in self.tiers:

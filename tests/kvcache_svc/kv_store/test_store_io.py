@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvcache_svc.kv_store import server
 from kvcache_svc.kv_store.disk_tier import DiskTier
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
@@ -133,3 +134,33 @@ def test_loads_are_served_while_big_saves_are_in_flight(ctx: zmq.Context,
     assert busy, "the saves were over before the load: the test proves nothing"
     assert elapsed < 1.0, elapsed
     assert len(results) == 2
+
+
+def test_saves_past_the_pending_limit_are_refused_at_once(
+        ctx: zmq.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One save may wait (limit patched to 1) on a slow disk: the others are refused without
+    waiting for it, and the store holds what it accepted."""
+    monkeypatch.setattr(server, "MAX_PENDING_SAVES", 1)
+    store = KvStore([MemoryTier(0), DiskTier(tmp_path, 1 << 20, delay_s=SLOW_DISK_S)],
+                    chunk_tokens=CHUNK_TOKENS)
+    with serving(ctx, store) as loop:
+        results: dict[int, object] = {}
+
+        def send(i: int) -> None:
+            client = KvStoreClient(ctx, loop.address, timeout_ms=10_000, codec=client_codec())
+            try:
+                begin = time.monotonic()
+                results[i] = (client.save([chunk(i)]), time.monotonic() - begin)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    outcomes = [results[i] for i in range(3)]
+    stored = [r for r, _ in outcomes if r.num_stored_chunks == 1]   # type: ignore[attr-defined]
+    refused = [t for r, t in outcomes if r.num_failed_chunks == 1]  # type: ignore[attr-defined]
+    assert len(stored) >= 1 and len(refused) >= 1, outcomes
+    assert max(refused) < SLOW_DISK_S, outcomes       # not kept waiting behind the slow save

@@ -59,8 +59,8 @@ def test_long_prompt_is_stored_in_whole_chunks(cluster: RunningCluster,
     try:
         info = client.describe()
         assert info is not None
-        kv_slice = KvSlice(weights_model_name(config.name, default_model_path()), "float32", 0, config.num_layers, 0,
-                           config.num_kv_heads)
+        model = weights_model_name(config.name, default_model_path())
+        kv_slice = KvSlice(model, "float32", 0, config.num_layers, 0, config.num_kv_heads)
         hashes = hash_full_blocks(prompt, BLOCK_SIZE, cache_salt=SALT.encode())
         keys = chunk_keys(hashes, BLOCK_SIZE, info.chunk_tokens, kv_slice)
         assert len(keys) == 600 // info.chunk_tokens

@@ -224,7 +224,14 @@ class ReplicaBlockManager:
         num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
         # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
         num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_new_blocks * self.num_groups > self.pool.num_free_blocks - num_evictable_hits:
+        num_free = (self.pool.num_free_blocks - num_evictable_hits) // self.num_groups
+        if num_new_blocks > num_free and num_load and op.allow_partial:
+            # Memory pressure: load the whole chunks that fit; chunked prefill computes the
+            # rest once the load is in (issue 24).
+            num_load = self._num_load_within(num_hit_blocks + num_free, num_cached)
+            num_covered = num_cached + num_load
+            num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
+        if num_load == 0 and num_new == 0 or num_new_blocks > num_free:
             return None
 
         self.pool.touch(hits)
@@ -252,14 +259,21 @@ class ReplicaBlockManager:
     def _num_store_tokens(self, op: AdmitOp, num_hit_blocks: int) -> int:
         """Tokens after the cached prefix to load from the KV store (0: compute them), leaving
         at least one token to compute, as a prefix hit does."""
-        if self.store is None:
+        if self.store is None or not op.block_hashes and op.tail_hash is None:
             return 0
         self.store.last_lookup = (0, 0)
-        if len(op.block_hashes) < self.store.blocks_per_chunk:
-            return 0
-        num_held = self.store.num_held_blocks(op.block_hashes, num_hit_blocks)
-        num_stored = min(num_held * self.block_size, op.num_tokens - 1)
+        num_held = self.store.num_held_tokens(op.block_hashes, op.num_tokens, op.tail_hash,
+                                              num_hit_blocks)
+        num_stored = min(num_held, op.num_tokens - 1)
         return max(0, num_stored - num_hit_blocks * self.block_size)
+
+    def _num_load_within(self, num_blocks: int, num_cached: int) -> int:
+        """Tokens to load past `num_cached` ending on a chunk boundary within `num_blocks`
+        blocks (0: not one more chunk fits)."""
+        assert self.store is not None
+        chunk_tokens = self.store.store.chunk_tokens
+        end = num_blocks * self.block_size // chunk_tokens * chunk_tokens
+        return max(0, end - num_cached)
 
     def _num_hit_blocks(self, op: AdmitOp) -> int:
         """Blocks of the longest prefix of `op` every group serves from cache, leaving at

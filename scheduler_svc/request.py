@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_svc.structured_output import StructuredOutput
 from services.block_hash import NONE_HASH, hash_full_blocks
+from services.kv_chunks import prefix_hash
 from services.wire import SamplingSpec, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_store_loaded_tokens: int = 0   # of num_cached_tokens, loaded from the KV store
     error: str | None = None           # the request ended without finishing (replica lost, ...)
     server_fault: bool = False         # the error is a fault of the server (a failed step),
                                        # not an unavailable one (INTERNAL, not UNAVAILABLE)
@@ -90,6 +92,7 @@ class Request:
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "eos_token_ids",
         "max_num_tokens", "arrival_time", "status", "num_computed_tokens", "block_ids",
         "block_hashes", "num_committed_blocks", "num_cached_tokens", "on_worker",
+        "num_store_loaded_tokens",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
         "cache_salt", "num_freed_blocks", "grammar",
@@ -120,6 +123,7 @@ class Request:
         self.block_hashes: list[bytes] = []          # hashes of full blocks of token_ids
         self.num_committed_blocks = 0                # of those, how many kvcache_svc indexed
         self.num_cached_tokens: int | None = None    # prefix hit at first admission
+        self.num_store_loaded_tokens = 0              # of those, loaded from the KV store
         self.on_worker = False                       # the worker holds state for it
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -195,6 +199,18 @@ class Request:
         self.block_hashes.extend(hash_full_blocks(
             self.token_ids, self.block_size, parent, start_block=len(self.block_hashes),
             cache_salt=self.cache_salt))
+
+    def tail_hash(self) -> bytes | None:
+        """The chained hash of every token when the last block is partial: the KV store's key
+        of a partial last chunk (services.kv_chunks); None when the block is full, or its
+        tokens unknown or unhashed."""
+        num_full = self.num_tokens // self.block_size
+        if (not self.hash_blocks or self.num_tokens % self.block_size == 0
+                or len(self.block_hashes) != num_full
+                or min(self.token_ids[num_full * self.block_size:]) < 0):
+            return None
+        return prefix_hash(self.block_hashes, self.token_ids, self.num_tokens, self.block_size,
+                           self.cache_salt)
 
     def reset_for_preemption(self) -> None:
         """Back to waiting with no blocks; outputs are kept and recomputed on resume.

@@ -251,7 +251,8 @@ class Scheduler:
             admits.append(AdmitOp(request_id=request.request_id, num_tokens=num_tokens,
                                   block_hashes=list(request.block_hashes),
                                   max_num_new_tokens=max_new,
-                                  allow_partial=cfg.chunked_prefill))
+                                  allow_partial=cfg.chunked_prefill,
+                                  tail_hash=request.tail_hash()))
 
         self._plan_id += 1
         plan = PlanRequest(replica_id=self.replica_id, plan_id=self._plan_id,
@@ -467,4 +468,5 @@ class Scheduler:
             request.request_id, token_ids, text, logprobs, request.finish_reason,
             request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0)
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_store_loaded_tokens=request.num_store_loaded_tokens)

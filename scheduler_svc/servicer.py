@@ -96,6 +96,7 @@ def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
         msg.usage.prompt_tokens = out.num_prompt_tokens
         msg.usage.completion_tokens = out.num_output_tokens
         msg.usage.cached_prompt_tokens = out.num_cached_tokens
+        msg.usage.store_hit_tokens = out.num_store_loaded_tokens
         if out.stop_reason is not None:
             msg.stop_reason = str(out.stop_reason)
     return msg

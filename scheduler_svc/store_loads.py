@@ -97,6 +97,7 @@ class StoreLoads:
             request.num_computed_tokens += num_loaded
             if load.first and request.num_cached_tokens is not None:
                 request.num_cached_tokens += num_loaded   # what the client's usage reports
+                request.num_store_loaded_tokens += num_loaded
             self.num_loaded_tokens += num_loaded
             self.num_fallbacks += num_loaded < load.num_tokens
 

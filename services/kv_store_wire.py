@@ -92,6 +92,9 @@ class ChunkHeader(_Wire, frozen=True):
     num_bytes: Annotated[int, Meta(ge=1, le=MAX_CHUNK_BYTES)]  # of the data frame
     checksum: Annotated[bytes, Meta(min_length=CHUNK_CHECKSUM_BYTES,
                                     max_length=CHUNK_CHECKSUM_BYTES)]  # BLAKE2b-256 of the data
+    # Set on a save that continues a stored partial chunk (services.kv_chunks): the data holds
+    # only the tokens past `base`, which the store appends to it; None: the data is the chunk.
+    base: "ChunkKey | None" = None
 
 
 ChunkKeys = Annotated[list[ChunkKey], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]

@@ -266,6 +266,9 @@ class AdmitOp(_Wire):
     block_hashes: BlockHashes           # hashes of its full blocks, in order
     max_num_new_tokens: Annotated[int, Meta(ge=1, lt=1 << 31)]  # token budget given to it
     allow_partial: bool                 # chunked prefill: may schedule fewer than all tokens
+    # Chained hash of all num_tokens tokens when the last block is partial (the KV store's key
+    # of a partial last chunk, services.kv_chunks.prefix_hash); None otherwise.
+    tail_hash: BlockHash | None = None
 
 
 class PlanRequest(_Wire):

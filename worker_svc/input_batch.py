@@ -32,7 +32,7 @@ class RequestState:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
                  "num_computed_tokens", "sampling", "generator", "cache_salt",
-                 "num_saved_chunks", "block_hashes", "load_start")
+                 "num_saved_tokens", "save_from", "block_hashes", "load_start")
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[list[int]], num_computed_tokens: int, sampling: SamplingSpec,
@@ -46,10 +46,13 @@ class RequestState:
         self.sampling = sampling
         self.generator = generator                    # seeded requests that sample (not greedy)
         self.cache_salt = cache_salt                  # enters block 0's hash (block_hash.py)
-        # KV store saving (worker_svc.kv_saver): chunks handed to the saver (copied or
-        # skipped; -1 until its first step with a saver), and the chained hashes of the
-        # leading full blocks keyed so far.
-        self.num_saved_chunks = -1
+        # KV store saving (worker_svc.kv_saver): tokens handed to the saver (copied or
+        # skipped; -1 until its first step with a saver), the first token of the run this
+        # saver copied out without a gap (a later piece of a window it covers from the
+        # window's start is sent as an extension), and the chained hashes of the leading full
+        # blocks keyed so far.
+        self.num_saved_tokens = -1
+        self.save_from = 0
         self.block_hashes: list[bytes] = []
         # Loading from the KV store (worker_svc.kv_loader): where the load began. Its next
         # step may resume anywhere from here to the load's end (the scheduler resumes after

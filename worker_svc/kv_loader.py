@@ -5,12 +5,14 @@ A step may carry requests with `NewRequest.num_load_tokens`: kvcache_svc found t
 (past the request's prefix hit) in the store for every rank. Such a request computes nothing
 in that step; instead `start` keys its chunks on the step's thread (the same chained hashes
 and cache salt the saver uses, `kv_saver.extend_block_hashes`) and the loader's thread fetches
-them while the step's forward runs the other requests. Each chunk in the leading run that
-arrived intact (the client checks key, sizes and checksum) is copied into the request's own
-blocks past its prefix hit; a chunk that is gone, damaged or late ends the run there. The
-ticket's `wait` gives, per request, how many of its load tokens are now in the cache: the
-worker reports that in a `KvLoaded`, and the scheduler recomputes from the smallest count
-any rank reported. Nothing here raises into the step: a failure is a short count.
+them while the step's forward runs the other requests, a chunk per message a few chunks
+ahead (worker_svc.kv_fetcher), so copying one into the cache overlaps the next one's
+transfer. Each chunk in the leading run that arrived intact (the client checks key, sizes and
+checksum) is copied into the request's own blocks past its prefix hit; a chunk that is gone,
+damaged or late ends the run there. The ticket's `wait` gives, per request, how many of its
+load tokens are now in the cache: the worker reports that in a `KvLoaded`, and the scheduler
+recomputes from the smallest count any rank reported. Nothing here raises into the step: a
+failure is a short count.
 
 Loads run in the background across steps: the worker sends a step's output without waiting
 for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.step_loop).
@@ -33,20 +35,20 @@ import queue
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from services.codec import Codec
-from services.kv_chunks import KvChunk, chunk_keys
+from services.kv_chunks import KvChunk, prefix_chunk_keys
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import ChunkKey, FromKvStore
 from services.kv_tensors import TORCH_DTYPES
 from services.wire import KvLoaded, StepInput
 from worker_svc.input_batch import InputBatch, RequestState
-from worker_svc.kv_saver import KvSaver, extend_block_hashes
+from worker_svc.kv_fetcher import ChunkFetcher
+from worker_svc.kv_saver import KvSaver, extend_block_hashes, token_slots
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class _Job:
     request_id: str
-    keys: list[ChunkKey]        # chunks first_chunk, first_chunk + 1, ... up to the load's end
-    first_chunk: int            # chunk i covers tokens [i * chunk_tokens, (i + 1) * ...)
+    keys: list[ChunkKey]        # chunks first_chunk, first_chunk + 1, ...: the last may be partial
+    first_chunk: int            # window i covers tokens [i * chunk_tokens, (i + 1) * ...)
     start: int                  # first token to write (the prefix hit's end: whole blocks)
     end: int                    # one past the last token to load
     block_ids: list[list[int]]  # the request's blocks, per KV group
@@ -144,14 +146,17 @@ class KvLoader:
         self._jobs: queue.SimpleQueue[
             tuple[LoadTicket, list[_Job], list[torch.Tensor], list[int]] | None] \
             = queue.SimpleQueue()
-        self._ctx = zmq.Context()
-        self._thread = threading.Thread(target=self._run, args=(codec,), name="kv-loader",
-                                        daemon=True)
+        # Chunks come a few ahead, on the fetcher's thread: the loader's copies of one chunk
+        # overlap the next one's transfer (worker_svc.kv_fetcher).
+        self._fetcher = ChunkFetcher(
+            lambda ctx: KvStoreClient(ctx, saver.address, codec=codec))
+        self._thread = threading.Thread(target=self._run, name="kv-loader", daemon=True)
         self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._jobs.put(None)
         self._thread.join(timeout_s)
+        self._fetcher.close(timeout_s)
 
     # ----------------------------------------------------------------------- the step's thread
 
@@ -180,14 +185,17 @@ class KvLoader:
             state = requests[request.request_id]
             start = request.num_computed_tokens
             end = start + request.num_load_tokens
-            first_chunk, end_chunk = start // chunk_tokens, -(-end // chunk_tokens)
-            num_hashed = min(end_chunk * chunk_tokens,
-                             len(state.token_ids) // block_size * block_size)
-            if not extend_block_hashes(state, num_hashed, block_size):
+            # kvcache_svc loads whole chunks, or all but the last token of a request whose
+            # chunks the store holds to its end (the last one partial, or full).
+            chunks_end = end if end % chunk_tokens == 0 else end + 1
+            tokens = state.token_ids[:chunks_end]
+            if (len(tokens) < chunks_end or min(tokens) < 0 or not extend_block_hashes(
+                    state, chunks_end // block_size * block_size, block_size)):
                 continue
-            keys = chunk_keys(state.block_hashes[:num_hashed // block_size], block_size,
-                              chunk_tokens, self.saver.kv_slice)[first_chunk:]
-            jobs.append(_Job(request.request_id, keys, first_chunk, start, end,
+            keys = prefix_chunk_keys(state.block_hashes, state.token_ids, start, chunks_end,
+                                     block_size, chunk_tokens, self.saver.kv_slice,
+                                     state.cache_salt)
+            jobs.append(_Job(request.request_id, keys, start // chunk_tokens, start, end,
                              [list(ids) for ids in state.block_ids]))
         groups = list(layer_groups) if layer_groups is not None else [0] * len(kv_caches)
         self._jobs.put((ticket, jobs, kv_caches, groups))
@@ -231,76 +239,72 @@ class KvLoader:
 
     # ---------------------------------------------------------------------- the loader's thread
 
-    def _run(self, codec: Codec[FromKvStore] | None) -> None:
-        client = KvStoreClient(self._ctx, self.saver.address, codec=codec)
-        try:
-            while (work := self._jobs.get()) is not None:
-                ticket, jobs, kv_caches, layer_groups = work
-                order = self._order if ticket.ready is not None else None
-                try:
-                    with order.copying(ticket.ready) if order is not None else nullcontext():
-                        for job in jobs:
-                            ticket.loaded[job.request_id] = self._load(client, job, kv_caches,
-                                                                       layer_groups)
-                except Exception:   # a bug: the rest fall back to recompute, the step goes on
-                    log.exception("KV load failed")
-                finally:
-                    if order is not None:
-                        ticket.copied = order.mark_copied()
-                    self.num_loads_short += sum(
-                        1 for job in jobs if ticket.loaded[job.request_id] < job.end - job.start)
-                    ticket.complete()
-        finally:
-            client.close()
-            self._ctx.term()
+    def _run(self) -> None:
+        while (work := self._jobs.get()) is not None:
+            ticket, jobs, kv_caches, layer_groups = work
+            order = self._order if ticket.ready is not None else None
+            try:
+                with order.copying(ticket.ready) if order is not None else nullcontext():
+                    for job in jobs:
+                        ticket.loaded[job.request_id] = self._load(job, kv_caches,
+                                                                   layer_groups)
+            except Exception:   # a bug: the rest fall back to recompute, the step goes on
+                log.exception("KV load failed")
+            finally:
+                if order is not None:
+                    ticket.copied = order.mark_copied()
+                self.num_loads_short += sum(
+                    1 for job in jobs if ticket.loaded[job.request_id] < job.end - job.start)
+                ticket.complete()
 
-    def _load(self, client: KvStoreClient, job: _Job, kv_caches: list[torch.Tensor],
-              layer_groups: list[int]) -> int:
+    def _load(self, job: _Job, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> int:
         """Tokens of the job now in its blocks: the leading run of chunks that arrived."""
         chunk_tokens = self.saver.chunk_tokens
         assert chunk_tokens is not None
         cache = kv_caches[0]                 # [2, num_blocks, block_size, heads, head_dim]
-        block_size = cache.shape[2]
-        shape = (len(kv_caches), 2, chunk_tokens, *cache.shape[3:])
         loaded_end = job.start
-        for offset, chunk in enumerate(client.load(job.keys)):
-            if chunk is None or tuple(chunk.header.shape) != shape or (
-                    TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
-                break
-            index = job.first_chunk + offset
-            first_block = max(index * chunk_tokens, job.start) // block_size
-            end_block = min((index + 1) * chunk_tokens // block_size, len(job.block_ids[0]))
-            scatter_blocks(kv_caches, chunk, [ids[first_block:end_block] for ids in job.block_ids],
-                           first_block - index * chunk_tokens // block_size, layer_groups)
-            self.num_chunks_loaded += 1
-            loaded_end = (index + 1) * chunk_tokens
+        with closing(self._fetcher.fetch(job.keys)) as chunks:   # stops the fetch on a break
+            for offset, chunk in enumerate(chunks):
+                if chunk is None or tuple(chunk.header.shape) != (
+                        len(kv_caches), 2, chunk.key.num_tokens, *cache.shape[3:]) or (
+                        TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
+                    break
+                window = (job.first_chunk + offset) * chunk_tokens
+                first = max(window, job.start)
+                end = min(window + chunk.key.num_tokens, job.end)   # never the request's last
+                scatter_tokens(kv_caches, chunk, job.block_ids, first - window, first,
+                               end - first, layer_groups)
+                self.num_chunks_loaded += 1
+                loaded_end = window + chunk.key.num_tokens
         num_loaded = max(0, min(loaded_end, job.end) - job.start)
         self.num_tokens_loaded += num_loaded
         return num_loaded
 
 
-def scatter_blocks(kv_caches: list[torch.Tensor], chunk: KvChunk,
-                   group_block_ids: list[list[int]], first: int,
+def scatter_tokens(kv_caches: list[torch.Tensor], chunk: KvChunk,
+                   group_block_ids: list[list[int]], first: int, position: int, num_tokens: int,
                    layer_groups: Sequence[int] | None = None) -> None:
-    """Copies the chunk's blocks `first`, `first + 1`, ... into each layer's blocks
-    (`group_block_ids[g]` for a layer of KV group g, from `layer_groups`; None: every layer in
-    group 0), on the current stream (the loader's, inside `StreamOrder.copying`). The chunk's
-    layout is the saver's: [layers, 2, chunk_tokens, heads, head_dim]."""
-    num_blocks = len(group_block_ids[0])
-    if not num_blocks:
+    """Copies `num_tokens` tokens of the chunk, from its token `first`, into each layer's slots
+    of the request's tokens from `position` on (`group_block_ids[g]` for a layer of KV group g,
+    from `layer_groups`; None: every layer in group 0), on the current stream (the loader's,
+    inside `StreamOrder.copying`). A partial last block is written token by token: the slots
+    past it stay as they are. The chunk's layout is the saver's: [layers, 2, tokens, heads,
+    head_dim]."""
+    if num_tokens <= 0:
         return
     cache = kv_caches[0]
+    block_size = cache.shape[2]
     groups = layer_groups if layer_groups is not None else [0] * len(kv_caches)
     with warnings.catch_warnings():      # a received frame is read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(chunk.data, dtype=cache.dtype)
-    blocks = flat.view(len(kv_caches), 2, -1, *cache.shape[2:])[:, :, first:first + num_blocks]
-    indices = [torch.tensor(ids, dtype=torch.int64) for ids in group_block_ids]
+    tokens = flat.view(len(kv_caches), 2, -1, *cache.shape[3:])[:, :, first:first + num_tokens]
+    slots = [token_slots(ids, position, num_tokens, block_size) for ids in group_block_ids]
     if cache.device.type != "cpu":
-        blocks = blocks.to(cache.device)
-        indices = [index.to(cache.device) for index in indices]
+        tokens = tokens.to(cache.device)
+        slots = [index.to(cache.device) for index in slots]
     for layer, (layer_cache, group) in enumerate(zip(kv_caches, groups, strict=True)):
-        layer_cache.index_copy_(1, indices[group], blocks[layer])
+        layer_cache.view(2, -1, *cache.shape[3:]).index_copy_(1, slots[group], tokens[layer])
 
 
 def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,

@@ -1,34 +1,41 @@
-"""`KvSaver`: copies each whole chunk of a request's computed KV out of the paged cache and
-saves it to kvcache_svc's KV store in the background (issue 15, saving).
+"""`KvSaver`: copies the new KV of each request's steps out of the paged cache and saves it to
+kvcache_svc's KV store in the background (issue 15, saving; partial chunks: issue 24).
 
 The runner calls it twice per step. `copy_out`, once the step's work is queued: for every
-request whose `num_computed_tokens` now covers chunks not yet handed over, each such chunk of
-this rank's slice (its layers, its KV heads) is copied into a staging buffer, on the device's
-stream, so the copy reads the blocks before any later step can overwrite them (a request
-aborted meanwhile may have its blocks reused by the very next step). Chunks already cached
-when the worker first sees a request (a prefix hit) are not copied: the request that computed
-them saved them. With KV groups (services.kv_groups) each layer's pages come from its group's
-block table. A chunk some of whose blocks a sliding group never held here (the null block 0:
-a prefix hit takes only the window's blocks) is not copied: its start was computed by the
-request that cached it, and a chunk is saved whole or not at all. kvcache_svc keeps a sliding
-group's blocks of the chunk in progress until the chunk is complete, so the step that
-completes it still finds them all. `submit`, when the step finishes: the request's tokens up
-to the chunk are all known on the host then (a greedy step's sampled token is read at finish,
-and a decode may have computed it already), so the chunks are keyed there
-(`services.kv_chunks`: the chained block hashes, with the request's cache salt, as the
-scheduler computes them) and queued for the saver's thread. A step that fails gives its
-copies up (`drop`).
+request whose `num_computed_tokens` moved past what was handed over, the new tokens of this
+rank's slice (its layers, its KV heads) are copied into a staging buffer per chunk window
+(`services.kv_chunks`: windows of chunk_tokens), on the device's stream, so the copy reads the
+blocks before any later step can overwrite them (a request aborted meanwhile may have its
+blocks reused by the very next step). What a step saves of a window: the tokens it computed
+there when the window is complete, or when the step is a prefill step (it ends inside the
+prompt: a prompt's tail is stored as a partial chunk, as LMCache does); decode tokens wait
+until their window fills. A piece that continues a window this saver copied from the window's
+start goes as an extension (only its new tokens, `ChunkHeader.base` naming the stored partial
+chunk it continues); otherwise the window is copied from its start (the blocks hold it: a
+prefix hit's blocks are the request's too). Tokens already cached when the worker first sees
+a request (a prefix hit, a load) are not copied on their own: the request that computed them
+saved them. With KV groups (services.kv_groups) each layer's pages come from its group's block
+table. A piece some of whose blocks a sliding group never held here (the null block 0: a
+prefix hit takes only the window's blocks) is not copied. kvcache_svc keeps a sliding group's
+blocks of the chunk in progress until the chunk is complete, so the step that completes it
+still finds them all. `submit`, when the step finishes: the request's tokens up to the piece
+are all known on the host then (a greedy step's sampled token is read at finish, and a decode
+may have computed it already), so the pieces are keyed there (the chained hash of their exact
+token prefix, with the request's cache salt, as the scheduler computes it) and queued for the
+saver's thread. A step that fails gives its copies up (`drop`).
 
-The thread asks the store how many leading chunks it holds, sends only the chunks past those,
-and logs `stored KV for N of M tokens (skip_leading_tokens=K)`. Saves never stall a step: the
-staging buffers are the bounded queue (at most `max_queued_chunks`, pinned host memory on a
-GPU); when none is free the chunk is skipped and counted, and never retried. Only whole chunks
-are saved: a request's partial tail is not. The saver only reads the cache, so outputs are
-the same with or without it. The chunk's layout: [num_layers, 2 (keys, values), chunk_tokens,
-num_kv_heads, head_dim] of the rank's layers and heads, in the cache's dtype.
+The thread asks the store which leading pieces it holds, sends only the rest and logs
+`stored KV for N of M tokens (skip_leading_tokens=K)`: M the request's tokens up to the last
+piece, N those sent and newly stored, K = M minus the tokens sent (what the store held
+before). Saves never stall a step: the staging buffers are the bounded queue (at most
+`max_queued_chunks`, pinned host memory on a GPU); when none is free the piece is skipped and
+counted, and never retried. The saver only reads the cache, so outputs are the same with or
+without it. A chunk's layout: [num_layers, 2 (keys, values), tokens, num_kv_heads, head_dim]
+of the rank's layers and heads, in the cache's dtype.
 """
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Sequence
@@ -39,10 +46,9 @@ import zmq
 
 from services.block_hash import NONE_HASH, hash_full_blocks
 from services.codec import Codec
-from services.kv_chunks import KvSlice, chunk_keys, log_stored, skip_leading_tokens
+from services.kv_chunks import KvSlice, log_stored, make_chunk, prefix_hash, window_ends
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import ChunkKey, FromKvStore
-from services.kv_tensors import save_tensors
 from worker_svc.input_batch import RequestState, ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -62,19 +68,37 @@ class KvStoreOptions:
 
 
 @dataclass(slots=True)
+class Piece:
+    """Tokens [start, end) of one chunk window (starting at `window`), copied out."""
+
+    window: int                               # first token of the window
+    start: int                                # the window's start, or an extension's first
+    end: int                                  # one past the last token copied
+    data: torch.Tensor                        # [num_layers, 2, end - start, heads, head_dim]
+    buffer: torch.Tensor                      # the staging buffer `data` lies in
+
+    @property
+    def is_extension(self) -> bool:
+        return self.start > self.window
+
+
+@dataclass(slots=True)
 class PendingSave:
-    """One request's chunks copied out in one step, keyed at `KvSaver.submit`."""
+    """One request's pieces copied out in one step, keyed at `KvSaver.submit`."""
 
     state: RequestState
-    chunk_indices: list[int]                  # chunk i covers [i * chunk_tokens, ...)
-    buffers: list[torch.Tensor]               # [num_layers, 2, chunk_tokens, heads, head_dim]
+    pieces: list[Piece]
     copied: torch.cuda.Event | None           # the copies are complete (GPU)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [piece.buffer for piece in self.pieces]
 
 
 @dataclass(slots=True)
 class _Job:
-    keys: list[ChunkKey]                      # every chunk key of the request up to the last
-    chunks: list[tuple[int, torch.Tensor]]    # (index in keys, its buffer)
+    num_tokens: int                           # the request's tokens up to the last piece
+    chunks: list[tuple[ChunkKey, ChunkKey | None, Piece]]   # (key, base, piece), in order
     copied: torch.cuda.Event | None
 
 
@@ -121,7 +145,7 @@ class KvSaver:
     def copy_out(self, scheduled: Sequence[ScheduledRequest], kv_caches: list[torch.Tensor],
                  block_size: int, layer_groups: Sequence[int] | None = None
                  ) -> list[PendingSave]:
-        """Copies every chunk the step completed; call once the step's work is queued.
+        """Copies every piece the step completed; call once the step's work is queued.
         `kv_caches`: one per layer; `layer_groups`: each layer's KV group (None: all 0)."""
         chunk_tokens = self.chunk_tokens
         if chunk_tokens is None or not kv_caches:
@@ -135,30 +159,15 @@ class KvSaver:
         saves: list[PendingSave] = []
         for s in scheduled:
             state = s.state
-            if state.num_saved_chunks < 0:
-                # First seen: chunks cached before it came (a prefix hit, or a resume after
-                # preemption) were computed, and saved, by the request that computed them.
-                state.num_saved_chunks = s.num_computed_tokens // chunk_tokens
-            first, end = state.num_saved_chunks, state.num_computed_tokens // chunk_tokens
-            if end <= first:
-                continue
-            state.num_saved_chunks = end
-            save = PendingSave(state, [], [], None)
-            for index in range(first, end):
-                blocks = [ids[index * chunk_tokens // block_size:
-                              (index + 1) * chunk_tokens // block_size]
-                          for ids in state.block_ids]
-                if any(0 in ids for ids in blocks):
-                    continue                  # not held here: another request saved it
-                buffer = self._take_buffer(kv_caches, chunk_tokens)
-                if buffer is None:
-                    self._count_skip()
-                    continue
-                gather_blocks(kv_caches, blocks, buffer, layer_groups)
-                save.chunk_indices.append(index)
-                save.buffers.append(buffer)
-            if save.buffers:
-                saves.append(save)
+            if state.num_saved_tokens < 0:
+                # First seen: tokens cached before it came (a prefix hit, a load, a resume
+                # after preemption) were computed, and saved, by the request that computed
+                # them.
+                state.num_saved_tokens = state.save_from = s.num_computed_tokens
+            pieces = self._copy_pieces(state, kv_caches, block_size, chunk_tokens,
+                                       layer_groups)
+            if pieces:
+                saves.append(PendingSave(state, pieces, None))
         if saves and kv_caches[0].device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record()
@@ -166,21 +175,63 @@ class KvSaver:
                 save.copied = copied
         return saves
 
+    def _copy_pieces(self, state: RequestState, kv_caches: list[torch.Tensor],
+                     block_size: int, chunk_tokens: int,
+                     layer_groups: Sequence[int] | None) -> list[Piece]:
+        """The pieces of `state`'s tokens computed since the last save, copied out."""
+        start, end = state.num_saved_tokens, state.num_computed_tokens
+        in_prompt = end <= state.num_prompt_tokens
+        pieces: list[Piece] = []
+        for window, piece_end in window_ends(start, end, chunk_tokens):
+            if piece_end < window + chunk_tokens and not in_prompt:
+                break                       # decode tokens: saved once their window fills
+            state.num_saved_tokens = piece_end
+            first = window if state.save_from > window else max(start, window)
+            blocks = [ids[first // block_size:-(-piece_end // block_size)]
+                      for ids in state.block_ids]
+            if any(0 in ids for ids in blocks):
+                state.save_from = piece_end   # not held here: another request saved it
+                continue
+            buffer = self._take_buffer(kv_caches, chunk_tokens)
+            if buffer is None:
+                self._count_skip()
+                state.save_from = piece_end   # a gap: the window's next piece starts over
+                continue
+            cache = kv_caches[0]            # [2, num_blocks, block_size, heads, head_dim]
+            shape = (len(kv_caches), 2, piece_end - first, *cache.shape[3:])
+            data = buffer.view(-1)[:math.prod(shape)].view(shape)
+            gather_tokens(kv_caches, blocks, first - first // block_size * block_size, data,
+                          layer_groups)
+            state.save_from = min(state.save_from, first)
+            pieces.append(Piece(window, first, piece_end, data, buffer))
+        return pieces
+
     def submit(self, saves: list[PendingSave], block_size: int) -> None:
-        """Keys the chunks (their tokens are all on the host now) and queues them."""
+        """Keys the pieces (their tokens are all on the host now) and queues them."""
         chunk_tokens = self.chunk_tokens
         assert chunk_tokens is not None
         for save in saves:
             state = save.state
-            end = (save.chunk_indices[-1] + 1) * chunk_tokens
-            if not extend_block_hashes(state, end, block_size):
-                # A token of the chunk was never read back (its step failed): drop the save.
-                self._release(save.buffers, num_failed=len(save.buffers))
+            end = save.pieces[-1].end
+            tokens = state.token_ids[:end]
+            if (len(tokens) < end or min(tokens) < 0
+                    or not extend_block_hashes(state, end // block_size * block_size,
+                                               block_size)):
+                # A token of the piece was never read back (its step failed): drop the save.
+                self._release(save.buffers, num_failed=len(save.pieces))
                 continue
-            keys = chunk_keys(state.block_hashes[:end // block_size], block_size, chunk_tokens,
-                              self.kv_slice)
-            self._jobs.put(_Job(keys, list(zip(save.chunk_indices, save.buffers)),
-                                save.copied))
+            chunks = []
+            for piece in save.pieces:
+                key = self._key(state, piece.window, piece.end, block_size)
+                base = (self._key(state, piece.window, piece.start, block_size)
+                        if piece.is_extension else None)
+                chunks.append((key, base, piece))
+            self._jobs.put(_Job(end, chunks, save.copied))
+
+    def _key(self, state: RequestState, window: int, end: int, block_size: int) -> ChunkKey:
+        """The key of the chunk of `window`'s tokens up to `end`."""
+        return self.kv_slice.key(prefix_hash(state.block_hashes, state.token_ids, end,
+                                             block_size, state.cache_salt), end - window)
 
     @property
     def num_queued_chunks(self) -> int:
@@ -196,9 +247,9 @@ class KvSaver:
             self._free = []
 
     def drop(self, saves: list[PendingSave]) -> None:
-        """Gives up chunks copied out by a step that then failed."""
+        """Gives up pieces copied out by a step that then failed."""
         for save in saves:
-            self._release(save.buffers, num_failed=len(save.buffers))
+            self._release(save.buffers, num_failed=len(save.pieces))
 
     def _take_buffer(self, kv_caches: list[torch.Tensor], chunk_tokens: int
                      ) -> torch.Tensor | None:
@@ -241,7 +292,7 @@ class KvSaver:
                 try:
                     self._save(client, job)
                 finally:
-                    self._release([buffer for _, buffer in job.chunks])
+                    self._release([piece.buffer for _, _, piece in job.chunks])
         finally:
             client.close()
             self._ctx.term()
@@ -249,19 +300,20 @@ class KvSaver:
     def _save(self, client: KvStoreClient, job: _Job) -> None:
         if job.copied is not None:
             job.copied.synchronize()
-        num_held = client.lookup(job.keys)
-        chunks = [(job.keys[i], buffer) for i, buffer in job.chunks if i >= num_held]
-        result = save_tensors(client, chunks)
-        num_tokens = sum(key.num_tokens for key in job.keys)
-        # A failed message ends the save: the chunks saved are the leading ones.
-        num_saved = result.num_stored_chunks + result.num_held_chunks
-        num_saved_tokens = sum(key.num_tokens for key, _ in chunks[:num_saved])
+        num_held = client.lookup([key for key, _, _ in job.chunks])
+        to_send = job.chunks[num_held:]
+        result = client.save([make_chunk(key, tuple(piece.data.shape), tensor_bytes(piece.data),
+                                         base) for key, base, piece in to_send])
+        # A failed message ends the save: the pieces stored are among the leading ones.
+        num_sent_tokens = sum(piece.end - piece.start for _, _, piece in to_send)
+        num_stored_tokens = sum(piece.end - piece.start
+                                for _, _, piece in to_send[:result.num_stored_chunks])
         with self._lock:
             self.num_chunks_stored += result.num_stored_chunks
-            self.num_tokens_stored += num_saved_tokens
+            self.num_tokens_stored += num_stored_tokens
             self.num_chunks_held += result.num_held_chunks
             self.num_chunks_failed += result.num_failed_chunks
-        log_stored(log, num_saved_tokens, num_tokens, skip_leading_tokens(job.keys, num_held))
+        log_stored(log, num_stored_tokens, job.num_tokens, job.num_tokens - num_sent_tokens)
 
 
 def extend_block_hashes(state: RequestState, num_tokens: int, block_size: int) -> bool:
@@ -278,20 +330,36 @@ def extend_block_hashes(state: RequestState, num_tokens: int, block_size: int) -
     return True
 
 
-def gather_blocks(kv_caches: list[torch.Tensor], group_block_ids: list[list[int]],
-                  buffer: torch.Tensor, layer_groups: Sequence[int] | None = None) -> None:
-    """Copies each layer's blocks (`group_block_ids[g]` for a layer of KV group g, from
-    `layer_groups`; None: every layer in group 0) into `buffer` ([layers, 2, tokens, heads,
-    dim])."""
-    cache = kv_caches[0]
+def token_slots(block_ids: list[int], first: int, num_tokens: int, block_size: int
+                ) -> torch.Tensor:
+    """Cache slots (block id * block_size + offset) of `num_tokens` tokens starting at offset
+    `first` of `block_ids[0]`: the index into a cache viewed as [2, blocks * block_size, ...]."""
+    positions = torch.arange(first, first + num_tokens)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def gather_tokens(kv_caches: list[torch.Tensor], group_block_ids: list[list[int]], first: int,
+                  out: torch.Tensor, layer_groups: Sequence[int] | None = None) -> None:
+    """Copies `out.shape[2]` tokens, from offset `first` of each layer's blocks
+    (`group_block_ids[g]` for a layer of KV group g, from `layer_groups`; None: every layer in
+    group 0), into `out` ([layers, 2, tokens, heads, dim])."""
+    cache = kv_caches[0]                    # [2, num_blocks, block_size, heads, head_dim]
+    block_size = cache.shape[2]
     groups = layer_groups if layer_groups is not None else [0] * len(kv_caches)
-    indices = [torch.tensor(ids, dtype=torch.int64).to(cache.device, non_blocking=True)
-               for ids in group_block_ids]
-    blocks = buffer.view(len(kv_caches), 2, len(group_block_ids[0]), *cache.shape[2:])
+    slots = [token_slots(ids, first, out.shape[2], block_size).to(cache.device,
+                                                                  non_blocking=True)
+             for ids in group_block_ids]
+    flat = [c.view(2, -1, *c.shape[3:]) for c in kv_caches]
     if cache.device.type == "cpu":
-        for layer, (layer_cache, group) in enumerate(zip(kv_caches, groups, strict=True)):
-            torch.index_select(layer_cache, 1, indices[group], out=blocks[layer])
+        for layer, (layer_cache, group) in enumerate(zip(flat, groups, strict=True)):
+            torch.index_select(layer_cache, 1, slots[group], out=out[layer])
         return
-    gathered = torch.stack([layer_cache.index_select(1, indices[group])
-                            for layer_cache, group in zip(kv_caches, groups, strict=True)])
-    blocks.copy_(gathered, non_blocking=True)
+    gathered = torch.stack([layer_cache.index_select(1, slots[group])
+                            for layer_cache, group in zip(flat, groups, strict=True)])
+    out.copy_(gathered, non_blocking=True)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data

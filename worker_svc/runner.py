@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from services.kv_chunks import KvSlice
 from services.model_config import ModelConfig
+from services.weights_fingerprint import weights_model_name
 from services.wire import StepInput, StepOutput
 from worker_svc.attention import AttentionMetadata, build_group_metadata
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
@@ -89,6 +90,8 @@ class ModelRunner:
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
         self.enforce_eager = enforce_eager
+        self.model_path = model_path
+        self._kv_model_name: str | None = None     # kv_slice's, computed once
         self.model, self.weight_bytes = load_model(
             model_config, model_path, dtype, self.device, first_layer, end_layer, is_last_stage,
             tp, cpu_level, kernels, quant_kernels)
@@ -117,7 +120,11 @@ class ModelRunner:
     def kv_slice(self) -> KvSlice:
         """This rank's part of the model's KV: what its KV store chunks hold."""
         shard = self.model.shard
-        return KvSlice(self.config.name, str(self.dtype).removeprefix("torch."),
+        # Named by the weights' fingerprint too: a model swapped under the same name never
+        # matches KV its predecessor stored (issue 24).
+        if self._kv_model_name is None:
+            self._kv_model_name = weights_model_name(self.config.name, self.model_path)
+        return KvSlice(self._kv_model_name, str(self.dtype).removeprefix("torch."),
                        self.model.first_layer, self.model.end_layer, *shard.kv_heads)
 
     def rejoin(self, tp_group: "dist.ProcessGroup | None") -> None:

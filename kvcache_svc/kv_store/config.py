@@ -14,6 +14,7 @@ from kvcache_svc.kv_store.disk_tier import DiskTier
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from kvcache_svc.kv_store.tier import StoreTier
+from services.flags import FlagParser
 from services.kv_store_wire import MAX_CHUNK_TOKENS
 
 GIB = 1 << 30
@@ -26,10 +27,12 @@ class KvStoreConfig:
     memory_bytes: int           # host-memory tier budget
     disk_dir: Path | None       # disk tier directory (None: no disk tier)
     disk_bytes: int             # disk tier budget
+    # Tests only (SPLITSERVE_TEST_KV_DISK_DELAY_MS): seconds the disk tier sleeps per chunk
+    # read or written, a slow disk.
+    disk_delay_s: float = 0.0
 
 
-def store_config(args: argparse.Namespace,
-                 parser: argparse.ArgumentParser) -> KvStoreConfig | None:
+def store_config(args: argparse.Namespace, parser: FlagParser) -> KvStoreConfig | None:
     """The store's config from parsed flags (None: --no-kv-store); bad values exit through
     `parser.error`."""
     if args.no_kv_store:
@@ -41,9 +44,12 @@ def store_config(args: argparse.Namespace,
     for name in ("kv_store_memory_gib", "kv_store_disk_gib"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             parser.error(f"--{name.replace('_', '-')} must be a number >= 0")
+    delay_ms = parser.env("TEST_KV_DISK_DELAY_MS", float, 0.0)
+    if not (math.isfinite(delay_ms) and 0 <= delay_ms <= 60_000):
+        parser.error("SPLITSERVE_TEST_KV_DISK_DELAY_MS must be in [0, 60000]")
     return KvStoreConfig(args.kv_store_port, args.kv_chunk_tokens,
                          int(args.kv_store_memory_gib * GIB), args.kv_store_dir,
-                         int(args.kv_store_disk_gib * GIB))
+                         int(args.kv_store_disk_gib * GIB), delay_ms / 1000)
 
 
 def build_store(config: KvStoreConfig) -> KvStore:
@@ -51,5 +57,5 @@ def build_store(config: KvStoreConfig) -> KvStore:
     cannot be used (or another process holds it)."""
     tiers: list[StoreTier] = [MemoryTier(config.memory_bytes)]
     if config.disk_dir is not None:
-        tiers.append(DiskTier(config.disk_dir, config.disk_bytes))
+        tiers.append(DiskTier(config.disk_dir, config.disk_bytes, config.disk_delay_s))
     return KvStore(tiers, config.chunk_tokens)

@@ -11,6 +11,12 @@ size check (at start) or the checksum (on every read) catches: the file is delet
 and the caller sees a miss. Headers on disk carry no cluster-token tag (a restart may bring a
 new token); the directory is trusted as much as this process's memory, the data is not: every
 read is checked against the header's checksum. One kvcache_svc per directory (a lock file).
+
+Thread-safe (`locks_itself`): `_index_lock` covers the index and byte counts only; files are
+read, checked, written and deleted outside it, so a slow disk delays only the save or load
+that touches it, never a lookup (issue 24). A file being written has its bytes reserved in the
+budget and enters the index once renamed into place. `delay_s` (tests only) sleeps that long
+per chunk read or written: a slow disk.
 """
 
 import fcntl
@@ -19,6 +25,8 @@ import logging
 import os
 import struct
 import tempfile
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -44,16 +52,17 @@ class ChunkFileError(ValueError):
 
 class DiskTier(StoreTier):
     name = "disk"
+    locks_itself = True
 
-    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+    def __init__(self, directory: Path, capacity_bytes: int, delay_s: float = 0.0) -> None:
         """Opens (creating it if need be) and indexes `directory`; raises OSError when it cannot
         be used, or when another process holds it."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.directory = directory
         self.capacity_bytes = capacity_bytes
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ChunkHeader)
+        self.delay_s = delay_s
+        self._index_lock = threading.Lock()
         self._files: OrderedDict[ChunkKey, int] = OrderedDict()  # file bytes, oldest first
         self.num_bytes = 0
         self.num_evicted_chunks = 0
@@ -69,7 +78,7 @@ class DiskTier(StoreTier):
         self._scan()
 
     def file_name(self, key: ChunkKey) -> str:
-        return hashlib.blake2b(self._encoder.encode(key), digest_size=20).hexdigest() + SUFFIX
+        return hashlib.blake2b(msgspec.msgpack.encode(key), digest_size=20).hexdigest() + SUFFIX
 
     def _path(self, key: ChunkKey) -> Path:
         return self.directory / self.file_name(key)
@@ -115,14 +124,18 @@ class DiskTier(StoreTier):
         if header_len > MAX_HEADER_BYTES or len(raw) < offset:
             raise ChunkFileError(f"header of {header_len} bytes is too long or cut short")
         try:
-            header = self._decoder.decode(memoryview(raw)[PREFIX.size:offset])
+            header = msgspec.msgpack.decode(memoryview(raw)[PREFIX.size:offset],
+                                            type=ChunkHeader)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ChunkFileError(f"bad header: {exc}") from exc
         return header, offset
 
     def _read(self, key: ChunkKey) -> KvChunk | None:
-        """The file's chunk, fully checked; a damaged file is deleted and counted."""
+        """The file's chunk, fully checked (outside the index lock); a damaged file is
+        deleted and counted. A file deleted meanwhile (evicted, removed) is just a miss."""
         path = self._path(key)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         try:
             raw = path.read_bytes()
             header, offset = self._parse_header(raw)
@@ -132,53 +145,88 @@ class DiskTier(StoreTier):
             if (problem := chunk_problem(header, data)) is not None:
                 raise ChunkFileError(problem)
         except (OSError, ChunkFileError) as exc:
-            self._forget(key)
-            self._drop(path, str(exc))
+            with self._index_lock:
+                held = self._forget(key)
+            if held:
+                self._drop(path, str(exc))
             return None
         return KvChunk(header, data)
 
     def _drop(self, path: Path, why: str) -> None:
         log.warning("dropping KV chunk file %s: %s", path.name, why)
-        self.num_dropped_chunks += 1
+        with self._index_lock:
+            self.num_dropped_chunks += 1
         path.unlink(missing_ok=True)
 
-    def _forget(self, key: ChunkKey) -> None:
+    def _forget(self, key: ChunkKey) -> bool:
+        """Under the index lock: out of the index; False when it was not in it."""
         file_bytes = self._files.pop(key, None)
-        if file_bytes is not None:
-            self.num_bytes -= file_bytes
+        if file_bytes is None:
+            return False
+        self.num_bytes -= file_bytes
+        return True
 
     def contains(self, key: ChunkKey) -> bool:
-        return key in self._files
+        with self._index_lock:
+            return key in self._files
 
     def keys(self) -> list[ChunkKey]:
-        return list(self._files)
+        with self._index_lock:
+            return list(self._files)
 
     def get(self, key: ChunkKey) -> KvChunk | None:
-        if key not in self._files:
+        if not self.contains(key):
             return None
         chunk = self._read(key)
         if chunk is not None:
+            with self._index_lock:
+                if key in self._files:
+                    self._files.move_to_end(key)
             self._touch(key)
         return chunk
 
     def _touch(self, key: ChunkKey) -> None:
-        self._files.move_to_end(key)
         try:
             os.utime(self._path(key))       # the LRU order of the next start
         except OSError:
             pass
 
     def put(self, chunk: KvChunk, want_evicted: bool) -> list[KvChunk]:
-        if chunk.key in self._files:
+        header = msgspec.msgpack.encode(chunk.header)
+        file_bytes = PREFIX.size + len(header) + chunk.num_bytes
+        with self._index_lock:
+            if chunk.key in self._files:
+                self._files.move_to_end(chunk.key)
+                held = True
+            else:
+                held = False
+                if file_bytes > self.capacity_bytes:
+                    return [chunk]
+                victims = self._take_victims(self.capacity_bytes - file_bytes)
+                self.num_bytes += file_bytes            # reserved while the file is written
+        if held:
             self._touch(chunk.key)
             return []
-        header = self._encoder.encode(chunk.header)
-        file_bytes = PREFIX.size + len(header) + chunk.num_bytes
-        if file_bytes > self.capacity_bytes:
-            return [chunk]
-        evicted = self._evict(self.capacity_bytes - file_bytes, want_evicted)
+        evicted = self._delete(victims, want_evicted)
+        written = self._write(chunk, header)
+        with self._index_lock:
+            self.num_bytes -= file_bytes
+            if written and chunk.key not in self._files:
+                self._files[chunk.key] = file_bytes
+                self.num_bytes += file_bytes
+        if not written:
+            return [*evicted, chunk] if want_evicted else evicted
+        return evicted
+
+    def _write(self, chunk: KvChunk, header: bytes) -> bool:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         path = self._path(chunk.key)
-        fd, tmp_name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=TMP_SUFFIX)
+        try:
+            fd, tmp_name = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=TMP_SUFFIX)
+        except OSError as exc:
+            log.warning("KV chunk not written to %s: %s", self.directory, exc)
+            return False
         try:
             with os.fdopen(fd, "wb") as file:
                 file.write(PREFIX.pack(MAGIC, len(header)))
@@ -188,40 +236,63 @@ class DiskTier(StoreTier):
         except OSError as exc:
             log.warning("KV chunk not written to %s: %s", self.directory, exc)
             Path(tmp_name).unlink(missing_ok=True)
-            return [*evicted, chunk] if want_evicted else evicted
-        self._files[chunk.key] = file_bytes
-        self.num_bytes += file_bytes
+            return False
+        return True
+
+    def _take_victims(self, max_bytes: int) -> list[ChunkKey]:
+        """Under the index lock: least recently used keys out of the index until at most
+        `max_bytes` are used; their files are deleted by `_delete`, outside the lock."""
+        victims: list[ChunkKey] = []
+        while self._files and self.num_bytes > max_bytes:
+            key = next(iter(self._files))
+            self._forget(key)
+            self.num_evicted_chunks += 1
+            victims.append(key)
+        return victims
+
+    def _delete(self, victims: list[ChunkKey], want_evicted: bool) -> list[KvChunk]:
+        """Deletes the victims' files, read back first when `want_evicted`."""
+        evicted: list[KvChunk] = []
+        for key in victims:
+            path = self._path(key)
+            if want_evicted:
+                try:
+                    raw = path.read_bytes()
+                    header, offset = self._parse_header(raw)
+                    data = memoryview(raw)[offset:]
+                    if header.key == key and chunk_problem(header, data) is None:
+                        evicted.append(KvChunk(header, data))
+                except (OSError, ChunkFileError):
+                    pass
+            path.unlink(missing_ok=True)
         return evicted
 
     def _evict(self, max_bytes: int, want_evicted: bool) -> list[KvChunk]:
         """Deletes least recently used files until at most `max_bytes` are used."""
-        evicted: list[KvChunk] = []
-        while self._files and self.num_bytes > max_bytes:
-            key = next(iter(self._files))
-            if want_evicted and (chunk := self._read(key)) is not None:
-                evicted.append(chunk)
-            if key in self._files:          # _read forgets a damaged file itself
-                self._forget(key)
-                self._path(key).unlink(missing_ok=True)
-                self.num_evicted_chunks += 1
-        return evicted
+        with self._index_lock:
+            victims = self._take_victims(max_bytes)
+        return self._delete(victims, want_evicted)
 
     def remove(self, key: ChunkKey) -> bool:
-        if key not in self._files:
-            return False
-        self._forget(key)
+        with self._index_lock:
+            if not self._forget(key):
+                return False
         self._path(key).unlink(missing_ok=True)
         return True
 
     def clear(self) -> int:
-        keys = list(self._files)
+        with self._index_lock:
+            keys = list(self._files)
+            self._files.clear()
+            self.num_bytes = 0
         for key in keys:
-            self.remove(key)
+            self._path(key).unlink(missing_ok=True)
         return len(keys)
 
     def stats(self) -> TierStats:
-        return TierStats(self.name, self.capacity_bytes, len(self._files), self.num_bytes,
-                         self.num_evicted_chunks, self.num_dropped_chunks)
+        with self._index_lock:
+            return TierStats(self.name, self.capacity_bytes, len(self._files), self.num_bytes,
+                             self.num_evicted_chunks, self.num_dropped_chunks)
 
     def close(self) -> None:
         if self._lock_fd >= 0:

@@ -2,7 +2,9 @@
 
 `KvStore` (store.py) layers tiers, fastest first: what one tier pushes out to make room goes to
 the next. A new tier (a remote object store, another node's memory) is a new `StoreTier`;
-nothing above it changes. Tiers are not thread-safe: `KvStore` serialises every call.
+nothing above it changes. A tier in memory is not thread-safe: `KvStore` calls it under its
+lock. A tier that does I/O (`locks_itself`) guards its own index with a lock held only for
+index updates, never across a read or write, so the store calls it outside its lock.
 """
 
 from abc import ABC, abstractmethod
@@ -15,6 +17,7 @@ class StoreTier(ABC):
     """One level of the store: a byte budget, least recently used chunks leave first."""
 
     name: str
+    locks_itself = False    # True: thread-safe, and called outside the store's lock
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:

@@ -175,9 +175,10 @@ def test_a_device_hit_of_a_chunk_loads_only_past_it(stored: list[int]) -> None:
     assert result.block_ids[0][:BLOCKS_PER_CHUNK] == warm_blocks
     assert len(result.block_ids[0]) == 768 // BLOCK_SIZE
     assert result.num_committed_blocks == BLOCKS_PER_CHUNK
-    # Looked up from the hit's chunk on: chunks 1 and 2, both held, counted once.
+    # Looked up from the hit's chunk on: chunks 1 and 2, both held, and the partial last
+    # chunk [768, 800), not held (a miss), counted once.
     after = hit_miss(store)
-    assert (after[0] - before[0], after[1] - before[1]) == (512, 0)
+    assert (after[0] - before[0], after[1] - before[1]) == (512, 32)
 
 
 def test_a_device_hit_covering_what_the_store_holds_loads_nothing() -> None:
@@ -201,12 +202,13 @@ def test_without_a_store_nothing_loads() -> None:
         assert mgr.num_stored_prefix_blocks(hash_full_blocks(tokens, BLOCK_SIZE)) == 0
 
 
-def test_a_load_that_does_not_fit_admits_nothing() -> None:
+def test_a_load_that_does_not_fit_admits_nothing_without_chunked_prefill() -> None:
+    """(With chunked prefill the chunks that fit load: test_store_admission_partial.py.)"""
     store = new_store()
     tokens = prompt(600)
     put_chunks(store, tokens, [0, 1])
     mgr = manager(store, num_blocks=31)                    # 30 usable blocks, 32 needed
-    reply = mgr.apply(PlanRequest(0, 1, [], [], [admit_op("a", tokens)]))
+    reply = mgr.apply(PlanRequest(0, 1, [], [], [admit_op("a", tokens, allow_partial=False)]))
     assert reply.error is None and reply.admitted == []
     assert mgr.stats().num_used_blocks == 0 and mgr.stats().num_store_hits == 0
 
@@ -238,12 +240,14 @@ def test_routing_queries_count_nothing_admissions_count_once() -> None:
     assert hit_miss(store) == (0, 0)
 
     admit(mgr, "a", tokens)
-    # One admission: 2 chunks held, 1 missed; not once per slice (that would double them).
-    assert hit_miss(store) == (512, 256)
-    admit(mgr, "short", prompt(CHUNK_TOKENS - 1, seed=5))   # shorter than a chunk: no lookup
-    assert hit_miss(store) == (512, 256)
+    # One admission: 2 chunks held, 1 and the partial last [768, 800) missed; not once per
+    # slice (that would double them).
+    assert hit_miss(store) == (512, 288)
+    # Shorter than a chunk, its last block partial and no tail hash given: no lookup.
+    admit(mgr, "short", prompt(CHUNK_TOKENS - 1, seed=5))
+    assert hit_miss(store) == (512, 288)
     assert mgr.num_stored_prefix_blocks(hashes) == 2 * BLOCKS_PER_CHUNK
-    assert hit_miss(store) == (512, 256)
+    assert hit_miss(store) == (512, 288)
 
 
 def test_a_view_needs_whole_blocks_per_chunk_and_a_slice() -> None:
@@ -259,7 +263,8 @@ def test_a_refused_admission_counts_no_lookup() -> None:
     put_chunks(store, tokens, [0, 1])
     mgr = manager(store, num_blocks=31)                    # 32 blocks needed: does not fit
     for plan_id in (1, 2, 3):                              # the scheduler retries each step
-        reply = mgr.apply(PlanRequest(0, plan_id, [], [], [admit_op("a", tokens)]))
+        reply = mgr.apply(PlanRequest(0, plan_id, [], [],
+                                      [admit_op("a", tokens, allow_partial=False)]))
         assert reply.admitted == []
     assert hit_miss(store) == (0, 0)
 
@@ -348,7 +353,7 @@ def test_prefix_query_answers_stored_blocks_and_store_stats() -> None:
     plan_admit(pools, 0, tokens)                           # loads 512, misses chunk 2
     again = pools.handle(PrefixQuery(hashes))
     assert isinstance(again, PrefixReply) and again.store is not None
-    assert (again.store.num_hit_tokens, again.store.num_miss_tokens) == (512, 256)
+    assert (again.store.num_hit_tokens, again.store.num_miss_tokens) == (512, 288)  # + tail
     assert again.replicas[0] == ReplicaPrefix(0, 0, 32)    # loaded blocks: not indexed yet
 
     # The reply crosses the wire with its store stats.

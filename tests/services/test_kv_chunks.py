@@ -6,16 +6,21 @@ import msgspec
 import pytest
 
 from services import cluster_token
-from services.block_hash import hash_full_blocks
+from services.block_hash import hash_block, hash_full_blocks
 from services.codec import Codec, DecodeError
 from services.kv_chunks import (
     KvSlice,
     chunk_keys,
     chunk_problem,
     chunk_token_ends,
+    extend_chunk,
+    extension_problem,
     log_stored,
     make_chunk,
+    prefix_chunk_keys,
+    prefix_hash,
     skip_leading_tokens,
+    window_ends,
 )
 from services.kv_store_wire import KV_DTYPE_BYTES, ChunkKey, KvDtype, LookupChunks, ToKvStore
 
@@ -24,8 +29,6 @@ SLICE = KvSlice("m", "bfloat16", layer_start=4, layer_end=8, head_start=2, head_
 
 def test_chunks_end_every_chunk_tokens_over_full_blocks() -> None:
     assert chunk_token_ends(10, block_size=16, chunk_tokens=64) == [64, 128]
-    assert chunk_token_ends(10, 16, 64, with_partial_tail=True) == [64, 128, 160]
-    assert chunk_token_ends(8, 16, 64, with_partial_tail=True) == [64, 128]
     assert chunk_token_ends(3, 16, 64) == []
     for chunk_tokens in (0, 8, 24):
         with pytest.raises(ValueError, match="multiple of block_size"):
@@ -39,19 +42,15 @@ def test_a_chunk_is_keyed_by_its_last_blocks_hash_and_the_ranks_slice() -> None:
                                                             (hashes[23], 32)]
     assert all((k.model, k.dtype, k.layer_start, k.layer_end, k.head_start, k.head_end)
                == ("m", "bfloat16", 4, 8, 2, 4) for k in keys)
-    tail = chunk_keys(hashes, 4, 32, SLICE, with_partial_tail=True)[-1]
-    assert (tail.block_hash, tail.num_tokens) == (hashes[24], 4)
-    # A longer prompt with the same start shares the leading keys; its chunk past the
-    # shorter prompt's tail ends elsewhere, so it never matches that tail.
     longer = chunk_keys(hash_full_blocks(list(range(200)), 4), 4, 32, SLICE)
-    assert longer[:3] == keys and tail not in longer
+    assert longer[:3] == keys
     other_rank = KvSlice("m", "bfloat16", 4, 8, 0, 2)
     assert chunk_keys(hashes, 4, 32, other_rank)[0] != keys[0]
 
 
 def test_skip_leading_tokens_and_the_stored_line(caplog: pytest.LogCaptureFixture) -> None:
-    keys = chunk_keys(hash_full_blocks(list(range(100)), 4), 4, 32, SLICE,
-                      with_partial_tail=True)
+    tokens = list(range(100))
+    keys = prefix_chunk_keys(hash_full_blocks(tokens, 4), tokens, 0, 100, 4, 32, SLICE)
     assert skip_leading_tokens(keys, 0) == 0
     assert skip_leading_tokens(keys, 2) == 64 and skip_leading_tokens(keys, 4) == 100
     with caplog.at_level(logging.INFO):
@@ -94,3 +93,46 @@ def test_keys_are_validated_when_decoded_and_built() -> None:
     with pytest.raises(ValueError, match="empty slice"):
         KvSlice("m", "bfloat16", 4, 4, 0, 1).key(bytes(32), 16)
     assert isinstance(good, ChunkKey) and hash(good) == hash(SLICE.key(bytes(32), 16))
+
+
+def test_a_partial_chunk_is_keyed_by_its_exact_token_prefix() -> None:
+    """The seeds' 32 tokens: a chunk ending inside a block hashes that block's tokens so far
+    onto the chain; it differs from every full block's hash and from any other prefix's."""
+    tokens = list(range(100, 132))
+    hashes = hash_full_blocks(tokens, 16, cache_salt=b"s")
+    assert prefix_hash(hashes, tokens, 32, 16, b"s") == hashes[1]
+    at_24 = prefix_hash(hashes, tokens, 24, 16, b"s")
+    assert at_24 == hash_block(hashes[0], tokens[16:24])
+    assert at_24 not in hashes and prefix_hash(hashes, tokens, 23, 16, b"s") != at_24
+    assert prefix_hash(hashes, tokens, 8, 16, b"s") == hash_block(bytes(32), tokens[:8], b"s")
+    assert prefix_hash(hashes, tokens, 8, 16) != prefix_hash(hashes, tokens, 8, 16, b"s")
+    assert window_ends(24, 32, 256) == [(0, 32)]
+    assert window_ends(200, 600, 256) == [(0, 256), (256, 512), (512, 600)]
+    keys = prefix_chunk_keys(hashes, tokens, 0, 24, 16, 256, SLICE, b"s")
+    assert [(k.block_hash, k.num_tokens) for k in keys] == [(at_24, 24)]
+    longer = list(range(100, 400))
+    keys = prefix_chunk_keys(hash_full_blocks(longer, 16), longer, 100, 300, 16, 256, SLICE)
+    assert [k.num_tokens for k in keys] == [256, 44]
+    assert keys[0] == chunk_keys(hash_full_blocks(longer, 16), 16, 256, SLICE)[0]
+
+
+def test_an_extension_appends_its_tokens_to_its_base() -> None:
+    """Shape [layers, 2, tokens, heads, dim]: each (layer, k/v) row gets the new tokens."""
+    one_byte = KvSlice("m", "float8_e4m3fn", 4, 8, 2, 4)     # one byte per element
+    base_key, key = one_byte.key(bytes(32), 3), one_byte.key(b"\x01" * 32, 5)
+    base = make_chunk(base_key, (2, 2, 3, 1, 1), bytes([10, 11, 12, 20, 21, 22, 30, 31, 32,
+                                                          40, 41, 42]))
+    new = make_chunk(key, (2, 2, 2, 1, 1), bytes([13, 14, 23, 24, 33, 34, 43, 44]),
+                     base=base_key)
+    assert extension_problem(new.header) is None
+    whole = extend_chunk(base, new.header, new.data)
+    assert whole.key == key and whole.header.shape == (2, 2, 5, 1, 1)
+    assert whole.header.base is None
+    assert bytes(whole.data) == bytes([10, 11, 12, 13, 14, 20, 21, 22, 23, 24,
+                                       30, 31, 32, 33, 34, 40, 41, 42, 43, 44])
+    assert chunk_problem(whole.header, whole.data) is None
+    wrong = make_chunk(key, (2, 2, 3, 1, 1), bytes(12), base=base_key)
+    assert "no [layers, 2, 2 tokens" in (extension_problem(wrong.header) or "")
+    other = make_chunk(key, (2, 2, 2, 1, 1), bytes(8),
+                       base=KvSlice("m2", "float8_e4m3fn", 4, 8, 2, 4).key(bytes(32), 3))
+    assert "another slice" in (extension_problem(other.header) or "")

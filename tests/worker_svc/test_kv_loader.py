@@ -6,7 +6,6 @@ as the request that computed that KV."""
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
@@ -20,16 +19,13 @@ from services.block_hash import hash_full_blocks
 from services.kv_chunks import chunk_keys
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import ChunkKey, KvSlice
-from services.model_config import ModelConfig
-from services.wire import NewRequest, RunningRequest, StepInput, StepOutput
+from services.wire import NewRequest, RunningRequest, StepInput
 from tests.kvcache_svc.kv_store.serving import client_codec, serving
 from tests.worker_svc.common import GREEDY
-from tests.worker_svc.test_runner import MiniScheduler
 from worker_svc import kv_loader
 from worker_svc.input_batch import InputBatch
 from worker_svc.kv_loader import KvLoader
-from worker_svc.kv_saver import KvSaver, KvStoreOptions
-from worker_svc.runner import ModelRunner
+from worker_svc.kv_saver import KvSaver
 
 BLOCK_SIZE = 16
 CHUNK_TOKENS = 256
@@ -98,13 +94,14 @@ def loader(saver: KvSaver) -> Iterator[KvLoader]:
 
 
 def save_a(saver: KvSaver, kv_caches: list[torch.Tensor], store: KvStore) -> None:
-    """Request "a" computes PROMPT in blocks A_BLOCKS; the saver stores its 2 whole chunks."""
+    """Request "a" computes PROMPT in blocks A_BLOCKS; the saver stores its 2 whole chunks
+    and its tail."""
     batch = new_batch()
     scheduled = batch.apply(StepInput(0, [NewRequest("a", PROMPT, len(PROMPT), GREEDY, [A_BLOCKS],
                                                      0, len(PROMPT))], [], []))
     saver.submit(saver.copy_out(scheduled, kv_caches, BLOCK_SIZE), BLOCK_SIZE)
     drain(saver)
-    assert saver.num_chunks_stored == 2
+    assert saver.num_chunks_stored == 3                  # and the tail [512, 600), partial
     assert store.lookup(keys(PROMPT)) == 2
 
 
@@ -150,9 +147,14 @@ def test_a_load_writes_the_saved_kv_into_the_requests_blocks_past_its_hit(
     assert store.stats().num_loaded_chunks == 2 - num_cached // CHUNK_TOKENS
 
 
+def tokens_of(cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    return cache[:, block_ids].reshape(2, -1, *cache.shape[3:])[:, start:end]
+
+
 def test_a_load_capped_before_the_last_token_fills_its_blocks(
         saver: KvSaver, loader: KvLoader, store: KvStore) -> None:
-    """A 512-token prompt loads 511 tokens (the last is computed): both chunks come."""
+    """A 512-token prompt loads 511 tokens (the last is computed): both chunks come, and the
+    last token's slot is left to its compute."""
     kv_caches = caches()
     save_a(saver, kv_caches, store)
     before = [cache.clone() for cache in kv_caches]
@@ -161,7 +163,43 @@ def test_a_load_capped_before_the_last_token_fills_its_blocks(
     assert batch.apply(step) == []
     ticket = loader.start(step, batch.requests, kv_caches, BLOCK_SIZE)
     assert ticket is not None and ticket.wait() == {"c": 511}
-    assert_loaded(kv_caches, before, 0, 32)
+    for cache, old in zip(kv_caches, before):
+        assert torch.equal(tokens_of(cache, C_BLOCKS, 0, 511), tokens_of(cache, A_BLOCKS, 0, 511))
+        others = [b for b in range(NUM_BLOCKS) if b not in C_BLOCKS[:32]]
+        assert torch.equal(cache[:, others], old[:, others])
+        assert torch.equal(tokens_of(cache, C_BLOCKS, 511, 512),
+                           tokens_of(old, C_BLOCKS, 511, 512))
+
+
+@pytest.mark.parametrize("num_tokens", [600, 590], ids=["tail-of-full-blocks",
+                                                        "tail-inside-a-block"])
+def test_a_partial_tail_loads_every_token_but_the_last(
+        saver: KvSaver, loader: KvLoader, store: KvStore, num_tokens: int) -> None:
+    """A prompt the store holds to its end, the last chunk partial: every token but the last
+    is loaded into the request's slots, token by token in its last block."""
+    kv_caches = caches()
+    prompt = PROMPT[:num_tokens]
+    batch = new_batch()
+    scheduled = batch.apply(StepInput(0, [NewRequest("a", prompt, num_tokens, GREEDY,
+                                                     [A_BLOCKS], 0, num_tokens)], [], []))
+    saver.submit(saver.copy_out(scheduled, kv_caches, BLOCK_SIZE), BLOCK_SIZE)
+    drain(saver)
+    before = [cache.clone() for cache in kv_caches]
+    num_blocks = -(-(num_tokens - 1) // BLOCK_SIZE)
+    step = StepInput(1, [loading("c", 128, num_tokens - 1 - 128, C_BLOCKS[:num_blocks],
+                                 token_ids=prompt)], [], [])
+    batch = new_batch()
+    assert batch.apply(step) == []
+    ticket = loader.start(step, batch.requests, kv_caches, BLOCK_SIZE)
+    assert ticket is not None and ticket.wait() == {"c": num_tokens - 1 - 128}
+    assert loader.num_chunks_loaded == 3 and loader.num_loads_short == 0
+    for cache, old in zip(kv_caches, before):
+        assert torch.equal(tokens_of(cache, C_BLOCKS, 128, num_tokens - 1),
+                           tokens_of(cache, A_BLOCKS, 128, num_tokens - 1))
+        assert torch.equal(tokens_of(cache, C_BLOCKS, 0, 128), tokens_of(old, C_BLOCKS, 0, 128))
+        if (num_tokens - 1) % BLOCK_SIZE:   # the rest of the last block is untouched
+            assert torch.equal(tokens_of(cache, C_BLOCKS, num_tokens - 1, num_blocks * 16),
+                               tokens_of(old, C_BLOCKS, num_tokens - 1, num_blocks * 16))
 
 
 @pytest.mark.parametrize("missing, num_loaded", [(1, 256), (0, 0)],
@@ -323,66 +361,3 @@ def test_a_request_finished_while_loading_is_dropped() -> None:
     assert not batch.requests
     with pytest.raises(ValueError, match="not held"):
         batch.apply(resume(256))
-
-
-# --------------------------------------------------------------------------- end to end
-
-E2E_BLOCK = 4
-E2E_CHUNK = 32
-E2E_PROMPT_LEN = 75            # 2 whole chunks: 64 tokens load, 11 computed
-E2E_LOAD = 64
-MAX_TOKENS = 4
-
-
-def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
-        ctx: zmq.Context, model_path: Path, model_config: ModelConfig) -> None:
-    generator = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, model_config.vocab_size, (E2E_PROMPT_LEN,),
-                           generator=generator).tolist()
-    store = KvStore([MemoryTier(256 << 20)], chunk_tokens=E2E_CHUNK)
-    with serving(ctx, store) as loop:
-        runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
-                             kv_store=KvStoreOptions(loop.address, codec=client_codec()))
-        saver = runner.kv_saver
-        try:
-            assert saver is not None and saver.ready.wait(10)
-            runner.init_cache(128, E2E_BLOCK)
-            # B computes the prompt in two steps, split where C's load will end, so that C's
-            # computed tail runs exactly as B's did; then decodes.
-            scheduler = MiniScheduler(token_budget=E2E_LOAD, send_tokens=False)
-            scheduler.add("b", prompt, MAX_TOKENS)
-            while scheduler.has_work:
-                out = runner.execute(scheduler.schedule())
-                assert isinstance(out, StepOutput)
-                scheduler.update(out)
-            drain(saver)
-            assert saver.num_chunks_stored == 2
-            expected = scheduler.outputs("b")
-            b_blocks = scheduler.requests["b"].block_ids
-
-            c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
-            num_load_blocks = E2E_LOAD // E2E_BLOCK
-            launched = runner.launch(StepInput(100, [NewRequest(
-                "c", prompt, len(prompt), GREEDY, [c_blocks[:num_load_blocks]], 0, 0,
-                num_load_tokens=E2E_LOAD)], [], []))
-            out = runner.finish(launched)
-            assert isinstance(out, StepOutput) and out.request_ids == []
-            assert launched.loads is not None and launched.loads.wait() == {"c": E2E_LOAD}
-            for cache in runner.kv_caches:
-                assert torch.equal(cache[:, c_blocks[:num_load_blocks]],
-                                   cache[:, b_blocks[:num_load_blocks]])
-
-            tokens: list[int] = []
-            num_computed, num_new = E2E_LOAD, E2E_PROMPT_LEN - E2E_LOAD
-            num_blocks = num_load_blocks
-            for step_id in range(101, 101 + MAX_TOKENS):
-                end_blocks = -(-(num_computed + num_new) // E2E_BLOCK)
-                out = runner.execute(StepInput(step_id, [], [RunningRequest(
-                    "c", num_computed, num_new, [c_blocks[num_blocks:end_blocks]], [])], []))
-                assert isinstance(out, StepOutput) and out.request_ids == ["c"]
-                tokens += out.sampled_token_ids
-                num_blocks = max(num_blocks, end_blocks)
-                num_computed, num_new = num_computed + num_new, 1
-            assert tokens == expected
-        finally:
-            runner.close()

@@ -70,13 +70,13 @@ class RecordingOrder:
 @pytest.fixture
 def order(monkeypatch: pytest.MonkeyPatch) -> RecordingOrder:
     recording = RecordingOrder()
-    real_scatter = kv_loader.scatter_blocks
+    real_scatter = kv_loader.scatter_tokens
 
     def scatter(*args, **kwargs):  # type: ignore[no-untyped-def]
         recording._record("copy" if recording.inside else "copy outside the loader's stream")
         return real_scatter(*args, **kwargs)
 
-    monkeypatch.setattr(kv_loader, "scatter_blocks", scatter)
+    monkeypatch.setattr(kv_loader, "scatter_tokens", scatter)
     return recording
 
 

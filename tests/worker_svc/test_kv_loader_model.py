@@ -1,0 +1,84 @@
+"""KvLoader end to end with the real ModelRunner (SmolLM2, CPU): a request loaded from the
+store (whole chunks, or to the prompt's end through a partial last chunk) decodes the same
+greedy tokens as the request that computed that KV. Split from test_kv_loader.py."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from kvcache_svc.kv_store.memory_tier import MemoryTier
+from kvcache_svc.kv_store.store import KvStore
+from services.model_config import ModelConfig
+from services.wire import NewRequest, RunningRequest, StepInput, StepOutput
+from tests.kvcache_svc.kv_store.serving import client_codec, serving
+from tests.worker_svc.common import GREEDY
+from tests.worker_svc.test_kv_loader import drain, tokens_of
+from tests.worker_svc.test_runner import MiniScheduler
+from worker_svc.kv_saver import KvStoreOptions
+from worker_svc.runner import ModelRunner
+
+E2E_BLOCK = 4
+E2E_CHUNK = 32
+E2E_PROMPT_LEN = 75            # 2 whole chunks: 64 tokens load, 11 computed
+E2E_LOAD = 64
+MAX_TOKENS = 4
+
+
+@pytest.mark.parametrize("num_load", [E2E_LOAD, E2E_PROMPT_LEN - 1],
+                         ids=["whole-chunks", "all-but-the-last-token"])
+def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
+        ctx: zmq.Context, model_path: Path, model_config: ModelConfig, num_load: int) -> None:
+    """C loads B's KV (whole chunks, or to the prompt's end through B's partial tail chunk:
+    one token computed) and decodes B's tokens."""
+    generator = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, model_config.vocab_size, (E2E_PROMPT_LEN,),
+                           generator=generator).tolist()
+    store = KvStore([MemoryTier(256 << 20)], chunk_tokens=E2E_CHUNK)
+    with serving(ctx, store) as loop:
+        runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
+                             kv_store=KvStoreOptions(loop.address, codec=client_codec()))
+        saver = runner.kv_saver
+        try:
+            assert saver is not None and saver.ready.wait(10)
+            runner.init_cache(128, E2E_BLOCK)
+            # B computes the prompt in two steps, split where C's load will end, so that C's
+            # computed tail runs exactly as B's did; then decodes.
+            scheduler = MiniScheduler(token_budget=E2E_LOAD, send_tokens=False)
+            scheduler.add("b", prompt, MAX_TOKENS)
+            while scheduler.has_work:
+                out = runner.execute(scheduler.schedule())
+                assert isinstance(out, StepOutput)
+                scheduler.update(out)
+            drain(saver)
+            assert saver.num_chunks_stored == 3          # 2 whole chunks, the tail [64, 75)
+            expected = scheduler.outputs("b")
+            b_blocks = scheduler.requests["b"].block_ids
+
+            c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
+            num_load_blocks = -(-num_load // E2E_BLOCK)
+            launched = runner.launch(StepInput(100, [NewRequest(
+                "c", prompt, len(prompt), GREEDY, [c_blocks[:num_load_blocks]], 0, 0,
+                num_load_tokens=num_load)], [], []))
+            out = runner.finish(launched)
+            assert isinstance(out, StepOutput) and out.request_ids == []
+            assert launched.loads is not None and launched.loads.wait() == {"c": num_load}
+            for cache in runner.kv_caches:
+                assert torch.equal(tokens_of(cache, c_blocks, 0, num_load),
+                                   tokens_of(cache, b_blocks, 0, num_load))
+
+            tokens: list[int] = []
+            num_computed, num_new = num_load, E2E_PROMPT_LEN - num_load
+            num_blocks = num_load_blocks
+            for step_id in range(101, 101 + MAX_TOKENS):
+                end_blocks = -(-(num_computed + num_new) // E2E_BLOCK)
+                out = runner.execute(StepInput(step_id, [], [RunningRequest(
+                    "c", num_computed, num_new, [c_blocks[num_blocks:end_blocks]], [])], []))
+                assert isinstance(out, StepOutput) and out.request_ids == ["c"]
+                tokens += out.sampled_token_ids
+                num_blocks = max(num_blocks, end_blocks)
+                num_computed, num_new = num_computed + num_new, 1
+            assert tokens == expected
+        finally:
+            runner.close()

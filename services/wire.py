@@ -32,6 +32,9 @@ MAX_REQUESTS_PER_STEP = 1 << 14    # requests named in one message
 MAX_ID_LEN = 256                   # characters of a request or worker id
 MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
 MAX_CACHE_SALT_BYTES = 256         # UTF-8 bytes of a request's cache salt (a tenant id or secret)
+MAX_LOGIT_BIAS = 1024              # token ids one request may bias
+MAX_LOGIT_BIAS_VALUE = 100.0       # |bias| added to a logit, as OpenAI's API bounds it
+MAX_REPETITION_PENALTY = 1e6       # any finite value > 0 is meaningful; this only bounds it
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -66,6 +69,18 @@ class SamplingSpec(_Wire, frozen=True):
     top_k: Annotated[int, Meta(ge=-1)]                # -1 or 0 = off
     seed: Annotated[int, Meta(ge=0)] | None  # per-request generator seed
     num_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None  # None = no logprobs
+    # Added after the first five (positional encoding: new fields go last, with defaults). The
+    # worker's sampler applies them in this order, as vLLM does: logit_bias, repetition, then
+    # frequency and presence penalties (on the raw logits), temperature, min_p, top-k, top-p.
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0   # drop tokens below min_p x best prob
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0   # per output token seen
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # per output occurrence
+    # Divides positive / multiplies negative logits of tokens in prompt or output; 1 = off.
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    # (token id, value added to its logit); ids unique and within the vocabulary.
+    logit_bias: Annotated[list[tuple[TokenId, Annotated[float, Meta(
+        ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]]],
+        Meta(max_length=MAX_LOGIT_BIAS)] = []
 
 
 class NewRequest(_Wire):

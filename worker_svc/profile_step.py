@@ -15,18 +15,23 @@ from services.wire import MAX_TOP_LOGPROBS, SamplingSpec
 from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches, bytes_per_block, layer_caches
 from worker_svc.model.llama import LlamaModel
+from worker_svc.penalties import TokenHistory
 from worker_svc.sampler import sample
 
 
 def worst_case_sampling(logits: torch.Tensor) -> None:
     """Samples every row of `logits` ([rows, vocab]) the most memory-hungry way a request
     can ask for: temperature, top-k, a top-p nucleus wider than the sampler's candidates
-    (equal logits: the whole vocabulary is sorted), and the most logprobs."""
+    (equal logits: the whole vocabulary is sorted), the most logprobs, min_p and every penalty
+    (their [rows, vocab] token counts)."""
     vocab = logits.shape[-1]
     spec = SamplingSpec(temperature=1.0, top_p=0.99, top_k=vocab - 1, seed=None,
-                        num_logprobs=MAX_TOP_LOGPROBS)
+                        num_logprobs=MAX_TOP_LOGPROBS, min_p=1e-9, presence_penalty=0.5,
+                        frequency_penalty=0.5, repetition_penalty=1.1)
     rows = logits.shape[0]
-    sample(logits.float().fill_(0.0), [spec] * rows, [None] * rows)
+    history = TokenHistory([0, 1], 1)
+    sample(logits.float().fill_(0.0), [spec] * rows, [None] * rows,
+           histories=[history] * rows)
 
 
 def profile_forward(model: LlamaModel, specs: list[KvLayerSpec], num_tokens: int,

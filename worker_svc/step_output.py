@@ -16,7 +16,8 @@ from worker_svc.input_batch import ScheduledRequest
 from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
 from worker_svc.pending_tokens import PendingTokens
-from worker_svc.sampler import is_greedy, sample
+from worker_svc.penalties import TokenHistory
+from worker_svc.sampler import is_plain_greedy, sample
 from worker_svc.step_clock import step_timings
 
 
@@ -40,9 +41,11 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     logits = model.compute_logits(hidden.index_select(0, index),
                                   residual.index_select(0, index))  # [rows, vocab]
     specs = [s.state.sampling for s in sampling]
-    if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
-        token_ids, sampled.logprobs = sample(logits, specs,
-                                             [s.state.generator for s in sampling])
+    if not all(is_plain_greedy(spec) for spec in specs):
+        token_ids, sampled.logprobs = sample(
+            logits, specs, [s.state.generator for s in sampling],
+            histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
+                       for s in sampling])
         sampled.token_ids = token_ids
         for s, token_id in zip(sampling, token_ids, strict=True):
             s.state.token_ids.append(token_id)

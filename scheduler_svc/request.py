@@ -39,10 +39,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1                        # choices of the request (scheduler_svc.choices)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias), ids unique
 
     def to_spec(self) -> SamplingSpec:
         return SamplingSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                            seed=self.seed, num_logprobs=self.logprobs)
+                            seed=self.seed, num_logprobs=self.logprobs, min_p=self.min_p,
+                            presence_penalty=self.presence_penalty,
+                            frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty,
+                            logit_bias=list(self.logit_bias))
 
 
 @dataclass(slots=True)

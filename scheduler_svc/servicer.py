@@ -4,12 +4,14 @@ Thin by design: convert protobuf to core types (`from_pb`), call the core, conve
 (`to_pb`), and map core exceptions to status codes. Policy lives in Frontend, Membership and Router.
 """
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 import msgspec
 
+from scheduler_svc.choices import choice_ids, generate_choices
 from scheduler_svc.frontend import (
     Draining,
     Frontend,
@@ -61,12 +63,19 @@ def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
         seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
-        keep_special_tokens=request.keep_special_tokens)
+        keep_special_tokens=request.keep_special_tokens, n=opt("n"),  # type: ignore[arg-type]
+        min_p=opt("min_p"), presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
+        frequency_penalty=opt("frequency_penalty"),  # type: ignore[arg-type]
+        repetition_penalty=opt("repetition_penalty"),  # type: ignore[arg-type]
+        logit_bias=tuple(sorted(s.logit_bias.items())))
 
 
-def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                          text=out.text)
+def output_to_pb(out: RequestOutput, request_id: str | None = None,
+                 index: int = 0) -> generation_pb2.GenerateResponse:
+    """`request_id`: the client's id, where `out` is one choice's (`<request_id>-<index>`)."""
+    msg = generation_pb2.GenerateResponse(request_id=request_id or out.request_id,
+                                          token_ids=out.new_token_ids, text=out.text,
+                                          index=index)
     for token_id, lp in zip(out.new_token_ids, out.logprobs):
         if lp is not None:
             msg.logprobs.append(generation_pb2.TokenLogprob(
@@ -92,17 +101,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.frontend = frontend
         self.model = model
         self.served_name = served_name or model.name
+        # Requests with n > 1 by the client's id -> (n, set by Abort), so that Abort finds
+        # their choices, started or not.
+        self._choices: dict[str, tuple[int, asyncio.Event]] = {}
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        async for out in self._run(request, context):
-            yield output_to_pb(out)
+        async for request_id, index, out in self._run(request, context):
+            yield output_to_pb(out, request_id, index)
 
     async def GenerateOnce(self, request: generation_pb2.GenerateRequest,
                            context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        if request.sampling.HasField("n") and request.sampling.n != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "n > 1 is only served by the streaming Generate")
         merged = generation_pb2.GenerateResponse()
-        async for out in self._run(request, context):
+        async for _, _, out in self._run(request, context):
             part = output_to_pb(out)
             merged.request_id = part.request_id
             merged.token_ids.extend(part.token_ids)
@@ -116,7 +131,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return merged
 
     async def _run(self, request: generation_pb2.GenerateRequest,
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
+                   context: grpc.aio.ServicerContext,
+                   ) -> AsyncIterator[tuple[str, int, RequestOutput]]:
+        """(the request's id, choice index, output) until every choice has finished."""
         try:
             prepared = await self.frontend.prepare(request.request_id, request.model,
                                                    prompt_from_pb(request),
@@ -124,9 +141,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                    request.cache_salt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id, n = prepared.request_id, prepared.sampling.n
+        aborted = asyncio.Event()
+        if n > 1:
+            if request_id in self._choices:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {request_id!r} is already in use")
+            self._choices[request_id] = (n, aborted)
         try:
-            async for out in self.frontend.generate(prepared, context.time_remaining()):
-                yield out
+            async for index, out in generate_choices(self.frontend, prepared,
+                                                     context.time_remaining(), aborted):
+                yield request_id, index, out
         except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -136,6 +161,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestFailed as exc:
             code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"request failed: {exc}")
+        finally:
+            if n > 1:
+                self._choices.pop(request_id, None)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
@@ -159,7 +187,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request.request_id))
+        request_id = request.request_id
+        entry = self._choices.get(request_id)
+        if entry is None:
+            return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request_id))
+        n, aborted = entry
+        aborted.set()
+        for choice in choice_ids(request_id, n):
+            self.frontend.live.cancel(choice)
+        return generation_pb2.AbortResponse(found=True)
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import ChatMessage
-from services.wire import MAX_CACHE_SALT_BYTES, MAX_ID_LEN, MAX_TOP_LOGPROBS
+from services.wire import (
+    MAX_CACHE_SALT_BYTES,
+    MAX_ID_LEN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
@@ -23,6 +30,9 @@ MAX_STOP_LEN = 256
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 64) - 1          # SamplingParams.seed is a uint64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_CHOICES = 64                  # SamplingParams.n
+# A choice's request id is `<request_id>-<index>`, within the wire's id length.
+MAX_CHOICE_SUFFIX = len(f"-{MAX_CHOICES - 1}")
 
 # The default prompt byte limit (see `default_max_prompt_bytes`).
 PROMPT_BYTES_MARGIN = 2                 # normalizers (NFC) may shrink text before it is split
@@ -77,6 +87,12 @@ class RawSampling:
     ignore_eos: bool | None = None
     logprobs: int | None = None
     keep_special_tokens: bool = False
+    n: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def validate_model(model: str, limits: Limits) -> None:
@@ -193,8 +209,48 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
     seed = raw.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(64)
+    n = 1 if raw.n is None else raw.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}")
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
-        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens)
+        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens, n=n,
+        **_penalties(raw, limits))
+
+
+def _in_range(name: str, value: float | None, default: float, low: float, high: float,
+              low_open: bool = False) -> float:
+    if value is None:
+        return default
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise InvalidRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], "
+                             f"got {value}")
+    return value
+
+
+def _penalties(raw: RawSampling, limits: Limits) -> dict[str, object]:
+    """min_p, the penalties and logit_bias, checked against the bounds the worker's wire
+    type declares (services.wire.SamplingSpec)."""
+    if len(raw.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(raw.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+    for token_id, bias in raw.logit_bias:
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequest(f"logit_bias token id {token_id} is outside the vocabulary "
+                                 f"(0..{limits.vocab_size - 1})")
+        _in_range(f"logit_bias[{token_id}]", bias, 0.0, -MAX_LOGIT_BIAS_VALUE,
+                  MAX_LOGIT_BIAS_VALUE)
+    if len({token_id for token_id, _ in raw.logit_bias}) != len(raw.logit_bias):
+        raise InvalidRequest("logit_bias names a token id twice")
+    return {
+        "min_p": _in_range("min_p", raw.min_p, 0.0, 0.0, 1.0),
+        "presence_penalty": _in_range("presence_penalty", raw.presence_penalty, 0.0, -2.0, 2.0),
+        "frequency_penalty": _in_range("frequency_penalty", raw.frequency_penalty, 0.0,
+                                       -2.0, 2.0),
+        "repetition_penalty": _in_range("repetition_penalty", raw.repetition_penalty, 1.0,
+                                        0.0, MAX_REPETITION_PENALTY, low_open=True),
+        "logit_bias": tuple(raw.logit_bias),
+    }

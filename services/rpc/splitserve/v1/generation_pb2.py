@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from services.rpc.splitserve.v1 import kvcache_pb2 as splitserve_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\x1a\x1bsplitserve/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xd4\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x04text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessages\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1b\n\x13keep_special_tokens\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05_text\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xdc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x18\n\x0bstop_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason\"\x85\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessages\x12\x1c\n\x14no_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05_text\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"k\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\tsequences\x18\x02 \x03(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"#\n\x12\x44\x65tokenizeResponse\x12\r\n\x05texts\x18\x01 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x90\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x18\n\x10max_prompt_bytes\x18\x0c \x01(\x04\"\x13\n\x11ServerInfoRequest\"\x99\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tcpu_level\x18\x08 \x01(\t\"\xe7\x03\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x19\n\x11num_kv_recoveries\x18\x0b \x01(\x04\x12\r\n\x05kv_ok\x18\x0c \x01(\x08\x12\x1c\n\x14\x66orward_gap_ms_total\x18\r \x01(\x01\x12\x18\n\x10num_forward_gaps\x18\x0e \x01(\x04\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x1d\n\x15num_store_miss_tokens\x18\x10 \x01(\x04\x12\x1c\n\x14num_store_hit_tokens\x18\x11 \x01(\x04\x12\x1f\n\x17num_store_loaded_tokens\x18\x12 \x01(\x04\x12 \n\x18num_store_load_fallbacks\x18\x13 \x01(\x04\"\x99\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.ReplicaInfo\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63hunked_prefill\x18\x05 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x06 \x01(\x08\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0enum_migrations\x18\t \x01(\x04\x12\x12\n\nnum_parked\x18\n \x01(\r\x12\x19\n\x11kvcache_reachable\x18\x0b \x01(\x08\x12\x30\n\x08kv_store\x18\x0c \x01(\x0b\x32\x19.splitserve.v1.StoreStatsH\x00\x88\x01\x01\x12\x1e\n\x16kv_store_saves_skipped\x18\r \x01(\x04\x42\x0b\n\t_kv_store2\xb3\x04\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12O\n\x0cGenerateOnce\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12N\n\tModelInfo\x12\x1f.splitserve.v1.ModelInfoRequest\x1a .splitserve.v1.ModelInfoResponse\x12Q\n\nServerInfo\x12 .splitserve.v1.ServerInfoRequest\x1a!.splitserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\x1a\x1bsplitserve/v1/kvcache.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x9e\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x0c\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x04\n\x02_nB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x89\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\x04text\x18\x03 \x01(\tH\x00\x88\x01\x01\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIds\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessages\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x1b\n\x13keep_special_tokens\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05_text\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x18\n\x0bstop_reason\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05index\x18\x1e \x01(\rB\x0e\n\x0c_stop_reason\"\x85\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessages\x12\x1c\n\x14no_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05_text\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"k\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\tsequences\x18\x02 \x03(\x0b\x32\x17.splitserve.v1.TokenIds\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"#\n\x12\x44\x65tokenizeResponse\x12\r\n\x05texts\x18\x01 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x90\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x11\n\tnum_heads\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08\x12\x18\n\x10max_prompt_bytes\x18\x0c \x01(\x04\"\x13\n\x11ServerInfoRequest\"\x99\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\r\n\x05state\x18\x07 \x01(\t\x12\x11\n\tcpu_level\x18\x08 \x01(\t\"\xe7\x03\n\x0bReplicaInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x19\n\x11num_kv_recoveries\x18\x0b \x01(\x04\x12\r\n\x05kv_ok\x18\x0c \x01(\x08\x12\x1c\n\x14\x66orward_gap_ms_total\x18\r \x01(\x01\x12\x18\n\x10num_forward_gaps\x18\x0e \x01(\x04\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x1d\n\x15num_store_miss_tokens\x18\x10 \x01(\x04\x12\x1c\n\x14num_store_hit_tokens\x18\x11 \x01(\x04\x12\x1f\n\x17num_store_loaded_tokens\x18\x12 \x01(\x04\x12 \n\x18num_store_load_fallbacks\x18\x13 \x01(\x04\"\x99\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.splitserve.v1.ReplicaInfo\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63hunked_prefill\x18\x05 \x01(\x08\x12\x16\n\x0eprefix_caching\x18\x06 \x01(\x08\x12\x1a\n\x12num_requests_total\x18\x07 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0enum_migrations\x18\t \x01(\x04\x12\x12\n\nnum_parked\x18\n \x01(\r\x12\x19\n\x11kvcache_reachable\x18\x0b \x01(\x08\x12\x30\n\x08kv_store\x18\x0c \x01(\x0b\x32\x19.splitserve.v1.StoreStatsH\x00\x88\x01\x01\x12\x1e\n\x16kv_store_saves_skipped\x18\r \x01(\x04\x42\x0b\n\t_kv_store2\xb3\x04\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12O\n\x0cGenerateOnce\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .splitserve.v1.DetokenizeRequest\x1a!.splitserve.v1.DetokenizeResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12N\n\tModelInfo\x12\x1f.splitserve.v1.ModelInfoRequest\x1a .splitserve.v1.ModelInfoResponse\x12Q\n\nServerInfo\x12 .splitserve.v1.ServerInfoRequest\x1a!.splitserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=78
   _globals['_CHATMESSAGE']._serialized_end=122
   _globals['_TOKENIDS']._serialized_start=124
@@ -39,41 +41,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=149
   _globals['_CHATMESSAGES']._serialized_end=209
   _globals['_SAMPLINGPARAMS']._serialized_start=212
-  _globals['_SAMPLINGPARAMS']._serialized_end=552
-  _globals['_GENERATEREQUEST']._serialized_start=555
-  _globals['_GENERATEREQUEST']._serialized_end=820
-  _globals['_TOPLOGPROB']._serialized_start=822
-  _globals['_TOPLOGPROB']._serialized_end=869
-  _globals['_TOKENLOGPROB']._serialized_start=871
-  _globals['_TOKENLOGPROB']._serialized_end=960
-  _globals['_USAGE']._serialized_start=962
-  _globals['_USAGE']._serialized_end=1049
-  _globals['_GENERATERESPONSE']._serialized_start=1052
-  _globals['_GENERATERESPONSE']._serialized_end=1272
-  _globals['_TOKENIZEREQUEST']._serialized_start=1275
-  _globals['_TOKENIZEREQUEST']._serialized_end=1408
-  _globals['_TOKENIZERESPONSE']._serialized_start=1410
-  _globals['_TOKENIZERESPONSE']._serialized_end=1463
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1465
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1572
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1574
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1609
-  _globals['_ABORTREQUEST']._serialized_start=1611
-  _globals['_ABORTREQUEST']._serialized_end=1645
-  _globals['_ABORTRESPONSE']._serialized_start=1647
-  _globals['_ABORTRESPONSE']._serialized_end=1677
-  _globals['_MODELINFOREQUEST']._serialized_start=1679
-  _globals['_MODELINFOREQUEST']._serialized_end=1697
-  _globals['_MODELINFORESPONSE']._serialized_start=1700
-  _globals['_MODELINFORESPONSE']._serialized_end=1972
-  _globals['_SERVERINFOREQUEST']._serialized_start=1974
-  _globals['_SERVERINFOREQUEST']._serialized_end=1993
-  _globals['_WORKERINFO']._serialized_start=1996
-  _globals['_WORKERINFO']._serialized_end=2149
-  _globals['_REPLICAINFO']._serialized_start=2152
-  _globals['_REPLICAINFO']._serialized_end=2639
-  _globals['_SERVERINFORESPONSE']._serialized_start=2642
-  _globals['_SERVERINFORESPONSE']._serialized_end=3051
-  _globals['_GENERATION']._serialized_start=3054
-  _globals['_GENERATION']._serialized_end=3617
+  _globals['_SAMPLINGPARAMS']._serialized_end=882
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=649
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=697
+  _globals['_GENERATEREQUEST']._serialized_start=885
+  _globals['_GENERATEREQUEST']._serialized_end=1150
+  _globals['_TOPLOGPROB']._serialized_start=1152
+  _globals['_TOPLOGPROB']._serialized_end=1199
+  _globals['_TOKENLOGPROB']._serialized_start=1201
+  _globals['_TOKENLOGPROB']._serialized_end=1290
+  _globals['_USAGE']._serialized_start=1292
+  _globals['_USAGE']._serialized_end=1379
+  _globals['_GENERATERESPONSE']._serialized_start=1382
+  _globals['_GENERATERESPONSE']._serialized_end=1617
+  _globals['_TOKENIZEREQUEST']._serialized_start=1620
+  _globals['_TOKENIZEREQUEST']._serialized_end=1753
+  _globals['_TOKENIZERESPONSE']._serialized_start=1755
+  _globals['_TOKENIZERESPONSE']._serialized_end=1808
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1810
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1917
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1919
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1954
+  _globals['_ABORTREQUEST']._serialized_start=1956
+  _globals['_ABORTREQUEST']._serialized_end=1990
+  _globals['_ABORTRESPONSE']._serialized_start=1992
+  _globals['_ABORTRESPONSE']._serialized_end=2022
+  _globals['_MODELINFOREQUEST']._serialized_start=2024
+  _globals['_MODELINFOREQUEST']._serialized_end=2042
+  _globals['_MODELINFORESPONSE']._serialized_start=2045
+  _globals['_MODELINFORESPONSE']._serialized_end=2317
+  _globals['_SERVERINFOREQUEST']._serialized_start=2319
+  _globals['_SERVERINFOREQUEST']._serialized_end=2338
+  _globals['_WORKERINFO']._serialized_start=2341
+  _globals['_WORKERINFO']._serialized_end=2494
+  _globals['_REPLICAINFO']._serialized_start=2497
+  _globals['_REPLICAINFO']._serialized_end=2984
+  _globals['_SERVERINFORESPONSE']._serialized_start=2987
+  _globals['_SERVERINFORESPONSE']._serialized_end=3396
+  _globals['_GENERATION']._serialized_start=3399
+  _globals['_GENERATION']._serialized_end=3962
 # @@protoc_insertion_point(module_scope)

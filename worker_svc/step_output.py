@@ -15,8 +15,8 @@ from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLo
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
-from worker_svc.pending_tokens import PendingTokens
 from worker_svc.penalties import TokenHistory
+from worker_svc.pending_tokens import PendingTokens
 from worker_svc.sampler import is_plain_greedy, sample
 from worker_svc.step_clock import step_timings
 

@@ -72,13 +72,16 @@ def stop_reason(chunk: Chunk, sampling: Sampling) -> str | int | None:
     return reason
 
 
-def usage_body(usages: Sequence[Usage]) -> dict[str, Any]:
-    prompt = sum(u.prompt_tokens for u in usages)
+def usage_body(usages: Sequence[Usage], n: int = 1) -> dict[str, Any]:
+    """`usages` by choice index, `n` choices per prompt: each prompt counts once (its first
+    choice's prompt and cached tokens, as vLLM reports them), every choice's output counts."""
+    firsts = usages[::n]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens
-                                                           for u in usages)}}
+                                                           for u in firsts)}}
 
 
 @dataclass(slots=True)

@@ -79,6 +79,7 @@ class Chunk:
     finish_reason: str | None = None      # "stop", "length" or "abort"
     stop_reason: str | None = None        # the stop string or stop token id (as text)
     usage: Usage | None = None
+    index: int = 0                        # the choice (of the request's n) it belongs to
 
 
 def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
@@ -92,6 +93,17 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
         sampling.max_tokens = s.max_tokens
     if s.logprobs is not None:
         sampling.logprobs = s.logprobs
+    if s.n != 1:
+        sampling.n = s.n
+    if s.min_p:
+        sampling.min_p = s.min_p
+    if s.presence_penalty:
+        sampling.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        sampling.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
+    sampling.logit_bias.update(s.logit_bias)
     request = pb.GenerateRequest(request_id=spec.request_id, sampling=sampling,
                                  keep_special_tokens=s.keep_special_tokens,
                                  cache_salt=spec.cache_salt)
@@ -117,7 +129,8 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
                                     tuple((t.token_id, t.logprob) for t in lp.top))
                        for lp in msg.logprobs),
         finish_reason=msg.finish_reason or None,
-        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None, usage=usage)
+        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None, usage=usage,
+        index=msg.index)
 
 
 class GenerationCall:

@@ -134,8 +134,18 @@ class OpenAIServing:
         with grpc_fields_named("prompt"):
             return await self._complete(body, card, sampling, prompts)
 
+    async def _echoes(self, prompts: list[Prompt]) -> list[str]:
+        """Each prompt's text as `echo` returns it (token ids decoded, special tokens kept)."""
+        ids = [p.token_ids or () for p in prompts if p.text is None]
+        decoded = iter(await self.client.detokenize(ids) if ids else [])
+        return [p.text if p.text is not None else next(decoded) for p in prompts]
+
     async def _complete(self, body: CompletionRequest, card: ModelCard, sampling: Sampling,
                         prompts: list[Prompt]) -> Body | EventStream:
+        if body.echo and sampling.logprobs is not None:
+            raise not_supported("echo", "echo with logprobs needs prompt logprobs, which the "
+                                        "engine does not return yet")
+        echoes = await self._echoes(prompts) if body.echo else None
         if sampling.max_tokens is None:
             prompts = [p if p.token_ids is not None
                        else Prompt(token_ids=tuple((await self.client.tokenize(p))[0]))
@@ -151,22 +161,24 @@ class OpenAIServing:
             started = await _start(calls)
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
-                                     bool(options and options.include_usage))
+                                     bool(options and options.include_usage), echoes)
         try:
-            results = await asyncio.gather(*(_collect(c) for c in calls))
+            per_prompt = await asyncio.gather(*(_collect(c, sampling.n) for c in calls))
         finally:
             for call in calls:
                 call.cancel()
+        results = [r for choices_of_prompt in per_prompt for r in choices_of_prompt]
         choices = []
         for i, r in enumerate(results):
             logprobs = None
             if vocab is not None:
                 logprobs = completion_logprobs(vocab, r.logprobs, sampling.logprobs or 0)
             assert r.last is not None
-            choices.append(completion_choice(i, r.text, logprobs, r.last, sampling))
+            text = (echoes[i // sampling.n] if echoes else "") + r.text
+            choices.append(completion_choice(i, text, logprobs, r.last, sampling))
         return {"id": head.id, "object": "text_completion", "created": head.created,
                 "model": head.model, "choices": choices,
-                "usage": usage_body([r.usage for r in results])}
+                "usage": usage_body([r.usage for r in results], sampling.n)}
 
     # -- chat completions -------------------------------------------------------------------
 
@@ -189,6 +201,8 @@ class OpenAIServing:
             prompt = Prompt(token_ids=tuple(ids))
             sampling = await self._fill(sampling, len(ids), card)
         role = "assistant" if body.add_generation_prompt else messages[-1][0]
+        # vLLM's chat echo: the last message's content, where it has the reply's role.
+        echo = messages[-1][1] if body.echo and messages[-1][0] == role else ""
         vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
@@ -198,19 +212,22 @@ class OpenAIServing:
             (started,) = await _start([call])
             options = body.stream_options
             return chat_events(head, role, started, sampling, vocab,
-                               bool(options and options.include_usage))
+                               bool(options and options.include_usage), echo)
         try:
-            result = await _collect(call)
+            results = await _collect(call, sampling.n)
         finally:
             call.cancel()
-        logprobs = None
-        if vocab is not None:
-            logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs or 0)
-        assert result.last is not None
+        choices = []
+        for i, result in enumerate(results):
+            logprobs = None
+            if vocab is not None:
+                logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs or 0)
+            assert result.last is not None
+            choices.append(chat_choice(i, role, echo + result.text, logprobs, result.last,
+                                       sampling))
         return {"id": head.id, "object": "chat.completion", "created": head.created,
-                "model": head.model,
-                "choices": [chat_choice(0, role, result.text, logprobs, result.last, sampling)],
-                "usage": usage_body([result.usage])}
+                "model": head.model, "choices": choices,
+                "usage": usage_body([r.usage for r in results], sampling.n)}
 
     # -- tokenizer endpoints ----------------------------------------------------------------
 
@@ -254,10 +271,13 @@ async def _start(calls: Sequence[GenerationCall]) -> list[Started]:
         raise
 
 
-async def _collect(call: GenerationCall) -> Collected:
-    collected = Collected()
+async def _collect(call: GenerationCall, n: int = 1) -> list[Collected]:
+    """Each of the call's `n` choices, gathered."""
+    collected = [Collected() for _ in range(n)]
     async for chunk in call:
-        collected.add(chunk)
-    if collected.last is None or collected.last.finish_reason is None:
+        if chunk.index >= n:
+            raise ApiError(500, f"the scheduler sent choice {chunk.index} of {n}")
+        collected[chunk.index].add(chunk)
+    if any(c.last is None or c.last.finish_reason is None for c in collected):
         raise ApiError(500, "the scheduler ended the stream without a finish reason")
     return collected

@@ -193,8 +193,9 @@ def test_tokenize_and_detokenize_round_trip(base: str, cluster: RunningCluster,
 def test_errors_name_the_field(client: openai.OpenAI, base: str, model: str) -> None:
     cases: list[tuple[dict[str, Any], str, str]] = [
         ({"extra_body": {"foo": 1}}, "foo", "unknown field: foo"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
-        ({"n": 2}, "n", "n is not supported yet"),
+        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs",
+         "prompt_logprobs is not supported"),
+        ({"n": 0}, "n", "n must be in [1, 64]"),
         ({"temperature": -1}, "temperature", "temperature must be >= 0"),
         ({"max_tokens": 100_000}, "max_tokens", "exceeds the model's context"),
     ]

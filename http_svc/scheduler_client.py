@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from http_svc.chat import ChatExtras
 from http_svc.errors import ApiError, from_grpc
 from http_svc.sampling import Sampling
 from services.grpc_server import CHANNEL_OPTIONS
@@ -45,6 +46,7 @@ class Prompt:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     chat: tuple[tuple[str, str], ...] | None = None    # (role, content)
+    chat_extras: ChatExtras | None = None   # with chat: tools, documents, messages' tool fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,9 +115,21 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
     elif prompt.token_ids is not None:
         request.token_ids.ids.extend(prompt.token_ids)
     else:
-        request.chat.messages.extend(pb.ChatMessage(role=r, content=c)
-                                     for r, c in prompt.chat or ())
+        request.chat.CopyFrom(chat_to_pb(prompt))
     return request
+
+
+def chat_to_pb(prompt: Prompt) -> pb.ChatMessages:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c)
+                                     for r, c in prompt.chat or ()])
+    extras = prompt.chat_extras
+    if extras is not None:
+        for message, (name, tool_call_id, tool_calls_json) in zip(chat.messages,
+                                                                  extras.messages):
+            message.name, message.tool_call_id = name, tool_call_id
+            message.tool_calls_json = tool_calls_json
+        chat.tools_json, chat.documents_json = extras.tools_json, extras.documents_json
+    return chat
 
 
 def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
@@ -206,8 +220,7 @@ class SchedulerClient:
         """The prompt's token ids and the text they came from (the rendered chat)."""
         request = pb.TokenizeRequest(no_generation_prompt=not add_generation_prompt)
         if prompt.chat is not None:
-            request.chat.messages.extend(pb.ChatMessage(role=r, content=c)
-                                         for r, c in prompt.chat)
+            request.chat.CopyFrom(chat_to_pb(prompt))
         else:
             request.text = prompt.text or ""
         response = await self._unary(self._stub.Tokenize, request)

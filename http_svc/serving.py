@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from http_svc.chat import flatten_messages, refuse_template_inputs
+from http_svc.chat import chat_extras, extras_num_bytes, flatten_messages, refuse_template_inputs
 from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
 from http_svc.outputs import (
     Collected,
@@ -187,15 +187,17 @@ class OpenAIServing:
         sampling = chat_sampling(body)
         refuse_template_inputs(body)
         messages = tuple(flatten_messages(body.messages))
-        self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
-                         card, "messages")
+        extras = chat_extras(body)
+        self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+                         + extras_num_bytes(extras), card, "messages")
         self._require_ready()
         with grpc_fields_named("messages", "top_logprobs"):
-            return await self._chat(body, card, sampling, messages)
+            return await self._chat(body, card, sampling, Prompt(chat=messages,
+                                                                 chat_extras=extras))
 
     async def _chat(self, body: ChatCompletionRequest, card: ModelCard, sampling: Sampling,
-                    messages: tuple[tuple[str, str], ...]) -> Body | EventStream:
-        prompt = Prompt(chat=messages)
+                    prompt: Prompt) -> Body | EventStream:
+        messages = prompt.chat or ()
         if sampling.max_tokens is None or not body.add_generation_prompt:
             ids, _ = await self.client.tokenize(prompt, body.add_generation_prompt)
             prompt = Prompt(token_ids=tuple(ids))
@@ -238,9 +240,10 @@ class OpenAIServing:
         if isinstance(body, TokenizeChatRequest):
             refuse_template_inputs(body)
             messages = tuple(flatten_messages(body.messages))
-            self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
-                             card, "messages")
-            ids, _ = await self.client.tokenize(Prompt(chat=messages),
+            extras = chat_extras(body)
+            self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+                             + extras_num_bytes(extras), card, "messages")
+            ids, _ = await self.client.tokenize(Prompt(chat=messages, chat_extras=extras),
                                                 body.add_generation_prompt)
         else:
             self._check_text(len(body.prompt.encode("utf-8", "surrogatepass")), card, "prompt")

@@ -22,7 +22,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.router import Router
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.stats import cluster_stats
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.tokenizer import load_tokenizer, read_chat_template
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
 from services import cluster_token
 from services.flags import FlagParser
@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         heartbeat_timeout_s=a.heartbeat_timeout, replica_wait_s=a.replica_wait_timeout,
         route_tokens_per_request=a.route_tokens_per_request,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
-        async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes)
+        async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes,
+        chat_template=a.chat_template)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,
@@ -81,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
 async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: float) -> int:
     try:
         model = load_model_config(config.model_path)
-        tokenizer = load_tokenizer(config.model_path)
+        template = None if config.chat_template is None else read_chat_template(
+            config.chat_template)
+        tokenizer = load_tokenizer(config.model_path, template)
     except ValueError as exc:            # ModelFormatError, or a tokenizer we cannot build
         log.error("cannot serve %s: %s", config.model_path, exc)
         return 2

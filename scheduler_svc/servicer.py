@@ -24,7 +24,12 @@ from scheduler_svc.placement import RegistrationError
 from scheduler_svc.request import RequestOutput
 from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import ChatMessage
-from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
+from scheduler_svc.validation import (
+    InvalidRequest,
+    RawSampling,
+    parse_json_objects,
+    validate_model,
+)
 from services.kv_store_wire import KvSlice, store_stats_to_pb
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
@@ -49,7 +54,18 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.Toke
         return PromptInput(text=request.text)
     if given[0] == "token_ids":
         return PromptInput(token_ids=request.token_ids.ids)
-    return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
+    return chat_from_pb(request.chat)
+
+
+def chat_from_pb(chat: generation_pb2.ChatMessages) -> PromptInput:
+    """Messages, tools and documents; the JSON fields parsed (InvalidRequest if malformed)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        tool_calls = parse_json_objects(m.tool_calls_json, f"chat message {i} tool_calls_json")
+        messages.append(ChatMessage(m.role, m.content, m.name or None, m.tool_call_id or None,
+                                    tool_calls))
+    return PromptInput(chat=messages, tools=parse_json_objects(chat.tools_json, "tools_json"),
+                       documents=parse_json_objects(chat.documents_json, "documents_json"))
 
 
 def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:

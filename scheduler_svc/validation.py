@@ -6,10 +6,12 @@ cheap and bounds the tokenizer's work; the rest (`validate_prompt`, `validate_sa
 on the token ids.
 """
 
+import json
 import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.tokenizer import ChatMessage
@@ -126,7 +128,26 @@ def validate_prompt_text(text: str, limits: Limits, what: str = "prompt text") -
             f"(the model's context is {limits.max_model_len} tokens)")
 
 
-def validate_chat(messages: Sequence[ChatMessage], limits: Limits) -> None:
+def parse_json_objects(text: str, what: str, max_bytes: int | None = None,
+                       ) -> list[dict[str, Any]] | None:
+    """A JSON array of objects (tools, documents, tool calls) as the client sent it; "" =
+    not given. Its size is checked before it is parsed."""
+    if not text:
+        return None
+    if max_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise InvalidRequest(f"{what} is longer than the {max_bytes} bytes a prompt may take")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InvalidRequest(f"{what} must be a JSON array of objects")
+    return value
+
+
+def validate_chat(messages: Sequence[ChatMessage], limits: Limits,
+                  tools: list[dict[str, Any]] | None = None,
+                  documents: list[dict[str, Any]] | None = None) -> None:
     """Roles and sizes, before the chat template renders the messages.
 
     Roles are a closed set: the template writes a role verbatim between control tokens, so
@@ -143,7 +164,10 @@ def validate_chat(messages: Sequence[ChatMessage], limits: Limits) -> None:
         if message.role not in CHAT_ROLES:
             raise InvalidRequest(f"chat message {i} has role {message.role[:64]!r}; roles are "
                                  f"{', '.join(CHAT_ROLES)}")
-    validate_prompt_text("".join(m.content for m in messages), limits, "chat content")
+    extras = [json.dumps(x) for x in (tools, documents) if x is not None]
+    extras += [json.dumps(m.tool_calls) for m in messages if m.tool_calls is not None]
+    validate_prompt_text("".join(m.content for m in messages) + "".join(extras), limits,
+                         "chat content")
 
 
 def validate_prompt(token_ids: Sequence[int], limits: Limits) -> None:

@@ -213,9 +213,8 @@ def test_errors_name_the_field(client: openai.OpenAI, base: str, model: str) -> 
     assert refused.value.param == "messages[0].content[0].type"
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function",
-                                               "function": {"name": "f"}}])
-    assert refused.value.param == "tools"
+                                       extra_body={"chat_template": "{{ 'x' }}"})
+    assert refused.value.param == "chat_template"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-model", prompt=PROMPT)
     assert missing.value.status_code == 404 and missing.value.param == "model"

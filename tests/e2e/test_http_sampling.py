@@ -6,6 +6,7 @@ Greedy decoding with each penalty is compared token for token with HF transforme
 the same weights, its logits adjusted each step by the plain per-token reference of
 tests/worker_svc/test_penalties.py; the HTTP text must equal the gRPC text."""
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -227,3 +228,25 @@ def test_abort_ends_every_choice(cluster: RunningCluster) -> None:
     assert cluster.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
     reasons = {c.index: c.finish_reason for c in stream if c.finish_reason}
     assert reasons == {0: "abort", 1: "abort", 2: "abort"}
+
+
+def test_chat_with_tools_and_text_parts_equals_the_grpc_chat(
+        cluster: RunningCluster, client: openai.OpenAI, model: str) -> None:
+    """Tools and tool messages go through (this model's template ignores tools), content
+    parts are joined; the greedy reply is the gRPC API's for the same chat."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    reply = client.chat.completions.create(
+        model=model, max_completion_tokens=8, temperature=0, tools=tools,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Call f."},
+                                               {"type": "text", "text": "Then answer."}]},
+                  {"role": "assistant", "content": "", "tool_calls": [call]},  # type: ignore[list-item]
+                  {"role": "tool", "content": "done", "tool_call_id": "c1"}])
+    reference = cluster.stub.GenerateOnce(pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content="Call f.\nThen answer."),
+                      pb.ChatMessage(role="assistant", tool_calls_json=json.dumps([call])),
+                      pb.ChatMessage(role="tool", content="done", tool_call_id="c1")],
+            tools_json=json.dumps(tools)),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=8)), timeout=120)
+    assert reply.choices[0].message.content == reference.text and reference.text

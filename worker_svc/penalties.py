@@ -56,19 +56,22 @@ def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         out.index_put_((torch.tensor(row_index, device=device),
                         torch.tensor(token_index, device=device)),
                        torch.tensor(values, dtype=out.dtype, device=device), accumulate=True)
-    if not any(has_penalties(spec) for spec in specs):
+    repeats = any(spec.repetition_penalty != 1.0 for spec in specs)
+    counts_outputs = any(spec.frequency_penalty or spec.presence_penalty for spec in specs)
+    if not (repeats or counts_outputs):
         return out
     output_counts = _token_counts([h.token_ids[h.num_prompt_tokens:] for h in histories],
                                   vocab, device)                       # [rows, vocab]
-    prompt_seen = _token_counts([h.token_ids[:h.num_prompt_tokens] for h in histories],
-                                vocab, device) > 0                     # [rows, vocab]
-    repetition = _column([s.repetition_penalty for s in specs], device)   # [rows, 1]
-    seen = prompt_seen | (output_counts > 0)
-    penalized = torch.where(out > 0, out / repetition, out * repetition)
-    out = torch.where(seen, penalized, out)
-    frequency = _column([s.frequency_penalty for s in specs], device)
-    presence = _column([s.presence_penalty for s in specs], device)
-    out -= frequency * output_counts + presence * (output_counts > 0).float()
+    if repeats:
+        seen = _token_counts([h.token_ids[:h.num_prompt_tokens] for h in histories],
+                             vocab, device) > 0                        # [rows, vocab]
+        seen |= output_counts > 0
+        repetition = _column([s.repetition_penalty for s in specs], device)   # [rows, 1]
+        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+    if counts_outputs:
+        frequency = _column([s.frequency_penalty for s in specs], device)
+        presence = _column([s.presence_penalty for s in specs], device)
+        out -= frequency * output_counts + presence * (output_counts > 0).float()
     return out
 
 

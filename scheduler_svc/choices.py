@@ -9,6 +9,10 @@ back: by then its prompt's full blocks are committed to the prefix index and the
 computed, so every other choice is admitted with that prefix cached instead of computing the
 prompt n times. (Started together, all would be planned in one step, before any commit.)
 
+A request that asks for prompt logprobs must compute its whole prompt, so it is given a random
+cache salt: no prefix-cache or KV-store hit skips a prompt position. With n > 1 only choice 0
+computes them; the others share its salt, so they still reuse its blocks.
+
 Outputs come back as (choice index, output) in the order they arrive. However the consumer
 stops, every choice still running is cancelled. An Abort of the request (`aborted` set) ends
 the choices not started yet at once, each with an empty "abort" output.
@@ -16,6 +20,7 @@ the choices not started yet at once, each with an empty "abort" output.
 
 import asyncio
 import dataclasses
+import secrets
 from collections.abc import AsyncIterator
 
 from scheduler_svc.frontend import Frontend, PreparedRequest
@@ -32,6 +37,8 @@ def choice_ids(request_id: str, n: int) -> list[str]:
 
 def split_choices(prepared: PreparedRequest) -> list[PreparedRequest]:
     """One prepared request per choice (the request itself when n is 1)."""
+    if prepared.sampling.prompt_logprobs is not None:
+        prepared = dataclasses.replace(prepared, cache_salt=secrets.token_bytes(32))
     n = prepared.sampling.n
     if n == 1:
         return [prepared]
@@ -41,8 +48,9 @@ def split_choices(prepared: PreparedRequest) -> list[PreparedRequest]:
     choices = []
     for i, request_id in enumerate(choice_ids(prepared.request_id, n)):
         seed = prepared.sampling.seed
-        sampling = dataclasses.replace(prepared.sampling, n=1,
-                                       seed=None if seed is None else (seed + i) % SEED_SPAN)
+        sampling = dataclasses.replace(
+            prepared.sampling, n=1, seed=None if seed is None else (seed + i) % SEED_SPAN,
+            prompt_logprobs=prepared.sampling.prompt_logprobs if i == 0 else None)
         choices.append(dataclasses.replace(prepared, request_id=request_id, sampling=sampling))
     return choices
 
@@ -60,7 +68,7 @@ async def generate_choices(frontend: Frontend, prepared: PreparedRequest,
     raises for any choice (the others are cancelled)."""
     choices = split_choices(prepared)
     if len(choices) == 1:
-        async for out in frontend.generate(prepared, time_remaining):
+        async for out in frontend.generate(choices[0], time_remaining):
             yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()

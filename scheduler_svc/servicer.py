@@ -83,7 +83,8 @@ def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
         min_p=opt("min_p"), presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
         frequency_penalty=opt("frequency_penalty"),  # type: ignore[arg-type]
         repetition_penalty=opt("repetition_penalty"),  # type: ignore[arg-type]
-        logit_bias=tuple(sorted(s.logit_bias.items())))
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=opt("prompt_logprobs"))  # type: ignore[arg-type]
 
 
 def output_to_pb(out: RequestOutput, request_id: str | None = None,
@@ -98,6 +99,11 @@ def output_to_pb(out: RequestOutput, request_id: str | None = None,
                 token_id=token_id, logprob=lp.logprob,
                 top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
                      for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    for token_id, lp, rank in out.prompt_logprobs or ():
+        msg.prompt_logprobs.append(generation_pb2.TokenLogprob(
+            token_id=token_id, logprob=lp.logprob, rank=rank,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                 for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
     if out.finish_reason is not None:
         msg.finish_reason = out.finish_reason.value
         msg.usage.prompt_tokens = out.num_prompt_tokens
@@ -139,6 +145,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             merged.token_ids.extend(part.token_ids)
             merged.text += part.text
             merged.logprobs.extend(part.logprobs)
+            merged.prompt_logprobs.extend(part.prompt_logprobs)
             if part.finish_reason:
                 merged.finish_reason = part.finish_reason
                 merged.usage.CopyFrom(part.usage)

@@ -95,6 +95,7 @@ class RawSampling:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
 
 def validate_model(model: str, limits: Limits) -> None:
@@ -226,6 +227,9 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary")
     if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {raw.logprobs}")
+    if raw.prompt_logprobs is not None and not 0 <= raw.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{raw.prompt_logprobs}")
     if raw.seed is not None and not 0 <= raw.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {raw.seed}")
     # Every random request gets a seed: the TP ranks of a replica each sample from the same
@@ -241,6 +245,7 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
         logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens, n=n,
+        prompt_logprobs=raw.prompt_logprobs,
         **_penalties(raw, limits))
 
 

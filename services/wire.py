@@ -81,6 +81,9 @@ class SamplingSpec(_Wire, frozen=True):
     logit_bias: Annotated[list[tuple[TokenId, Annotated[float, Meta(
         ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]]],
         Meta(max_length=MAX_LOGIT_BIAS)] = []
+    # Prompt logprobs: each prompt token's logprob (from the second on) plus this many top
+    # alternatives, returned in StepOutput.prompt_logprobs by the steps that compute them.
+    num_prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class NewRequest(_Wire):
@@ -164,6 +167,17 @@ class StepError(_Wire):
     kv_written: bool
 
 
+class PromptLogprobs(_Wire):
+    """The logprobs of the prompt tokens one step computed for one request: entry i is for
+    the prompt token at `first_position + i` given the tokens before it."""
+
+    request_id: RequestId
+    first_position: Annotated[int, Meta(ge=1, lt=1 << 31)]
+    logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
+    # Each prompt token's rank in its distribution (1 = the most likely), as vLLM reports it.
+    ranks: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
+
+
 class StepOutput(_Wire):
     """The last stage's answer to one StepInput (tp_rank 0 only)."""
 
@@ -178,6 +192,8 @@ class StepOutput(_Wire):
     # The step failed on the worker (request_ids is then empty): the scheduler fails exactly
     # the step's requests. Set by the worker, never for a replica of more than one rank.
     error: StepError | None = None
+    # Prompt logprobs the step computed, for requests that asked (SamplingSpec).
+    prompt_logprobs: Annotated[list[PromptLogprobs], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
 
 
 class CacheReady(_Wire):

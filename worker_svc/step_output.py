@@ -17,6 +17,7 @@ from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
 from worker_svc.penalties import TokenHistory
 from worker_svc.pending_tokens import PendingTokens
+from worker_svc.prompt_logprobs import prompt_logprobs
 from worker_svc.sampler import is_plain_greedy, sample
 from worker_svc.step_clock import step_timings
 
@@ -27,6 +28,7 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     """Logits for the rows that sample, then greedy on the device (tokens stay there,
     copied back asynchronously) or the full sampler (on the host's terms); fills
     `launched.tokens` (left None when no row samples)."""
+    launched.prompt_logprobs = prompt_logprobs(model, layout, hidden, residual, device)
     rows, sampling = [], []
     end = 0
     for s in layout:
@@ -68,7 +70,8 @@ def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) 
         step_id=launched.step.step_id, worker_id=worker_id, request_ids=ordered,
         sampled_token_ids=[by_request[r][0] for r in ordered],
         logprobs=[by_request[r][1] for r in ordered],
-        timings=step_timings(launched.clock, launched.gpu))
+        timings=step_timings(launched.clock, launched.gpu),
+        prompt_logprobs=launched.prompt_logprobs)
 
 
 def failed_output(step: StepInput, exc: Exception, worker_id: str,

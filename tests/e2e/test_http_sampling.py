@@ -250,3 +250,36 @@ def test_chat_with_tools_and_text_parts_equals_the_grpc_chat(
             tools_json=json.dumps(tools)),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=8)), timeout=120)
     assert reply.choices[0].message.content == reference.text and reference.text
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_match_the_reference(cluster: RunningCluster,
+                                             oracle: HFOracle) -> None:
+    """Every prompt token's logprob, rank and top alternatives, against HF fp32; a second
+    identical request (a prefix-cache hit otherwise) computes them all again; with n = 2 the
+    other choice still reuses choice 0's blocks."""
+    prompt_ids = list(cluster.stub.Tokenize(pb.TokenizeRequest(
+        text="Prompt logprobs, " + PROMPT + " " + PROMPT)).token_ids)
+    block_size = cluster.stub.ServerInfo(pb.ServerInfoRequest()).replicas[0].block_size
+    assert len(prompt_ids) > block_size + 1
+    reference = oracle.model(input_ids=torch.tensor([prompt_ids])).logits[0].float() \
+        .log_softmax(dim=-1)                                          # [positions, vocab]
+    for attempt in range(2):
+        chunks = list(cluster.stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(
+                temperature=0.0, max_tokens=3, prompt_logprobs=3, n=2)), timeout=120))
+        firsts = {c.index: c for c in reversed(chunks)}
+        assert not firsts[1].prompt_logprobs
+        got = firsts[0].prompt_logprobs
+        assert [lp.token_id for lp in got] == prompt_ids[1:], attempt
+        for p, lp in enumerate(got):
+            want = reference[p, prompt_ids[p + 1]].item()
+            assert lp.logprob == pytest.approx(want, abs=2e-3), (attempt, p)
+            rank = int((reference[p] > want + 2e-3).sum()) + 1
+            assert rank <= lp.rank <= int((reference[p] > want - 2e-3).sum()) + 1
+            values, _ = reference[p].topk(3)
+            assert [t.logprob for t in lp.top] == pytest.approx(values.tolist(), abs=2e-3)
+        finals = {c.index: c for c in chunks if c.finish_reason}
+        assert finals[0].usage.cached_prompt_tokens == 0          # always computed
+        assert finals[1].usage.cached_prompt_tokens == \
+            (len(prompt_ids) - 1) // block_size * block_size

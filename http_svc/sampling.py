@@ -13,11 +13,12 @@ logit_bias keys are token ids written as strings, values clamped to [-100, 100] 
 them. `n` choices come from one scheduler request (SamplingParams.n).
 
 `NOT_YET` lists what the engine cannot do yet. Such a parameter is accepted at its neutral
-value (`prompt_logprobs: null`, `response_format: {"type": "text"}`) and otherwise refused
+value (`suffix: null`, `response_format: {"type": "text"}`) and otherwise refused
 with a 400 that names it. When the engine gains one, its line leaves `NOT_YET` and one line
 in `_sampling` carries it.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids sorted
+    prompt_logprobs: int | None = None   # alternatives per prompt token; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,6 @@ def _falsy(value: Any) -> bool:
 NOT_YET: tuple[NotYet, ...] = (
     NotYet("best_of", lambda v: v in (None, 1), "1", lambda v: v >= 1, ">= 1"),
     NotYet("suffix", _falsy, "null"),
-    NotYet("prompt_logprobs", _unset, "null"),
     NotYet("include_stop_str_in_output", _falsy, "false"),
     NotYet("response_format", lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     NotYet("structured_outputs", _unset, "null"),
@@ -114,7 +115,11 @@ def completion_sampling(request: CompletionRequest) -> Sampling:
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
                           "logprobs")
-    return _sampling(request, request.max_tokens, "max_tokens", logprobs)
+    sampling = _sampling(request, request.max_tokens, "max_tokens", logprobs)
+    if request.echo and logprobs is not None:   # the echoed prompt's logprobs (vLLM)
+        sampling = dataclasses.replace(
+            sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, logprobs))
+    return sampling
 
 
 def chat_sampling(request: ChatCompletionRequest) -> Sampling:
@@ -156,6 +161,14 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     if any(not s for s in stop):
         raise bad_request("stop must not contain an empty string", "stop")
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                              f"{prompt_logprobs}", "prompt_logprobs")
+        if request.stream:
+            raise bad_request("prompt_logprobs is not available with stream: true (as in "
+                              "vLLM)", "prompt_logprobs")
     n = 1 if request.n is None else request.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {n}", "n")
@@ -170,7 +183,7 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
         frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", 0.0,
                                    -2.0, 2.0),
         repetition_penalty=_repetition_penalty(request.repetition_penalty),
-        logit_bias=_logit_bias(request.logit_bias))
+        logit_bias=_logit_bias(request.logit_bias), prompt_logprobs=prompt_logprobs)
 
 
 def _bounded(value: float | None, name: str, default: float, low: float, high: float) -> float:

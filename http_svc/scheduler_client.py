@@ -62,6 +62,7 @@ class TokenLogprob:
     token_id: int                         # the sampled token
     logprob: float
     top: tuple[tuple[int, float], ...]    # the best alternatives, best first
+    rank: int = 0                         # prompt logprobs: the token's rank (1 = best)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ class Chunk:
     stop_reason: str | None = None        # the stop string or stop token id (as text)
     usage: Usage | None = None
     index: int = 0                        # the choice (of the request's n) it belongs to
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # prompt tokens from the second on
 
 
 def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
@@ -106,6 +108,8 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
     if s.repetition_penalty != 1.0:
         sampling.repetition_penalty = s.repetition_penalty
     sampling.logit_bias.update(s.logit_bias)
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     request = pb.GenerateRequest(request_id=spec.request_id, sampling=sampling,
                                  keep_special_tokens=s.keep_special_tokens,
                                  cache_salt=spec.cache_salt)
@@ -144,7 +148,10 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
                        for lp in msg.logprobs),
         finish_reason=msg.finish_reason or None,
         stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None, usage=usage,
-        index=msg.index)
+        index=msg.index,
+        prompt_logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
+                                           tuple((t.token_id, t.logprob) for t in lp.top),
+                                           lp.rank) for lp in msg.prompt_logprobs))
 
 
 class GenerationCall:

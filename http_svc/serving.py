@@ -28,6 +28,8 @@ from http_svc.outputs import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_body,
     usage_body,
 )
 from http_svc.protocol import (
@@ -106,6 +108,12 @@ class OpenAIServing:
             "owned_by": "splitserve", "root": card.name, "parent": None,
             "max_model_len": card.max_model_len, "permission": []}]}
 
+    async def _vocabulary(self, sampling: Sampling) -> list[str] | None:
+        """Every token's text, where the response shows tokens (logprobs of either kind)."""
+        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+            return None
+        return await self.client.vocabulary()
+
     # -- completions ------------------------------------------------------------------------
 
     def _completion_prompts(self, prompt: Any, card: ModelCard) -> list[Prompt]:
@@ -142,15 +150,18 @@ class OpenAIServing:
 
     async def _complete(self, body: CompletionRequest, card: ModelCard, sampling: Sampling,
                         prompts: list[Prompt]) -> Body | EventStream:
-        if body.echo and sampling.logprobs is not None:
-            raise not_supported("echo", "echo with logprobs needs prompt logprobs, which the "
-                                        "engine does not return yet")
         echoes = await self._echoes(prompts) if body.echo else None
+        # With echo and logprobs, the logprobs start with the prompt's tokens: its first one
+        # (which has no logprob) comes from here, the others with their prompt logprobs.
+        first_ids = None
+        if echoes is not None and sampling.logprobs is not None:
+            first_ids = [(p.token_ids or (await self.client.tokenize(p))[0] or (0,))[0]
+                         for p in prompts]
         if sampling.max_tokens is None:
             prompts = [p if p.token_ids is not None
                        else Prompt(token_ids=tuple((await self.client.tokenize(p))[0]))
                        for p in prompts]
-        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        vocab = await self._vocabulary(sampling)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
                               await self._fill(sampling, len(p.token_ids or ()), card),
@@ -161,7 +172,8 @@ class OpenAIServing:
             started = await _start(calls)
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
-                                     bool(options and options.include_usage), echoes)
+                                     bool(options and options.include_usage), echoes,
+                                     first_ids)
         try:
             per_prompt = await asyncio.gather(*(_collect(c, sampling.n) for c in calls))
         finally:
@@ -170,12 +182,27 @@ class OpenAIServing:
         results = [r for choices_of_prompt in per_prompt for r in choices_of_prompt]
         choices = []
         for i, r in enumerate(results):
+            # Choice 0 of each prompt carries the prompt's logprobs.
+            prompt_lps = per_prompt[i // sampling.n][0].prompt_logprobs
             logprobs = None
-            if vocab is not None:
-                logprobs = completion_logprobs(vocab, r.logprobs, sampling.logprobs or 0)
+            if vocab is not None and sampling.logprobs is not None:
+                num_top = sampling.logprobs
+                if first_ids is None:
+                    logprobs = completion_logprobs(vocab, r.logprobs, num_top)
+                else:
+                    first = first_ids[i // sampling.n]
+                    offset = len(vocab[first]) + sum(len(vocab[lp.token_id])
+                                                     for lp in prompt_lps)
+                    logprobs = echo_logprobs(vocab, first, prompt_lps, num_top,
+                                             completion_logprobs(vocab, r.logprobs, num_top,
+                                                                 offset))
             assert r.last is not None
             text = (echoes[i // sampling.n] if echoes else "") + r.text
-            choices.append(completion_choice(i, text, logprobs, r.last, sampling))
+            choice = completion_choice(i, text, logprobs, r.last, sampling)
+            if vocab is not None and body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(vocab, prompt_lps,
+                                                                 body.prompt_logprobs)
+            choices.append(choice)
         return {"id": head.id, "object": "text_completion", "created": head.created,
                 "model": head.model, "choices": choices,
                 "usage": usage_body([r.usage for r in results], sampling.n)}
@@ -205,7 +232,7 @@ class OpenAIServing:
         role = "assistant" if body.add_generation_prompt else messages[-1][0]
         # vLLM's chat echo: the last message's content, where it has the reply's role.
         echo = messages[-1][1] if body.echo and messages[-1][0] == role else ""
-        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        vocab = await self._vocabulary(sampling)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
                                                  body.cache_salt or ""))
@@ -222,14 +249,18 @@ class OpenAIServing:
         choices = []
         for i, result in enumerate(results):
             logprobs = None
-            if vocab is not None:
-                logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs or 0)
+            if vocab is not None and sampling.logprobs is not None:
+                logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs)
             assert result.last is not None
             choices.append(chat_choice(i, role, echo + result.text, logprobs, result.last,
                                        sampling))
-        return {"id": head.id, "object": "chat.completion", "created": head.created,
-                "model": head.model, "choices": choices,
-                "usage": usage_body([r.usage for r in results], sampling.n)}
+        response = {"id": head.id, "object": "chat.completion", "created": head.created,
+                    "model": head.model, "choices": choices,
+                    "usage": usage_body([r.usage for r in results], sampling.n)}
+        if vocab is not None and sampling.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_body(
+                vocab, results[0].prompt_logprobs, sampling.prompt_logprobs)
+        return response
 
     # -- tokenizer endpoints ----------------------------------------------------------------
 

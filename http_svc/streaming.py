@@ -29,10 +29,11 @@ from http_svc.outputs import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
     usage_body,
 )
 from http_svc.sampling import Sampling
-from http_svc.scheduler_client import Chunk, GenerationCall, Usage
+from http_svc.scheduler_client import Chunk, GenerationCall, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -126,26 +127,41 @@ async def _merged(streams: Sequence[Started], n: int) -> AsyncIterator[tuple[int
 
 def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,
                       vocab: Sequence[str] | None, include_usage: bool,
-                      echoes: Sequence[str] | None = None) -> EventStream:
-    """`echoes`: each prompt's text, to start its choices' text with (echo)."""
+                      echoes: Sequence[str] | None = None,
+                      first_ids: Sequence[int] | None = None) -> EventStream:
+    """`echoes`: each prompt's text, to start its choices' text with (echo); `first_ids`:
+    each prompt's first token, where the echo comes with logprobs (then the prompt's tokens
+    lead each choice's logprobs, their logprobs from choice 0's first chunk)."""
     n = sampling.n
     num_choices = len(streams) * n
     num_chars = [0] * num_choices      # text sent so far per choice: logprobs' text_offset
     usages: list[Usage | None] = [None] * num_choices
     echo_pending = [bool(echoes)] * num_choices
+    prompt_lps: list[tuple[TokenLogprob, ...]] = [()] * len(streams)
 
     async def events() -> AsyncIterator[bytes]:
         async for i, chunk in merged(streams, n):
             text = chunk.text
-            if echoes and echo_pending[i]:
+            prompt_lps[i // n] = prompt_lps[i // n] or chunk.prompt_logprobs
+            echo_now = bool(echoes) and echo_pending[i]
+            if echoes and echo_now:
                 text, echo_pending[i] = echoes[i // n] + text, False
                 num_chars[i] += len(echoes[i // n])
             elif not (chunk.text or chunk.logprobs or chunk.finish_reason):
                 continue
             logprobs = None
-            if vocab is not None:
-                logprobs = completion_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0,
-                                               num_chars[i])
+            if vocab is not None and sampling.logprobs is not None:
+                if echo_now and first_ids is not None:
+                    first, lps = first_ids[i // n], prompt_lps[i // n]
+                    num_chars[i] = len(vocab[first]) + sum(len(vocab[lp.token_id])
+                                                           for lp in lps)
+                    logprobs = echo_logprobs(vocab, first, lps, sampling.logprobs,
+                                             completion_logprobs(vocab, chunk.logprobs,
+                                                                 sampling.logprobs,
+                                                                 num_chars[i]))
+                else:
+                    logprobs = completion_logprobs(vocab, chunk.logprobs, sampling.logprobs,
+                                                   num_chars[i])
             num_chars[i] += len(chunk.text)
             usages[i] = chunk.usage or usages[i]
             yield head.event([completion_choice(i, text, logprobs, chunk, sampling)])
@@ -170,8 +186,8 @@ def chat_events(head: StreamHead, role: str, started: Started, sampling: Samplin
             if not (chunk.text or chunk.logprobs or chunk.finish_reason):
                 continue
             logprobs = None
-            if vocab is not None:
-                logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0)
+            if vocab is not None and sampling.logprobs is not None:
+                logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs)
             usages[i] = chunk.usage or usages[i]
             yield head.event([chat_delta(i, chunk.text, logprobs, chunk, sampling)])
         if include_usage:

@@ -11,7 +11,14 @@ import pytest
 from http_svc.errors import ApiError
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest
 from http_svc.sampling import chat_sampling, completion_sampling
-from http_svc.scheduler_client import Chunk, GenerateSpec, Prompt, Usage, spec_to_pb
+from http_svc.scheduler_client import (
+    Chunk,
+    GenerateSpec,
+    Prompt,
+    TokenLogprob,
+    Usage,
+    spec_to_pb,
+)
 from http_svc.serving import OpenAIServing
 from tests.http_svc.test_serving import FakeClient, Ready
 from tests.http_svc.test_streaming import FakeCall
@@ -62,13 +69,23 @@ def test_bad_values_are_400_naming_the_field(fields: dict[str, Any], param: str)
         assert (refused.value.status, refused.value.param) == (400, param)
 
 
+PROMPT_LP = TokenLogprob(1, -0.5, ((2, -0.1), (1, -0.5)), rank=2)
+
+
 class ChoicesClient(FakeClient):
-    """Every generation is "ok" for each of its n choices, the choices' chunks interleaved."""
+    """Every generation is "ok" for each of its n choices, the choices' chunks interleaved;
+    with prompt logprobs, choice 0's first chunk has PROMPT_LP for each prompt token but the
+    first (text prompts tokenize to one token per character)."""
 
     def generate(self, spec: GenerateSpec) -> FakeCall:
         self.specs.append(spec)
         n = spec.sampling.n
-        chunks = [Chunk((1,), f"o{j}", (), index=j) for j in range(n)]
+        prompt = spec.prompt.token_ids or spec.prompt.text or ""
+        prompt_lps = ((PROMPT_LP,) * (len(prompt) - 1)
+                      if spec.sampling.prompt_logprobs is not None else ())
+        lp = TokenLogprob(7, -1.0, ((7, -1.0),)) if spec.sampling.logprobs is not None else None
+        chunks = [Chunk((1,), f"o{j}", (lp,) if lp else (), index=j,
+                        prompt_logprobs=prompt_lps if j == 0 else ()) for j in range(n)]
         chunks += [Chunk((2,), "k", (), "stop", None, Usage(5, 2, 4 if j else 0), index=j)
                    for j in reversed(range(n))]
         call = FakeCall(chunks)
@@ -133,9 +150,21 @@ def test_echo_starts_each_choice_with_the_prompt() -> None:
     events, _ = serve("completions", completion(prompt="ab", echo=True, max_tokens=4,
                                                 stream=True))
     assert events_json(events)[0]["choices"][0]["text"] == "abo0"
-    with pytest.raises(ApiError) as refused:
-        serve("completions", completion(echo=True, logprobs=1))
-    assert (refused.value.status, refused.value.param) == (400, "echo")
+    body, client = serve("completions", completion(prompt="abc", echo=True, logprobs=1,
+                                                   max_tokens=4, n=2))
+    assert client.specs[0].sampling.prompt_logprobs == 1          # echo asks for them
+    for choice in body["choices"]:
+        lps = choice["logprobs"]
+        assert lps["tokens"] == ["t1", "t1", "t1", "t7"]            # prompt, then the reply
+        assert lps["token_logprobs"] == [None, -0.5, -0.5, -1.0]
+        assert lps["top_logprobs"][0] is None and lps["top_logprobs"][1] == {"t1": -0.5,
+                                                                             "t2": -0.1}
+        assert lps["text_offset"] == [0, 2, 4, 6]
+    events, _ = serve("completions", completion(prompt="abc", echo=True, logprobs=0,
+                                                max_tokens=4, stream=True))
+    first = events_json(events)[0]["choices"][0]
+    assert first["text"] == "abco0" and first["logprobs"]["token_logprobs"] == [None, -0.5,
+                                                                               -0.5, -1.0]
     # Chat: the last message's content, where it has the reply's role.
     last_assistant = [*USER, {"role": "assistant", "content": "Sure: "}]
     body, _ = serve("chat", ChatCompletionRequest.model_validate(
@@ -144,3 +173,21 @@ def test_echo_starts_each_choice_with_the_prompt() -> None:
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Sure: o0k"}
     body, _ = serve("chat", chat(echo=True, max_completion_tokens=4))
     assert body["choices"][0]["message"]["content"] == "o0k"      # the last one is the user's
+
+
+def test_prompt_logprobs_in_vllms_shape() -> None:
+    body, client = serve("completions", completion(prompt="abc", prompt_logprobs=1,
+                                                   max_tokens=4))
+    assert client.specs[0].sampling.prompt_logprobs == 1
+    entry = {"1": {"logprob": -0.5, "rank": 2, "decoded_token": "t1"},
+             "2": {"logprob": -0.1, "rank": 1, "decoded_token": "t2"}}
+    assert body["choices"][0]["prompt_logprobs"] == [None, entry, entry]
+    assert body["choices"][0]["logprobs"] is None
+    chat_body, _ = serve("chat", chat(prompt_logprobs=0))     # tokenized: 4 tokens
+    assert chat_body["prompt_logprobs"] == [None] + [{"1": {"logprob": -0.5, "rank": 2,
+                                                            "decoded_token": "t1"}}] * 3
+    assert chat_body["choices"][0]["logprobs"] is None
+    for fields in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        with pytest.raises(ApiError) as refused:
+            completion_sampling(completion(**fields))
+        assert refused.value.param == "prompt_logprobs"

@@ -91,11 +91,11 @@ def test_chat_names_the_max_tokens_field_it_was_given() -> None:
     assert refusal(chat, max_tokens=0).param == "max_tokens"
 
 
-NEUTRAL = {"prompt_logprobs": None,
+NEUTRAL = {
            "include_stop_str_in_output": False, "response_format": {"type": "text"},
            "structured_outputs": None, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None}
-NOT_NEUTRAL = {"prompt_logprobs": 1, "include_stop_str_in_output": True,
+NOT_NEUTRAL = { "include_stop_str_in_output": True,
                "response_format": {"type": "json_object"},
                "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
                "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= x"}

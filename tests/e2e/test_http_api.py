@@ -193,8 +193,7 @@ def test_tokenize_and_detokenize_round_trip(base: str, cluster: RunningCluster,
 def test_errors_name_the_field(client: openai.OpenAI, base: str, model: str) -> None:
     cases: list[tuple[dict[str, Any], str, str]] = [
         ({"extra_body": {"foo": 1}}, "foo", "unknown field: foo"),
-        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs",
-         "prompt_logprobs is not supported"),
+        ({"suffix": "tail"}, "suffix", "suffix is not supported"),
         ({"n": 0}, "n", "n must be in [1, 64]"),
         ({"temperature": -1}, "temperature", "temperature must be >= 0"),
         ({"max_tokens": 100_000}, "max_tokens", "exceeds the model's context"),

@@ -207,7 +207,8 @@ def test_bad_sampling_values_are_400s_naming_the_field(client: openai.OpenAI, mo
         ({"extra_body": {"min_p": 1.5}}, "min_p", "min_p must be in [0, 1]"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
-        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs",
+         "not available with stream"),
     ]
     for fields, param, message in cases:
         with pytest.raises(openai.BadRequestError) as refused:
@@ -283,3 +284,35 @@ def test_prompt_logprobs_match_the_reference(cluster: RunningCluster,
         assert finals[0].usage.cached_prompt_tokens == 0          # always computed
         assert finals[1].usage.cached_prompt_tokens == \
             (len(prompt_ids) - 1) // block_size * block_size
+
+
+def test_prompt_logprobs_and_echo_with_logprobs_over_http(
+        cluster: RunningCluster, client: openai.OpenAI, model: str,
+        prompt_ids: list[int]) -> None:
+    reference = cluster.stub.GenerateOnce(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt_ids),
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)),
+        timeout=120)
+    assert len(reference.prompt_logprobs) == len(prompt_ids) - 1
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                      extra_body={"prompt_logprobs": 2})
+    entries = plain.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for entry, token_id, lp in zip(entries[1:], prompt_ids[1:], reference.prompt_logprobs):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+        assert entry[str(token_id)]["rank"] == lp.rank
+        assert {int(t) for t in entry} == {token_id, *(t.token_id for t in lp.top)}
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1)
+    lps = echoed.choices[0].logprobs
+    assert lps is not None and lps.tokens is not None and lps.token_logprobs is not None
+    assert len(lps.tokens) == len(prompt_ids) + 3
+    assert lps.token_logprobs[0] is None
+    assert lps.token_logprobs[1:len(prompt_ids)] == pytest.approx(
+        [lp.logprob for lp in reference.prompt_logprobs], abs=1e-5)
+    assert echoed.choices[0].text == PROMPT + reference.text
+    streamed = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                              temperature=0, echo=True, logprobs=1,
+                                              stream=True))
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert tokens == lps.tokens

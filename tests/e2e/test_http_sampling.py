@@ -316,3 +316,24 @@ def test_prompt_logprobs_and_echo_with_logprobs_over_http(
                                               stream=True))
     tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
     assert tokens == lps.tokens
+
+
+def test_prompt_logprobs_over_chunked_prefill_equal_the_unchunked(
+        cluster: RunningCluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A prompt spread over several steps (a 16-token budget) gathers the same prompt
+    logprobs as one computed in a single step."""
+    text = "Chunks of a prompt, " + PROMPT + " " + PROMPT
+    request = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    whole = cluster.stub.GenerateOnce(request, timeout=120)
+    assert len(whole.prompt_logprobs) > 32
+    with run_cluster(tmp_path_factory.mktemp("chunked"),
+                     scheduler_args=("--max-num-batched-tokens", "16")) as chunked:
+        parts = chunked.stub.GenerateOnce(request, timeout=120)
+    assert [lp.token_id for lp in parts.prompt_logprobs] == \
+        [lp.token_id for lp in whole.prompt_logprobs]
+    assert [lp.logprob for lp in parts.prompt_logprobs] == pytest.approx(
+        [lp.logprob for lp in whole.prompt_logprobs], abs=2e-3)
+    assert [lp.top[0].token_id for lp in parts.prompt_logprobs] == \
+        [lp.top[0].token_id for lp in whole.prompt_logprobs]
+    assert parts.token_ids == whole.token_ids

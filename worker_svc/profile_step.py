@@ -16,6 +16,7 @@ from worker_svc.attention import build_attention_metadata, metadata_to
 from worker_svc.kv_cache import KvLayerSpec, allocate_kv_caches, bytes_per_block, layer_caches
 from worker_svc.model.llama import LlamaModel
 from worker_svc.penalties import TokenHistory
+from worker_svc.prompt_logprobs import ROWS_PER_SLICE as PROMPT_LOGPROB_ROWS
 from worker_svc.sampler import sample
 
 
@@ -38,7 +39,8 @@ def profile_forward(model: LlamaModel, specs: list[KvLayerSpec], num_tokens: int
                     num_rows: int, block_size: int,
                     positions: tuple[int, ...] | None = None) -> int:
     """One forward of `num_tokens` tokens over `num_rows` new requests through `model` (logits
-    for each, and the sampler's worst case on them, on the last stage), on a scratch KV cache
+    for each, the sampler's worst case on them and a slice of prompt logprobs, on the last
+    stage), on a scratch KV cache
     of `specs`' layout: one tensor per KV group position in `positions` (None: one per layer),
     every KV group on the same block tables; returns the scratch cache's bytes."""
     lens = [num_tokens // num_rows + (1 if i < num_tokens % num_rows else 0)
@@ -70,5 +72,9 @@ def profile_forward(model: LlamaModel, specs: list[KvLayerSpec], num_tokens: int
             logits = model.compute_logits(hidden.index_select(0, last),
                                           residual.index_select(0, last))
             worst_case_sampling(logits)
+            # Prompt logprobs take logits for up to a slice of rows at once.
+            rows = torch.arange(min(PROMPT_LOGPROB_ROWS, num_tokens), device=device)
+            model.compute_logits(hidden.index_select(0, rows), residual.index_select(0, rows)
+                                 ).float().log_softmax(dim=-1).topk(MAX_TOP_LOGPROBS, dim=-1)
     del caches
     return bytes_per_block(specs) * next_block

@@ -1,48 +1,80 @@
-"""Chat requests onto what the public gRPC API carries: messages of a role and a text, which
-the scheduler renders with the model's chat template.
+"""Chat requests onto what the public gRPC API carries (`ChatMessages`): messages of a role
+and a text, with a message's name, tool calls and tool call id, and the request's tools and
+documents, which the scheduler passes to the model's chat template as HF's
+apply_chat_template does.
 
 A message's content is a string, null (an empty text) or a list of parts; only text parts
 are taken, joined with newlines as vLLM joins them for string-content templates. Image,
-audio, file and other parts are refused with a 400 naming the part. The gRPC API carries
-neither tools, documents, a per-request chat template or template arguments, nor a message's
-name or tool calls: a request that gives any of them a value is refused (400, naming it)
-rather than rendered without it.
+audio, file and other parts are refused with a 400 naming the part. A per-request chat
+template or template arguments cannot be carried (the scheduler's template is fixed at its
+start, `--chat-template`), nor can a tool choice that forces a call: a request that gives any
+of them a value is refused (400, naming it) rather than rendered without it.
 """
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from http_svc.errors import bad_request, not_supported
 from http_svc.protocol import ChatMessageParam
 
-WHY_TEMPLATE = "the scheduler's gRPC API carries messages' role and content only"
+WHY_TEMPLATE = "the scheduler renders chats with the template it was started with"
 
 # Chat parameters the gRPC API cannot carry to the template, with what counts as not given.
-TEMPLATE_INPUTS = ("tools", "documents", "chat_template", "chat_template_kwargs")
+TEMPLATE_INPUTS = ("chat_template", "chat_template_kwargs")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatExtras:
+    """What a chat carries besides each message's role and text, as the gRPC fields hold it
+    (JSON text; "" = not given). `messages[i]` is message i's (name, tool_call_id,
+    tool_calls_json)."""
+
+    messages: tuple[tuple[str, str, str], ...]
+    tools_json: str = ""
+    documents_json: str = ""
 
 
 def refuse_template_inputs(request: Any) -> None:
-    """400 for a non-empty tools, documents, chat_template or chat_template_kwargs, for
-    continue_final_message and for a tool_choice that asks for a tool."""
+    """400 for a non-empty chat_template or chat_template_kwargs, for continue_final_message
+    and for a tool_choice that asks for a tool."""
     for name in TEMPLATE_INPUTS:
         if getattr(request, name, None):
             raise not_supported(name, WHY_TEMPLATE)
     if getattr(request, "continue_final_message", False):
         raise not_supported("continue_final_message")
     choice = getattr(request, "tool_choice", None)
-    if choice not in (None, "none", "auto"):   # "auto" with no tools is no tool call
-        raise not_supported("tool_choice", "no tools can be given yet")
+    if choice not in (None, "none", "auto"):
+        raise not_supported("tool_choice", "a call cannot be forced yet; use \"auto\"")
 
 
 def flatten_messages(messages: Sequence[ChatMessageParam]) -> list[tuple[str, str]]:
     """Each message as (role, text). The role is checked by the scheduler (a closed set)."""
-    flat: list[tuple[str, str]] = []
-    for i, message in enumerate(messages):
-        for name in ("name", "tool_calls", "tool_call_id"):
-            if getattr(message, name):
-                raise not_supported(f"messages[{i}].{name}", WHY_TEMPLATE)
-        flat.append((message.role, _text(message.content, f"messages[{i}].content")))
-    return flat
+    return [(message.role, _text(message.content, f"messages[{i}].content"))
+            for i, message in enumerate(messages)]
+
+
+def chat_extras(request: Any) -> ChatExtras | None:
+    """The request's tools, documents and messages' tool fields; None when it has none."""
+    tools = getattr(request, "tools", None) or None
+    documents = getattr(request, "documents", None) or None
+    per_message = tuple((m.name or "", m.tool_call_id or "",
+                         json.dumps(m.tool_calls) if m.tool_calls else "")
+                        for m in request.messages)
+    if tools is None and documents is None and not any(any(x) for x in per_message):
+        return None
+    return ChatExtras(per_message, json.dumps(tools) if tools else "",
+                      json.dumps(documents) if documents else "")
+
+
+def extras_num_bytes(extras: ChatExtras | None) -> int:
+    """UTF-8 bytes the extras add to the prompt (they count toward its limit)."""
+    if extras is None:
+        return 0
+    texts = [extras.tools_json, extras.documents_json,
+             *(part for message in extras.messages for part in message)]
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
 
 def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:

@@ -41,7 +41,8 @@ UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
 # The scheduler's INVALID_ARGUMENT messages begin with the field they are about; by those first
 # words, the request field. "PROMPT" stands for the prompt's own field (prompt or messages).
 GRPC_MESSAGE_FIELDS = (
-    (re.compile(r"(temperature|top_p|top_k|max_tokens|min_tokens|seed|cache_salt)\b"), None),
+    (re.compile(r"(temperature|top_p|top_k|max_tokens|min_tokens|seed|cache_salt|min_p|n|"
+                r"presence_penalty|frequency_penalty|repetition_penalty|logit_bias)\b"), None),
     (re.compile(r"logprobs\b"), "logprobs"),
     (re.compile(r"stop token id"), "stop_token_ids"),
     (re.compile(r"(at most \d+ )?stop strings"), "stop"),

@@ -11,6 +11,10 @@ at -9999.0.
   each token's character offset, running from the text already returned.
 - chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`, with the first
   `top_logprobs` candidates in `top_logprobs` and `bytes` the token text's UTF-8.
+- prompt logprobs, vLLM's shape: per prompt token, None for the first, then a dict token id
+  -> {"logprob", "rank", "decoded_token"} of the prompt token and the `prompt_logprobs` best.
+  With completions' `echo` and `logprobs`, the prompt's tokens lead the completions shape,
+  the first with null logprobs.
 """
 
 from collections.abc import Sequence
@@ -48,6 +52,40 @@ def completion_logprobs(vocab: Sequence[str], logprobs: Sequence[TokenLogprob], 
     }
 
 
+def prompt_logprobs_body(vocab: Sequence[str], logprobs: Sequence[TokenLogprob],
+                         num_top: int) -> list[dict[str, Any] | None]:
+    body: list[dict[str, Any] | None] = [None]
+    for lp in logprobs:
+        entry = {str(lp.token_id): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                                    "decoded_token": vocab[lp.token_id]}}
+        for rank, (token_id, logprob) in enumerate(lp.top[:num_top], start=1):
+            entry.setdefault(str(token_id), {"logprob": max(logprob, MIN_LOGPROB),
+                                             "rank": rank, "decoded_token": vocab[token_id]})
+        body.append(entry)
+    return body
+
+
+def echo_logprobs(vocab: Sequence[str], first_token_id: int, logprobs: Sequence[TokenLogprob],
+                  num_top: int, generated: dict[str, Any] | None) -> dict[str, Any]:
+    """The completions shape over the prompt's tokens (the first with null logprobs), then
+    `generated`'s (a completions shape whose text_offset starts after the prompt's text)."""
+    tokens = [vocab[first_token_id]] + [vocab[lp.token_id] for lp in logprobs]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    body: dict[str, Any] = {
+        "text_offset": offsets, "tokens": tokens,
+        "token_logprobs": [None] + [max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
+        "top_logprobs": [None] + [{vocab[t]: max(v, MIN_LOGPROB)
+                                   for t, v in candidates(lp)[:num_top + 1]}
+                                  for lp in logprobs]}
+    if generated is not None:
+        for key in body:
+            body[key] += generated[key]
+    return body
+
+
 def _chat_logprob(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": max(logprob, MIN_LOGPROB),
             "bytes": list(text.encode("utf-8", errors="replace"))}
@@ -72,13 +110,16 @@ def stop_reason(chunk: Chunk, sampling: Sampling) -> str | int | None:
     return reason
 
 
-def usage_body(usages: Sequence[Usage]) -> dict[str, Any]:
-    prompt = sum(u.prompt_tokens for u in usages)
+def usage_body(usages: Sequence[Usage], n: int = 1) -> dict[str, Any]:
+    """`usages` by choice index, `n` choices per prompt: each prompt counts once (its first
+    choice's prompt and cached tokens, as vLLM reports them), every choice's output counts."""
+    firsts = usages[::n]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens
-                                                           for u in usages)}}
+                                                           for u in firsts)}}
 
 
 @dataclass(slots=True)
@@ -88,9 +129,11 @@ class Collected:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
+        self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs

@@ -8,12 +8,17 @@ chat's max_completion_tokens (or the deprecated max_tokens) the rest of the cont
 string or a list; chat's logprobs a bool with top_logprobs alternatives, completions' logprobs
 the number of alternatives. Seeds are int64 as in vLLM; the engine takes their 64 bits.
 
+Penalties and min_p as vLLM: presence/frequency in [-2, 2], repetition > 0, min_p in [0, 1];
+logit_bias keys are token ids written as strings, values clamped to [-100, 100] as vLLM clamps
+them. `n` choices come from one scheduler request (SamplingParams.n).
+
 `NOT_YET` lists what the engine cannot do yet. Such a parameter is accepted at its neutral
-value (`presence_penalty: 0`, `n: 1`, `echo: false`) and otherwise
-refused with a 400 that names it. When the engine gains one, its line leaves `NOT_YET` and
-one line in `_sampling` carries it.
+value (`suffix: null`, `best_of: 1`) and otherwise refused with a 400 that names it.
+When the engine gains one, its line leaves `NOT_YET` and one line in `_sampling`
+carries it.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +27,12 @@ from typing import Any
 from http_svc.errors import bad_request, not_supported
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from http_svc.structured import Structured, structured_output
-from services.wire import MAX_TOP_LOGPROBS
+from services.wire import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_TOP_LOGPROBS
 
 INT32_MAX = (1 << 31) - 1   # the engine's token counts are int32
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UINT64 = 1 << 64
+MAX_N = 64                  # choices per prompt, as the scheduler takes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +51,13 @@ class Sampling:
     logprobs: int | None             # alternatives per sampled token; None: no logprobs
     keep_special_tokens: bool
     structured: Structured | None = None   # response_format / guided_* (http_svc.structured)
+    n: int = 1                       # choices per prompt
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids sorted
+    prompt_logprobs: int | None = None   # alternatives per prompt token; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +81,8 @@ def _falsy(value: Any) -> bool:
 
 
 NOT_YET: tuple[NotYet, ...] = (
-    NotYet("min_p", lambda v: v in (None, 0), "0", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    NotYet("presence_penalty", lambda v: v in (None, 0), "0", lambda v: -2 <= v <= 2,
-           "in [-2, 2]"),
-    NotYet("frequency_penalty", lambda v: v in (None, 0), "0", lambda v: -2 <= v <= 2,
-           "in [-2, 2]"),
-    NotYet("repetition_penalty", lambda v: v in (None, 1), "1", lambda v: v > 0, "> 0"),
-    NotYet("logit_bias", _falsy, "{}"),
-    NotYet("n", lambda v: v in (None, 1), "1", lambda v: v >= 1, ">= 1"),
     NotYet("best_of", lambda v: v in (None, 1), "1", lambda v: v >= 1, ">= 1"),
-    NotYet("echo", _falsy, "false"),
     NotYet("suffix", _falsy, "null"),
-    NotYet("prompt_logprobs", _unset, "null"),
     NotYet("include_stop_str_in_output", _falsy, "false"),
     NotYet("guided_grammar", _unset, "null"),
 )
@@ -109,7 +112,11 @@ def completion_sampling(request: CompletionRequest) -> Sampling:
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
                           "logprobs")
-    return _sampling(request, request.max_tokens, "max_tokens", logprobs)
+    sampling = _sampling(request, request.max_tokens, "max_tokens", logprobs)
+    if request.echo and logprobs is not None:   # the echoed prompt's logprobs (vLLM)
+        sampling = dataclasses.replace(
+            sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, logprobs))
+    return sampling
 
 
 def chat_sampling(request: ChatCompletionRequest) -> Sampling:
@@ -151,10 +158,69 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     if any(not s for s in stop):
         raise bad_request("stop must not contain an empty string", "stop")
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                              f"{prompt_logprobs}", "prompt_logprobs")
+        if request.stream:
+            raise bad_request("prompt_logprobs is not available with stream: true (as in "
+                              "vLLM)", "prompt_logprobs")
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", "n")
     return Sampling(
         temperature=temperature, top_p=top_p, top_k=top_k,
         seed=None if seed is None else seed % UINT64,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
-        logprobs=logprobs, keep_special_tokens=not request.skip_special_tokens,
+        logprobs=logprobs, keep_special_tokens=not request.skip_special_tokens, n=n,
+        min_p=_bounded(request.min_p, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_bounded(request.presence_penalty, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", 0.0,
+                                   -2.0, 2.0),
+        repetition_penalty=_repetition_penalty(request.repetition_penalty),
+        logit_bias=_logit_bias(request.logit_bias), prompt_logprobs=prompt_logprobs,
         structured=structured_output(request))
+
+
+def _bounded(value: float | None, name: str, default: float, low: float, high: float) -> float:
+    if value is None:
+        return default
+    if not (math.isfinite(value) and low <= value <= high):
+        raise bad_request(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+    return value
+
+
+def _repetition_penalty(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    if not (math.isfinite(value) and value > 0):
+        raise bad_request(f"repetition_penalty must be > 0, got {value}", "repetition_penalty")
+    return value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """Token ids from their string keys; values clamped to [-100, 100] (vLLM clamps). Ids
+    outside the vocabulary are refused by the scheduler."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are "
+                          "taken", "logit_bias")
+    entries: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+        if not 0 <= token_id < 1 << 32:
+            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary",
+                              "logit_bias")
+        if math.isnan(value):
+            raise bad_request(f"logit_bias[{key}] must be a number, got {value}", "logit_bias")
+        if token_id in entries:
+            raise bad_request(f"logit_bias names token id {token_id} twice", "logit_bias")
+        entries[token_id] = min(max(value, -MAX_LOGIT_BIAS_VALUE), MAX_LOGIT_BIAS_VALUE)
+    return tuple(sorted(entries.items()))

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from http_svc.chat import ChatExtras
 from http_svc.errors import ApiError, from_grpc
 from http_svc.sampling import Sampling
 from http_svc.structured import to_pb as structured_to_pb
@@ -46,6 +47,7 @@ class Prompt:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     chat: tuple[tuple[str, str], ...] | None = None    # (role, content)
+    chat_extras: ChatExtras | None = None   # with chat: tools, documents, messages' tool fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class TokenLogprob:
     token_id: int                         # the sampled token
     logprob: float
     top: tuple[tuple[int, float], ...]    # the best alternatives, best first
+    rank: int = 0                         # prompt logprobs: the token's rank (1 = best)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ class Chunk:
     finish_reason: str | None = None      # "stop", "length" or "abort"
     stop_reason: str | None = None        # the stop string or stop token id (as text)
     usage: Usage | None = None
+    index: int = 0                        # the choice (of the request's n) it belongs to
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # prompt tokens from the second on
 
 
 def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
@@ -95,6 +100,19 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
         sampling.logprobs = s.logprobs
     if s.structured is not None:
         sampling.structured_output.CopyFrom(structured_to_pb(s.structured))
+    if s.n != 1:
+        sampling.n = s.n
+    if s.min_p:
+        sampling.min_p = s.min_p
+    if s.presence_penalty:
+        sampling.presence_penalty = s.presence_penalty
+    if s.frequency_penalty:
+        sampling.frequency_penalty = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        sampling.repetition_penalty = s.repetition_penalty
+    sampling.logit_bias.update(s.logit_bias)
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     request = pb.GenerateRequest(request_id=spec.request_id, sampling=sampling,
                                  keep_special_tokens=s.keep_special_tokens,
                                  cache_salt=spec.cache_salt)
@@ -104,9 +122,21 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
     elif prompt.token_ids is not None:
         request.token_ids.ids.extend(prompt.token_ids)
     else:
-        request.chat.messages.extend(pb.ChatMessage(role=r, content=c)
-                                     for r, c in prompt.chat or ())
+        request.chat.CopyFrom(chat_to_pb(prompt))
     return request
+
+
+def chat_to_pb(prompt: Prompt) -> pb.ChatMessages:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c)
+                                     for r, c in prompt.chat or ()])
+    extras = prompt.chat_extras
+    if extras is not None:
+        for message, (name, tool_call_id, tool_calls_json) in zip(chat.messages,
+                                                                  extras.messages):
+            message.name, message.tool_call_id = name, tool_call_id
+            message.tool_calls_json = tool_calls_json
+        chat.tools_json, chat.documents_json = extras.tools_json, extras.documents_json
+    return chat
 
 
 def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
@@ -120,7 +150,11 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
                                     tuple((t.token_id, t.logprob) for t in lp.top))
                        for lp in msg.logprobs),
         finish_reason=msg.finish_reason or None,
-        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None, usage=usage)
+        stop_reason=msg.stop_reason if msg.HasField("stop_reason") else None, usage=usage,
+        index=msg.index,
+        prompt_logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob,
+                                           tuple((t.token_id, t.logprob) for t in lp.top),
+                                           lp.rank) for lp in msg.prompt_logprobs))
 
 
 class GenerationCall:
@@ -196,8 +230,7 @@ class SchedulerClient:
         """The prompt's token ids and the text they came from (the rendered chat)."""
         request = pb.TokenizeRequest(no_generation_prompt=not add_generation_prompt)
         if prompt.chat is not None:
-            request.chat.messages.extend(pb.ChatMessage(role=r, content=c)
-                                         for r, c in prompt.chat)
+            request.chat.CopyFrom(chat_to_pb(prompt))
         else:
             request.text = prompt.text or ""
         response = await self._unary(self._stub.Tokenize, request)

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from http_svc.chat import flatten_messages, refuse_template_inputs
+from http_svc.chat import chat_extras, extras_num_bytes, flatten_messages, refuse_template_inputs
 from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
 from http_svc.outputs import (
     Collected,
@@ -28,6 +28,8 @@ from http_svc.outputs import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs_body,
     usage_body,
 )
 from http_svc.protocol import (
@@ -107,6 +109,12 @@ class OpenAIServing:
             "owned_by": "splitserve", "root": card.name, "parent": None,
             "max_model_len": card.max_model_len, "permission": []}]}
 
+    async def _vocabulary(self, sampling: Sampling) -> list[str] | None:
+        """Every token's text, where the response shows tokens (logprobs of either kind)."""
+        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+            return None
+        return await self.client.vocabulary()
+
     # -- completions ------------------------------------------------------------------------
 
     def _completion_prompts(self, prompt: Any, card: ModelCard) -> list[Prompt]:
@@ -135,13 +143,26 @@ class OpenAIServing:
         with grpc_fields_named("prompt", structured_param=param_of(sampling.structured)):
             return await self._complete(body, card, sampling, prompts)
 
+    async def _echoes(self, prompts: list[Prompt]) -> list[str]:
+        """Each prompt's text as `echo` returns it (token ids decoded, special tokens kept)."""
+        ids = [p.token_ids or () for p in prompts if p.text is None]
+        decoded = iter(await self.client.detokenize(ids) if ids else [])
+        return [p.text if p.text is not None else next(decoded) for p in prompts]
+
     async def _complete(self, body: CompletionRequest, card: ModelCard, sampling: Sampling,
                         prompts: list[Prompt]) -> Body | EventStream:
+        echoes = await self._echoes(prompts) if body.echo else None
+        # With echo and logprobs, the logprobs start with the prompt's tokens: its first one
+        # (which has no logprob) comes from here, the others with their prompt logprobs.
+        first_ids = None
+        if echoes is not None and sampling.logprobs is not None:
+            first_ids = [(p.token_ids or (await self.client.tokenize(p))[0] or (0,))[0]
+                         for p in prompts]
         if sampling.max_tokens is None:
             prompts = [p if p.token_ids is not None
                        else Prompt(token_ids=tuple((await self.client.tokenize(p))[0]))
                        for p in prompts]
-        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        vocab = await self._vocabulary(sampling)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
                               await self._fill(sampling, len(p.token_ids or ()), card),
@@ -152,22 +173,40 @@ class OpenAIServing:
             started = await _start(calls)
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
-                                     bool(options and options.include_usage))
+                                     bool(options and options.include_usage), echoes,
+                                     first_ids)
         try:
-            results = await asyncio.gather(*(_collect(c) for c in calls))
+            per_prompt = await asyncio.gather(*(_collect(c, sampling.n) for c in calls))
         finally:
             for call in calls:
                 call.cancel()
+        results = [r for choices_of_prompt in per_prompt for r in choices_of_prompt]
         choices = []
         for i, r in enumerate(results):
+            # Choice 0 of each prompt carries the prompt's logprobs.
+            prompt_lps = per_prompt[i // sampling.n][0].prompt_logprobs
             logprobs = None
-            if vocab is not None:
-                logprobs = completion_logprobs(vocab, r.logprobs, sampling.logprobs or 0)
+            if vocab is not None and sampling.logprobs is not None:
+                num_top = sampling.logprobs
+                if first_ids is None:
+                    logprobs = completion_logprobs(vocab, r.logprobs, num_top)
+                else:
+                    first = first_ids[i // sampling.n]
+                    offset = len(vocab[first]) + sum(len(vocab[lp.token_id])
+                                                     for lp in prompt_lps)
+                    logprobs = echo_logprobs(vocab, first, prompt_lps, num_top,
+                                             completion_logprobs(vocab, r.logprobs, num_top,
+                                                                 offset))
             assert r.last is not None
-            choices.append(completion_choice(i, r.text, logprobs, r.last, sampling))
+            text = (echoes[i // sampling.n] if echoes else "") + r.text
+            choice = completion_choice(i, text, logprobs, r.last, sampling)
+            if vocab is not None and body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(vocab, prompt_lps,
+                                                                 body.prompt_logprobs)
+            choices.append(choice)
         return {"id": head.id, "object": "text_completion", "created": head.created,
                 "model": head.model, "choices": choices,
-                "usage": usage_body([r.usage for r in results])}
+                "usage": usage_body([r.usage for r in results], sampling.n)}
 
     # -- chat completions -------------------------------------------------------------------
 
@@ -176,21 +215,25 @@ class OpenAIServing:
         sampling = chat_sampling(body)
         refuse_template_inputs(body)
         messages = tuple(flatten_messages(body.messages))
-        self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
-                         card, "messages")
+        extras = chat_extras(body)
+        self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+                         + extras_num_bytes(extras), card, "messages")
         self._require_ready()
         with grpc_fields_named("messages", "top_logprobs", param_of(sampling.structured)):
-            return await self._chat(body, card, sampling, messages)
+            return await self._chat(body, card, sampling, Prompt(chat=messages,
+                                                                 chat_extras=extras))
 
     async def _chat(self, body: ChatCompletionRequest, card: ModelCard, sampling: Sampling,
-                    messages: tuple[tuple[str, str], ...]) -> Body | EventStream:
-        prompt = Prompt(chat=messages)
+                    prompt: Prompt) -> Body | EventStream:
+        messages = prompt.chat or ()
         if sampling.max_tokens is None or not body.add_generation_prompt:
             ids, _ = await self.client.tokenize(prompt, body.add_generation_prompt)
             prompt = Prompt(token_ids=tuple(ids))
             sampling = await self._fill(sampling, len(ids), card)
         role = "assistant" if body.add_generation_prompt else messages[-1][0]
-        vocab = await self.client.vocabulary() if sampling.logprobs is not None else None
+        # vLLM's chat echo: the last message's content, where it has the reply's role.
+        echo = messages[-1][1] if body.echo and messages[-1][0] == role else ""
+        vocab = await self._vocabulary(sampling)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
                                                  body.cache_salt or ""))
@@ -199,19 +242,26 @@ class OpenAIServing:
             (started,) = await _start([call])
             options = body.stream_options
             return chat_events(head, role, started, sampling, vocab,
-                               bool(options and options.include_usage))
+                               bool(options and options.include_usage), echo)
         try:
-            result = await _collect(call)
+            results = await _collect(call, sampling.n)
         finally:
             call.cancel()
-        logprobs = None
-        if vocab is not None:
-            logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs or 0)
-        assert result.last is not None
-        return {"id": head.id, "object": "chat.completion", "created": head.created,
-                "model": head.model,
-                "choices": [chat_choice(0, role, result.text, logprobs, result.last, sampling)],
-                "usage": usage_body([result.usage])}
+        choices = []
+        for i, result in enumerate(results):
+            logprobs = None
+            if vocab is not None and sampling.logprobs is not None:
+                logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs)
+            assert result.last is not None
+            choices.append(chat_choice(i, role, echo + result.text, logprobs, result.last,
+                                       sampling))
+        response = {"id": head.id, "object": "chat.completion", "created": head.created,
+                    "model": head.model, "choices": choices,
+                    "usage": usage_body([r.usage for r in results], sampling.n)}
+        if vocab is not None and sampling.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_body(
+                vocab, results[0].prompt_logprobs, sampling.prompt_logprobs)
+        return response
 
     # -- tokenizer endpoints ----------------------------------------------------------------
 
@@ -222,9 +272,10 @@ class OpenAIServing:
         if isinstance(body, TokenizeChatRequest):
             refuse_template_inputs(body)
             messages = tuple(flatten_messages(body.messages))
-            self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages),
-                             card, "messages")
-            ids, _ = await self.client.tokenize(Prompt(chat=messages),
+            extras = chat_extras(body)
+            self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+                             + extras_num_bytes(extras), card, "messages")
+            ids, _ = await self.client.tokenize(Prompt(chat=messages, chat_extras=extras),
                                                 body.add_generation_prompt)
         else:
             self._check_text(len(body.prompt.encode("utf-8", "surrogatepass")), card, "prompt")
@@ -255,10 +306,13 @@ async def _start(calls: Sequence[GenerationCall]) -> list[Started]:
         raise
 
 
-async def _collect(call: GenerationCall) -> Collected:
-    collected = Collected()
+async def _collect(call: GenerationCall, n: int = 1) -> list[Collected]:
+    """Each of the call's `n` choices, gathered."""
+    collected = [Collected() for _ in range(n)]
     async for chunk in call:
-        collected.add(chunk)
-    if collected.last is None or collected.last.finish_reason is None:
+        if chunk.index >= n:
+            raise ApiError(500, f"the scheduler sent choice {chunk.index} of {n}")
+        collected[chunk.index].add(chunk)
+    if any(c.last is None or c.last.finish_reason is None for c in collected):
         raise ApiError(500, "the scheduler ended the stream without a finish reason")
     return collected

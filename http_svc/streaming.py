@@ -1,7 +1,12 @@
 """Streamed responses as server-sent events: one `data: {json}` event per chunk, then
 `data: [DONE]`, as OpenAI's and vLLM's servers stream.
 
-Chat streams open with a chunk that carries only the role; each scheduler chunk that brings
+With `n` choices per prompt, one scheduler stream carries them all, each chunk naming its
+choice; prompt i's choice j is the response's choice i * n + j (as vLLM numbers them). With
+`echo`, a choice's first event starts with the prompt text.
+
+Chat streams open with a chunk per choice that carries only the role; each scheduler chunk that
+brings
 text, logprobs or the finish reason becomes one event (a chunk that only held back half a
 character is skipped). With `stream_options.include_usage` a last event carries the usage
 and no choices. An error after the stream began is sent as an event holding the error object
@@ -24,10 +29,11 @@ from http_svc.outputs import (
     chat_logprobs,
     completion_choice,
     completion_logprobs,
+    echo_logprobs,
     usage_body,
 )
 from http_svc.sampling import Sampling
-from http_svc.scheduler_client import Chunk, GenerationCall, Usage
+from http_svc.scheduler_client import Chunk, GenerationCall, TokenLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +80,20 @@ class StreamHead:
                     "model": self.model, "choices": choices, **extra})
 
 
-async def merged(streams: Sequence[Started]) -> AsyncIterator[tuple[int, Chunk]]:
-    """(index, chunk) of every stream as they come, each stream's first chunk first."""
+async def merged(streams: Sequence[Started], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) of every stream as they come, each stream's first chunk first;
+    stream i's choice j is choice i * n + j."""
+    async for i, chunk in _merged(streams, n):
+        yield i * n + chunk.index, chunk
+
+
+async def _merged(streams: Sequence[Started], n: int) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream index, chunk) of every stream as they come, each stream's first chunk first
+    (a stream whose first chunk ends it is done, unless it carries several choices)."""
     for i, s in enumerate(streams):
         yield i, s.first
-    open_streams = [(i, s.call) for i, s in enumerate(streams) if s.first.finish_reason is None]
+    open_streams = [(i, s.call) for i, s in enumerate(streams)
+                    if s.first.finish_reason is None or n > 1]
     if len(open_streams) == 1:
         i, call = open_streams[0]
         async for chunk in call:
@@ -111,44 +126,72 @@ async def merged(streams: Sequence[Started]) -> AsyncIterator[tuple[int, Chunk]]
 
 
 def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,
-                      vocab: Sequence[str] | None, include_usage: bool) -> EventStream:
-    num_chars = [0] * len(streams)      # text sent so far per choice: logprobs' text_offset
-    usages: list[Usage | None] = [None] * len(streams)
+                      vocab: Sequence[str] | None, include_usage: bool,
+                      echoes: Sequence[str] | None = None,
+                      first_ids: Sequence[int] | None = None) -> EventStream:
+    """`echoes`: each prompt's text, to start its choices' text with (echo); `first_ids`:
+    each prompt's first token, where the echo comes with logprobs (then the prompt's tokens
+    lead each choice's logprobs, their logprobs from choice 0's first chunk)."""
+    n = sampling.n
+    num_choices = len(streams) * n
+    num_chars = [0] * num_choices      # text sent so far per choice: logprobs' text_offset
+    usages: list[Usage | None] = [None] * num_choices
+    echo_pending = [bool(echoes)] * num_choices
+    prompt_lps: list[tuple[TokenLogprob, ...]] = [()] * len(streams)
 
     async def events() -> AsyncIterator[bytes]:
-        async for i, chunk in merged(streams):
-            if not (chunk.text or chunk.logprobs or chunk.finish_reason):
+        async for i, chunk in merged(streams, n):
+            text = chunk.text
+            prompt_lps[i // n] = prompt_lps[i // n] or chunk.prompt_logprobs
+            echo_now = bool(echoes) and echo_pending[i]
+            if echoes and echo_now:
+                text, echo_pending[i] = echoes[i // n] + text, False
+                num_chars[i] += len(echoes[i // n])
+            elif not (chunk.text or chunk.logprobs or chunk.finish_reason):
                 continue
             logprobs = None
-            if vocab is not None:
-                logprobs = completion_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0,
-                                               num_chars[i])
+            if vocab is not None and sampling.logprobs is not None:
+                if echo_now and first_ids is not None:
+                    first, lps = first_ids[i // n], prompt_lps[i // n]
+                    num_chars[i] = len(vocab[first]) + sum(len(vocab[lp.token_id])
+                                                           for lp in lps)
+                    logprobs = echo_logprobs(vocab, first, lps, sampling.logprobs,
+                                             completion_logprobs(vocab, chunk.logprobs,
+                                                                 sampling.logprobs,
+                                                                 num_chars[i]))
+                else:
+                    logprobs = completion_logprobs(vocab, chunk.logprobs, sampling.logprobs,
+                                                   num_chars[i])
             num_chars[i] += len(chunk.text)
             usages[i] = chunk.usage or usages[i]
-            yield head.event([completion_choice(i, chunk.text, logprobs, chunk, sampling)])
+            yield head.event([completion_choice(i, text, logprobs, chunk, sampling)])
         if include_usage:
-            yield head.event([], usage=usage_body(_all(usages)))
+            yield head.event([], usage=usage_body(_all(usages), n))
 
     calls = [s.call for s in streams]
     return EventStream(_guarded(events(), calls), calls)
 
 
 def chat_events(head: StreamHead, role: str, started: Started, sampling: Sampling,
-                vocab: Sequence[str] | None, include_usage: bool) -> EventStream:
+                vocab: Sequence[str] | None, include_usage: bool, echo: str = "") -> EventStream:
+    """`echo`: the last message's content, to start every choice's content with."""
+    n = sampling.n
+
     async def events() -> AsyncIterator[bytes]:
-        yield head.event([{"index": 0, "delta": {"role": role, "content": ""},
-                           "logprobs": None, "finish_reason": None}])
-        usage: Usage | None = None
-        async for _, chunk in merged([started]):
+        for i in range(n):
+            yield head.event([{"index": i, "delta": {"role": role, "content": echo},
+                               "logprobs": None, "finish_reason": None}])
+        usages: list[Usage | None] = [None] * n
+        async for i, chunk in merged([started], n):
             if not (chunk.text or chunk.logprobs or chunk.finish_reason):
                 continue
             logprobs = None
-            if vocab is not None:
-                logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs or 0)
-            usage = chunk.usage or usage
-            yield head.event([chat_delta(0, chunk.text, logprobs, chunk, sampling)])
+            if vocab is not None and sampling.logprobs is not None:
+                logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs)
+            usages[i] = chunk.usage or usages[i]
+            yield head.event([chat_delta(i, chunk.text, logprobs, chunk, sampling)])
         if include_usage:
-            yield head.event([], usage=usage_body(_all([usage])))
+            yield head.event([], usage=usage_body(_all(usages), n))
 
     return EventStream(_guarded(events(), [started.call]), [started.call])
 

@@ -23,7 +23,7 @@ from scheduler_svc.metrics import SchedulerMetrics
 from scheduler_svc.router import Router
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.stats import cluster_stats
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.tokenizer import load_tokenizer, read_chat_template
 from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
 from services import cluster_token
 from services.flags import FlagParser
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         route_tokens_per_request=a.route_tokens_per_request,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes,
-        stream_interval=a.stream_interval)
+        stream_interval=a.stream_interval, chat_template=a.chat_template)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,
@@ -85,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
 async def serve(config: ServerConfig, sched: SchedulerConfig, drain_timeout: float) -> int:
     try:
         model = load_model_config(config.model_path)
-        tokenizer = load_tokenizer(config.model_path)
+        template = None if config.chat_template is None else read_chat_template(
+            config.chat_template)
+        tokenizer = load_tokenizer(config.model_path, template)
     except ValueError as exc:            # ModelFormatError, or a tokenizer we cannot build
         log.error("cannot serve %s: %s", config.model_path, exc)
         return 2

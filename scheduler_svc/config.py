@@ -56,3 +56,5 @@ class ServerConfig:
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs
     max_prompt_bytes: int | None = None   # text prompt limit in UTF-8 bytes; None = derived
+    chat_template: str | None = None      # --chat-template's value (a file or a template);
+                                          # None = the model's own

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import IncrementalDetokenizer
@@ -71,6 +72,9 @@ class PromptInput:
     text: str | None = None
     token_ids: Sequence[int] | None = None    # copied to a list once its length is checked
     chat: list[ChatMessage] | None = None
+    # With chat only: the template's `tools` and `documents` (JSON objects), None = not given.
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +191,7 @@ class Frontend:
             validate_prompt(prompt.token_ids, self.limits)   # before copying a huge list
             return "", list(prompt.token_ids)
         if prompt.chat is not None:
-            validate_chat(prompt.chat, self.limits)
+            validate_chat(prompt.chat, self.limits, prompt.tools, prompt.documents)
         else:
             validate_prompt_text(prompt.text or "", self.limits)
         loop = asyncio.get_running_loop()
@@ -199,7 +203,8 @@ class Frontend:
         """On a tokenizer thread."""
         if prompt.chat is not None:
             try:
-                text = self.tokenizer.render_chat(prompt.chat, add_generation_prompt)
+                text = self.tokenizer.render_chat(prompt.chat, add_generation_prompt,
+                                                  prompt.tools, prompt.documents)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc)) from exc
             validate_prompt_text(text, self.limits, "rendered chat")

@@ -47,10 +47,22 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None   # a grammar the output must follow
+    n: int = 1                        # choices of the request (scheduler_svc.choices)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias), ids unique
+    prompt_logprobs: int | None = None   # alternatives per prompt token; None: none asked
 
     def to_spec(self) -> SamplingSpec:
         return SamplingSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                            seed=self.seed, num_logprobs=self.logprobs)
+                            seed=self.seed, num_logprobs=self.logprobs, min_p=self.min_p,
+                            presence_penalty=self.presence_penalty,
+                            frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty,
+                            logit_bias=list(self.logit_bias),
+                            num_prompt_logprobs=self.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -72,6 +84,9 @@ class RequestOutput:
                                        # not an unavailable one (INTERNAL, not UNAVAILABLE)
     invalid: bool = False              # the replica refused the request as it can never run
                                        # there (longer than its KV pool): INVALID_ARGUMENT
+    # On the request's first output, when it asked for them: (prompt token id, its logprobs)
+    # for every prompt token from the second on.
+    prompt_logprobs: list[tuple[int, TokenLogprobs, int]] | None = None   # (id, lps, rank)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
@@ -95,7 +110,7 @@ class Request:
         "num_store_loaded_tokens",
         "finish_reason", "stop_reason", "num_preemptions", "detokenizer", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "deadline", "num_migrations",
-        "cache_salt", "num_freed_blocks", "grammar",
+        "cache_salt", "num_freed_blocks", "grammar", "prompt_logprobs", "prompt_ranks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -136,7 +151,28 @@ class Request:
         # Structured output: its place in the grammar (scheduler_svc.grammar.GrammarState),
         # set by the frontend; None = free text.
         self.grammar: GrammarState | None = None
+        # Prompt logprobs gathered so far (positions 1, 2, ...), when the request asked.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_ranks: list[int] = []
         self._extend_hashes()
+
+    def add_prompt_logprobs(self, first_position: int, logprobs: list[TokenLogprobs],
+                            ranks: list[int]) -> None:
+        """A step's prompt logprobs, from `first_position` on. A prompt computed again
+        (preemption, migration) repeats positions already held: only new ones are kept."""
+        skip = len(self.prompt_logprobs) + 1 - first_position
+        if skip < 0 or first_position + len(logprobs) > self.num_prompt_tokens:
+            return      # not contiguous with what is held, or past the prompt: a bad report
+        self.prompt_logprobs += logprobs[skip:]
+        self.prompt_ranks += ranks[skip:]
+
+    def prompt_logprobs_output(self) -> list[tuple[int, TokenLogprobs, int]] | None:
+        """What the first output carries: (token id, logprobs, rank) per prompt token from
+        the second on; None unless the request asked for them."""
+        if self.sampling.prompt_logprobs is None:
+            return None
+        return list(zip(self.token_ids[1:self.num_prompt_tokens], self.prompt_logprobs,
+                        self.prompt_ranks, strict=False))
 
     @property
     def num_tokens(self) -> int:

@@ -382,6 +382,9 @@ class Scheduler:
         sampling_ids = {e.request.request_id
                          for e in self._leave_step(output.step_id) if e.samples}
         outputs: list[RequestOutput] = []
+        for chunk in output.prompt_logprobs:
+            if (request := self.requests.get(chunk.request_id)) is not None:
+                request.add_prompt_logprobs(chunk.first_position, chunk.logprobs, chunk.ranks)
         for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
                                                   output.logprobs, strict=True):
             request = self.requests.get(request_id)
@@ -393,6 +396,8 @@ class Scheduler:
             if self.ship_sampled_tokens:
                 self._new_token_ids.setdefault(request_id, []).append(token_id)
             outputs.append(self._after_token(request, token_id, logprobs))
+            if request.num_output_tokens == 1:
+                outputs[-1].prompt_logprobs = request.prompt_logprobs_output()
         return outputs
 
     def _leave_step(self, step_id: int) -> list[_InStep]:

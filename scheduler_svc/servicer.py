@@ -4,12 +4,14 @@ Thin by design: convert protobuf to core types (`from_pb`), call the core, conve
 (`to_pb`), and map core exceptions to status codes. Policy lives in Frontend, Membership and Router.
 """
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 import msgspec
 
+from scheduler_svc.choices import choice_ids, generate_choices
 from scheduler_svc.frontend import (
     Draining,
     Frontend,
@@ -27,7 +29,12 @@ from scheduler_svc.structured_output import (
     validate_structured_output,
 )
 from scheduler_svc.tokenizer import ChatMessage
-from scheduler_svc.validation import InvalidRequest, RawSampling, validate_model
+from scheduler_svc.validation import (
+    InvalidRequest,
+    RawSampling,
+    parse_json_objects,
+    validate_model,
+)
 from services.kv_store_wire import KvSlice, store_stats_to_pb
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
@@ -52,7 +59,18 @@ def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.Toke
         return PromptInput(text=request.text)
     if given[0] == "token_ids":
         return PromptInput(token_ids=request.token_ids.ids)
-    return PromptInput(chat=[ChatMessage(m.role, m.content) for m in request.chat.messages])
+    return chat_from_pb(request.chat)
+
+
+def chat_from_pb(chat: generation_pb2.ChatMessages) -> PromptInput:
+    """Messages, tools and documents; the JSON fields parsed (InvalidRequest if malformed)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        tool_calls = parse_json_objects(m.tool_calls_json, f"chat message {i} tool_calls_json")
+        messages.append(ChatMessage(m.role, m.content, m.name or None, m.tool_call_id or None,
+                                    tool_calls))
+    return PromptInput(chat=messages, tools=parse_json_objects(chat.tools_json, "tools_json"),
+                       documents=parse_json_objects(chat.documents_json, "documents_json"))
 
 
 def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
@@ -66,7 +84,12 @@ def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
         seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
-        keep_special_tokens=request.keep_special_tokens,
+        keep_special_tokens=request.keep_special_tokens, n=opt("n"),  # type: ignore[arg-type]
+        min_p=opt("min_p"), presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
+        frequency_penalty=opt("frequency_penalty"),  # type: ignore[arg-type]
+        repetition_penalty=opt("repetition_penalty"),  # type: ignore[arg-type]
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=opt("prompt_logprobs"),  # type: ignore[arg-type]
         structured_output=structured_output_from_pb(s))
 
 
@@ -82,15 +105,23 @@ def structured_output_from_pb(s: generation_pb2.SamplingParams) -> StructuredOut
         raise InvalidRequest(str(exc)) from None
 
 
-def output_to_pb(out: RequestOutput) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids,
-                                          text=out.text)
+def output_to_pb(out: RequestOutput, request_id: str | None = None,
+                 index: int = 0) -> generation_pb2.GenerateResponse:
+    """`request_id`: the client's id, where `out` is one choice's (`<request_id>-<index>`)."""
+    msg = generation_pb2.GenerateResponse(request_id=request_id or out.request_id,
+                                          token_ids=out.new_token_ids, text=out.text,
+                                          index=index)
     for token_id, lp in zip(out.new_token_ids, out.logprobs):
         if lp is not None:
             msg.logprobs.append(generation_pb2.TokenLogprob(
                 token_id=token_id, logprob=lp.logprob,
                 top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
                      for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    for token_id, lp, rank in out.prompt_logprobs or ():
+        msg.prompt_logprobs.append(generation_pb2.TokenLogprob(
+            token_id=token_id, logprob=lp.logprob, rank=rank,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                 for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
     if out.finish_reason is not None:
         msg.finish_reason = out.finish_reason.value
         msg.usage.prompt_tokens = out.num_prompt_tokens
@@ -111,22 +142,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.frontend = frontend
         self.model = model
         self.served_name = served_name or model.name
+        # Requests with n > 1 by the client's id -> (n, set by Abort), so that Abort finds
+        # their choices, started or not.
+        self._choices: dict[str, tuple[int, asyncio.Event]] = {}
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        async for out in self._run(request, context):
-            yield output_to_pb(out)
+        async for request_id, index, out in self._run(request, context):
+            yield output_to_pb(out, request_id, index)
 
     async def GenerateOnce(self, request: generation_pb2.GenerateRequest,
                            context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        if request.sampling.HasField("n") and request.sampling.n != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "n > 1 is only served by the streaming Generate")
         merged = generation_pb2.GenerateResponse()
-        async for out in self._run(request, context):
+        async for _, _, out in self._run(request, context):
             part = output_to_pb(out)
             merged.request_id = part.request_id
             merged.token_ids.extend(part.token_ids)
             merged.text += part.text
             merged.logprobs.extend(part.logprobs)
+            merged.prompt_logprobs.extend(part.prompt_logprobs)
             if part.finish_reason:
                 merged.finish_reason = part.finish_reason
                 merged.usage.CopyFrom(part.usage)
@@ -135,7 +173,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return merged
 
     async def _run(self, request: generation_pb2.GenerateRequest,
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[RequestOutput]:
+                   context: grpc.aio.ServicerContext,
+                   ) -> AsyncIterator[tuple[str, int, RequestOutput]]:
+        """(the request's id, choice index, output) until every choice has finished."""
         try:
             prepared = await self.frontend.prepare(request.request_id, request.model,
                                                    prompt_from_pb(request),
@@ -143,9 +183,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                                    request.cache_salt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id, n = prepared.request_id, prepared.sampling.n
+        aborted = asyncio.Event()
+        if n > 1:
+            if request_id in self._choices:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {request_id!r} is already in use")
+            self._choices[request_id] = (n, aborted)
         try:
-            async for out in self.frontend.generate(prepared, context.time_remaining()):
-                yield out
+            async for index, out in generate_choices(self.frontend, prepared,
+                                                     context.time_remaining(), aborted):
+                yield request_id, index, out
         except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -155,6 +203,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestFailed as exc:
             code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"request failed: {exc}")
+        finally:
+            if n > 1:
+                self._choices.pop(request_id, None)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
@@ -178,7 +229,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request.request_id))
+        request_id = request.request_id
+        entry = self._choices.get(request_id)
+        if entry is None:
+            return generation_pb2.AbortResponse(found=self.frontend.live.cancel(request_id))
+        n, aborted = entry
+        aborted.set()
+        for choice in choice_ids(request_id, n):
+            self.frontend.live.cancel(choice)
+        return generation_pb2.AbortResponse(found=True)
 
     async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:

@@ -12,8 +12,13 @@ Chat templates render as transformers' `apply_chat_template` renders them (tests
 test_chat_templates.py): a sandboxed Jinja with trim_blocks / lstrip_blocks, loop controls
 (`break`, `continue`), a `{% generation %}` block (marks assistant text for training masks;
 rendered as is), `tojson` without ASCII or HTML escaping, `strftime_now` and
-`raise_exception`; the variables are the messages, `add_generation_prompt`, `tools` and
-`documents` (None) and the special tokens of tokenizer_config.json.
+`raise_exception`; the variables are the messages (role and content, plus name, tool_calls
+and tool_call_id where given), `add_generation_prompt`, `tools` and `documents` (None unless
+the request gives them) and the special tokens of tokenizer_config.json.
+
+The model's own template can be replaced (`--chat-template`: a file, or the template inline);
+a template that does not compile is refused when the tokenizer is built, so the scheduler
+stops at start-up with the parse error instead of failing every chat.
 
 `encode` runs through `encode_batch`, which releases the GIL: the frontend tokenizes in a
 thread, and a long prompt must not stall the event loop that serves every other client.
@@ -24,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -48,6 +54,21 @@ _PRE_SPLITS: dict[str, list[pre_tokenizers.PreTokenizer]] = {
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None
+    tool_call_id: str | None = None              # role "tool": the call it answers
+    tool_calls: list[dict[str, Any]] | None = None   # role "assistant": its calls, as JSON
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the template sees it: only the keys that are set (templates test
+        `message.tool_calls is defined`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 class TemplateError(ValueError):
@@ -79,6 +100,12 @@ class TextTokenizer:
                        if t.special})
         self._template = _compile_template(chat_template) if chat_template else None
 
+    def with_chat_template(self, chat_template: str) -> "TextTokenizer":
+        """The same tokenizer rendering chats with `chat_template` (compiled here)."""
+        return TextTokenizer(self.tokenizer, chat_template, self.bos_token, self.eos_token,
+                             {k: v for k, v in self._special_tokens.items()
+                              if k not in ("bos_token", "eos_token")})
+
     def encode(self, text: str) -> list[int]:
         # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt froze
         # every other thread for a second).
@@ -90,13 +117,15 @@ class TextTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None,
+                    documents: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise TemplateError("the model has no chat template; send text or token ids")
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                messages=[m.to_template() for m in messages],
+                add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
                 **self._special_tokens)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
@@ -141,13 +170,38 @@ def _compile_template(source: str) -> jinja2.Template:
         raise TemplateError(f"chat template does not parse: {exc}") from exc
 
 
-def load_tokenizer(model_path: str | Path) -> TextTokenizer:
+def read_chat_template(value: str) -> str:
+    """`--chat-template`'s value: a file's text, or the template itself when it looks like
+    one (has a brace or a newline). Anything else is a ValueError (a mistyped path must not
+    become a template that renders its own name)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--chat-template {value!r}: {exc}") from exc
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a template")
+
+
+def load_tokenizer(model_path: str | Path, chat_template: str | None = None) -> TextTokenizer:
+    """`chat_template`: a template (text) to use instead of the model's own. Raises
+    ValueError (TemplateError for a template that does not compile)."""
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return _from_hf_dir(path)
-    raise ValueError(f"{path}: no tokenizer found (expected .gguf or a dir with tokenizer.json)")
+        tokenizer = _from_gguf(path)
+    elif path.is_dir() and (path / "tokenizer.json").is_file():
+        tokenizer = _from_hf_dir(path)
+    else:
+        raise ValueError(f"{path}: no tokenizer found (expected .gguf or a dir with "
+                         "tokenizer.json)")
+    if chat_template is None:
+        return tokenizer
+    try:
+        return tokenizer.with_chat_template(chat_template)
+    except TemplateError as exc:
+        raise TemplateError(f"--chat-template: {exc}") from exc
 
 
 def _from_gguf(path: Path) -> TextTokenizer:

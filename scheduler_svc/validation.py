@@ -6,15 +6,24 @@ cheap and bounds the tokenizer's work; the rest (`validate_prompt`, `validate_sa
 on the token ids.
 """
 
+import json
 import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler_svc.request import SamplingParams
 from scheduler_svc.structured_output import StructuredOutput
 from scheduler_svc.tokenizer import ChatMessage
-from services.wire import MAX_CACHE_SALT_BYTES, MAX_ID_LEN, MAX_TOP_LOGPROBS
+from services.wire import (
+    MAX_CACHE_SALT_BYTES,
+    MAX_ID_LEN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
@@ -24,6 +33,9 @@ MAX_STOP_LEN = 256
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 64) - 1          # SamplingParams.seed is a uint64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_CHOICES = 64                  # SamplingParams.n
+# A choice's request id is `<request_id>-<index>`, within the wire's id length.
+MAX_CHOICE_SUFFIX = len(f"-{MAX_CHOICES - 1}")
 
 # The default prompt byte limit (see `default_max_prompt_bytes`).
 PROMPT_BYTES_MARGIN = 2                 # normalizers (NFC) may shrink text before it is split
@@ -79,6 +91,13 @@ class RawSampling:
     logprobs: int | None = None
     keep_special_tokens: bool = False
     structured_output: StructuredOutput | None = None   # checked by the servicer already
+    n: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
 
 def validate_model(model: str, limits: Limits) -> None:
@@ -112,7 +131,26 @@ def validate_prompt_text(text: str, limits: Limits, what: str = "prompt text") -
             f"(the model's context is {limits.max_model_len} tokens)")
 
 
-def validate_chat(messages: Sequence[ChatMessage], limits: Limits) -> None:
+def parse_json_objects(text: str, what: str, max_bytes: int | None = None,
+                       ) -> list[dict[str, Any]] | None:
+    """A JSON array of objects (tools, documents, tool calls) as the client sent it; "" =
+    not given. Its size is checked before it is parsed."""
+    if not text:
+        return None
+    if max_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise InvalidRequest(f"{what} is longer than the {max_bytes} bytes a prompt may take")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InvalidRequest(f"{what} must be a JSON array of objects")
+    return value
+
+
+def validate_chat(messages: Sequence[ChatMessage], limits: Limits,
+                  tools: list[dict[str, Any]] | None = None,
+                  documents: list[dict[str, Any]] | None = None) -> None:
     """Roles and sizes, before the chat template renders the messages.
 
     Roles are a closed set: the template writes a role verbatim between control tokens, so
@@ -129,7 +167,10 @@ def validate_chat(messages: Sequence[ChatMessage], limits: Limits) -> None:
         if message.role not in CHAT_ROLES:
             raise InvalidRequest(f"chat message {i} has role {message.role[:64]!r}; roles are "
                                  f"{', '.join(CHAT_ROLES)}")
-    validate_prompt_text("".join(m.content for m in messages), limits, "chat content")
+    extras = [json.dumps(x) for x in (tools, documents) if x is not None]
+    extras += [json.dumps(m.tool_calls) for m in messages if m.tool_calls is not None]
+    validate_prompt_text("".join(m.content for m in messages) + "".join(extras), limits,
+                         "chat content")
 
 
 def validate_prompt(token_ids: Sequence[int], limits: Limits) -> None:
@@ -188,6 +229,9 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         raise InvalidRequest(f"stop token id {bad} is outside the vocabulary")
     if raw.logprobs is not None and not 0 <= raw.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {raw.logprobs}")
+    if raw.prompt_logprobs is not None and not 0 <= raw.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{raw.prompt_logprobs}")
     if raw.seed is not None and not 0 <= raw.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**64 - 1], got {raw.seed}")
     # Every random request gets a seed: the TP ranks of a replica each sample from the same
@@ -195,9 +239,49 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
     seed = raw.seed
     if seed is None and temperature > 0:
         seed = secrets.randbits(64)
+    n = 1 if raw.n is None else raw.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}")
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
-        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens,
-        structured_output=raw.structured_output)
+        logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens, n=n,
+        prompt_logprobs=raw.prompt_logprobs, structured_output=raw.structured_output,
+        **_penalties(raw, limits))
+
+
+def _in_range(name: str, value: float | None, default: float, low: float, high: float,
+              low_open: bool = False) -> float:
+    if value is None:
+        return default
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise InvalidRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], "
+                             f"got {value}")
+    return value
+
+
+def _penalties(raw: RawSampling, limits: Limits) -> dict[str, object]:
+    """min_p, the penalties and logit_bias, checked against the bounds the worker's wire
+    type declares (services.wire.SamplingSpec)."""
+    if len(raw.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(raw.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+    for token_id, bias in raw.logit_bias:
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidRequest(f"logit_bias token id {token_id} is outside the vocabulary "
+                                 f"(0..{limits.vocab_size - 1})")
+        _in_range(f"logit_bias[{token_id}]", bias, 0.0, -MAX_LOGIT_BIAS_VALUE,
+                  MAX_LOGIT_BIAS_VALUE)
+    if len({token_id for token_id, _ in raw.logit_bias}) != len(raw.logit_bias):
+        raise InvalidRequest("logit_bias names a token id twice")
+    return {
+        "min_p": _in_range("min_p", raw.min_p, 0.0, 0.0, 1.0),
+        "presence_penalty": _in_range("presence_penalty", raw.presence_penalty, 0.0, -2.0, 2.0),
+        "frequency_penalty": _in_range("frequency_penalty", raw.frequency_penalty, 0.0,
+                                       -2.0, 2.0),
+        "repetition_penalty": _in_range("repetition_penalty", raw.repetition_penalty, 1.0,
+                                        0.0, MAX_REPETITION_PENALTY, low_open=True),
+        "logit_bias": tuple(raw.logit_bias),
+    }

@@ -39,6 +39,9 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--served-model-name", env="SERVED_MODEL_NAME",
                help="the model's name in the public API (default: the GGUF file's stem or "
                     "the HF directory's name); workers still register with the real one")
+    p.add_flag("--chat-template", env="CHAT_TEMPLATE",
+               help="chat template to use instead of the model's: a file, or the Jinja "
+                    "template itself; one that does not compile stops the scheduler at start")
     p.add_flag("--host", env="HOST", default="127.0.0.1")
     p.add_flag("--port", env="PORT", type=int, default=50051)
     p.add_flag("--control-host", env="CONTROL_HOST", default="127.0.0.1",

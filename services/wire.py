@@ -33,6 +33,9 @@ MAX_ID_LEN = 256                   # characters of a request or worker id
 MAX_TOP_LOGPROBS = 20              # alternatives per sampled token
 MAX_CACHE_SALT_BYTES = 256         # UTF-8 bytes of a request's cache salt (a tenant id or secret)
 MAX_TOKEN_MASK_BYTES = 1 << 18     # one packed token bitmask: vocabularies up to 2M tokens
+MAX_LOGIT_BIAS = 1024              # token ids one request may bias
+MAX_LOGIT_BIAS_VALUE = 100.0       # |bias| added to a logit, as OpenAI's API bounds it
+MAX_REPETITION_PENALTY = 1e6       # any finite value > 0 is meaningful; this only bounds it
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -67,6 +70,21 @@ class SamplingSpec(_Wire, frozen=True):
     top_k: Annotated[int, Meta(ge=-1)]                # -1 or 0 = off
     seed: Annotated[int, Meta(ge=0)] | None  # per-request generator seed
     num_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None  # None = no logprobs
+    # Added after the first five (positional encoding: new fields go last, with defaults). The
+    # worker's sampler applies them in this order, as vLLM does: logit_bias, repetition, then
+    # frequency and presence penalties (on the raw logits), temperature, min_p, top-k, top-p.
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0   # drop tokens below min_p x best prob
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0   # per output token seen
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # per output occurrence
+    # Divides positive / multiplies negative logits of tokens in prompt or output; 1 = off.
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
+    # (token id, value added to its logit); ids unique and within the vocabulary.
+    logit_bias: Annotated[list[tuple[TokenId, Annotated[float, Meta(
+        ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE)]]],
+        Meta(max_length=MAX_LOGIT_BIAS)] = []
+    # Prompt logprobs: each prompt token's logprob (from the second on) plus this many top
+    # alternatives, returned in StepOutput.prompt_logprobs by the steps that compute them.
+    num_prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class NewRequest(_Wire):
@@ -166,6 +184,17 @@ class StepError(_Wire):
     kv_written: bool
 
 
+class PromptLogprobs(_Wire):
+    """The logprobs of the prompt tokens one step computed for one request: entry i is for
+    the prompt token at `first_position + i` given the tokens before it."""
+
+    request_id: RequestId
+    first_position: Annotated[int, Meta(ge=1, lt=1 << 31)]
+    logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
+    # Each prompt token's rank in its distribution (1 = the most likely), as vLLM reports it.
+    ranks: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_TOKENS_PER_REQUEST)]
+
+
 class StepOutput(_Wire):
     """The last stage's answer to one StepInput (tp_rank 0 only)."""
 
@@ -180,6 +209,8 @@ class StepOutput(_Wire):
     # The step failed on the worker (request_ids is then empty): the scheduler fails exactly
     # the step's requests. Set by the worker, never for a replica of more than one rank.
     error: StepError | None = None
+    # Prompt logprobs the step computed, for requests that asked (SamplingSpec).
+    prompt_logprobs: Annotated[list[PromptLogprobs], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
 
 
 class CacheReady(_Wire):

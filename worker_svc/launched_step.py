@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.wire import StepInput, TokenLogprobs
+from services.wire import PromptLogprobs, StepInput, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.kv_loader import LoadTicket
 from worker_svc.kv_saver import PendingSave
@@ -64,6 +64,7 @@ class LaunchedStep:
     gpu: GpuSpan | None = None                          # CUDA only
     saves: list[PendingSave] = field(default_factory=list)  # KV chunks copied out, to queue
     loads: LoadTicket | None = None                     # KV store loads it started
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # last stage
 
     def ready(self) -> bool:
         """Whether `finish` would return without waiting for the device."""

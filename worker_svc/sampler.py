@@ -1,12 +1,14 @@
 """Per-request sampling over a batch of logits rows; called by the runner on the last stage.
 
-Greedy (temperature 0, or below MIN_TEMPERATURE) is argmax, ties to the lowest token id.
-Otherwise logits are divided by the temperature, cut by top-k and top-p, and one token is drawn
+Requests that ask for logit_bias or penalties first have their rows adjusted
+(worker_svc.penalties, on the token history the worker keeps). Greedy (temperature 0, or
+below MIN_TEMPERATURE) is argmax, ties to the lowest token id. Otherwise logits are divided by
+the temperature, cut by top-k, min_p and top-p, and one token is drawn
 by inverse CDF from a single float64 uniform. Each seeded request draws that uniform from its
 own `SeededUniforms`, exactly one per sampled token, so its tokens depend only on its seed and
 its logits, never on the rest of the batch, and a stream re-created after preemption starts at
 the right draw (`new_generator`). Everything is computed in float32 (cumulative sums in
-float64).
+float64). Logprobs are always those of the raw model distribution (vLLM's default).
 """
 
 import hashlib
@@ -16,6 +18,7 @@ import torch
 
 from services.wire import SamplingSpec, TokenLogprobs
 from worker_svc.kernels.elementwise import argmax_float
+from worker_svc.penalties import TokenHistory, adjust_logits, adjusts_logits, apply_min_p
 
 # Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
 # a full sort (slow on CPU: a 49k-entry row takes milliseconds).
@@ -59,21 +62,38 @@ def is_greedy(spec: SamplingSpec) -> bool:
     return spec.temperature < MIN_TEMPERATURE
 
 
+def is_plain_greedy(spec: SamplingSpec) -> bool:
+    """Greedy with nothing else to compute: the argmax of the raw logits is the whole answer
+    (the runner keeps such batches on the device)."""
+    return is_greedy(spec) and spec.num_logprobs is None and not adjusts_logits(spec)
+
+
 def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
            generators: Sequence[SeededUniforms | None],
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           histories: Sequence[TokenHistory] | None = None,
            ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [rows, vocab] in any float dtype, one row per request, in `specs` order.
 
     `generators[i]` is request i's own uniform stream, or None for unseeded requests (drawn
     from torch's default generator). `argmax` ([rows, vocab] -> [rows], first maximum, as
     torch.argmax) serves a batch that is all greedy without logprobs straight from `logits`'
-    dtype (the C kernel); by default the rows are widened to float32 first. Returns the sampled
-    token ids and, per row, its logprobs or None where the request asked for none.
+    dtype (the C kernel); by default the rows are widened to float32 first. `histories[i]` is
+    request i's known tokens, needed (and only read) where its spec has penalties. Returns the
+    sampled token ids and, per row, its logprobs or None where the request asked for none.
     """
-    if all(is_greedy(s) and s.num_logprobs is None for s in specs):
+    if all(is_plain_greedy(s) for s in specs):
         return (argmax or argmax_float)(logits).tolist(), [None] * len(specs)
-    logits = logits.float()
+    raw = logits = logits.float()
+    adjusted_rows = [i for i, spec in enumerate(specs) if adjusts_logits(spec)]
+    if adjusted_rows:
+        if histories is None:
+            raise ValueError("penalties need the requests' token histories")
+        rows = torch.tensor(adjusted_rows, device=logits.device)
+        logits = raw.clone()
+        logits[rows] = adjust_logits(raw.index_select(0, rows),
+                                     [specs[i] for i in adjusted_rows],
+                                     [histories[i] for i in adjusted_rows])
     random_rows = [i for i, spec in enumerate(specs) if not is_greedy(spec)]
     if len(random_rows) == len(specs):
         token_ids = _sample_random(logits, specs, generators)
@@ -84,12 +104,13 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
             token_ids[rows] = _sample_random(
                 logits.index_select(0, rows), [specs[i] for i in random_rows],
                 [generators[i] for i in random_rows])
-    return token_ids.tolist(), _logprobs(logits, token_ids, specs)
+    return token_ids.tolist(), _logprobs(raw, token_ids, specs)
 
 
 def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                    generators: Sequence[SeededUniforms | None]) -> torch.Tensor:
-    """Temperature, top-k, top-p, then one inverse-CDF draw per row -> [rows] token ids."""
+    """Temperature, top-k, min_p, top-p, then one inverse-CDF draw per row -> [rows] token
+    ids."""
     vocab = logits.shape[-1]
     device = logits.device
     temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32,
@@ -104,6 +125,13 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         threshold[torch.tensor(top_ks, device=device) >= vocab] = float("-inf")
         x = x.masked_fill(x < threshold, float("-inf"))
     probs = x.softmax(dim=-1)                          # [rows, vocab]
+
+    min_p_rows = [i for i, spec in enumerate(specs) if spec.min_p > 0.0]
+    if min_p_rows:
+        rows = torch.tensor(min_p_rows, device=device)
+        min_ps = torch.tensor([specs[i].min_p for i in min_p_rows], dtype=torch.float32,
+                              device=device)
+        probs[rows] = apply_min_p(probs.index_select(0, rows), min_ps)
 
     top_p_rows = [i for i, spec in enumerate(specs) if spec.top_p < 1.0]
     if top_p_rows:

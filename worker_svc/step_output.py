@@ -15,8 +15,10 @@ from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLo
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
+from worker_svc.penalties import TokenHistory
 from worker_svc.pending_tokens import PendingTokens
-from worker_svc.sampler import is_greedy, sample
+from worker_svc.prompt_logprobs import prompt_logprobs
+from worker_svc.sampler import is_plain_greedy, sample
 from worker_svc.step_clock import step_timings
 from worker_svc.token_mask import apply_token_masks
 
@@ -27,6 +29,7 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     """Logits for the rows that sample, then greedy on the device (tokens stay there,
     copied back asynchronously) or the full sampler (on the host's terms); fills
     `launched.tokens` (left None when no row samples)."""
+    launched.prompt_logprobs = prompt_logprobs(model, layout, hidden, residual, device)
     rows, sampling = [], []
     end = 0
     for s in layout:
@@ -44,9 +47,11 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
         apply_token_masks(logits, launched.step.token_masks,
                           [s.state.request_id for s in sampling])
     specs = [s.state.sampling for s in sampling]
-    if not all(is_greedy(spec) and spec.num_logprobs is None for spec in specs):
-        token_ids, sampled.logprobs = sample(logits, specs,
-                                             [s.state.generator for s in sampling])
+    if not all(is_plain_greedy(spec) for spec in specs):
+        token_ids, sampled.logprobs = sample(
+            logits, specs, [s.state.generator for s in sampling],
+            histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
+                       for s in sampling])
         sampled.token_ids = token_ids
         for s, token_id in zip(sampling, token_ids, strict=True):
             s.state.token_ids.append(token_id)
@@ -69,7 +74,8 @@ def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) 
         step_id=launched.step.step_id, worker_id=worker_id, request_ids=ordered,
         sampled_token_ids=[by_request[r][0] for r in ordered],
         logprobs=[by_request[r][1] for r in ordered],
-        timings=step_timings(launched.clock, launched.gpu))
+        timings=step_timings(launched.clock, launched.gpu),
+        prompt_logprobs=launched.prompt_logprobs)
 
 
 def failed_output(step: StepInput, exc: Exception, worker_id: str,

@@ -193,8 +193,8 @@ def test_tokenize_and_detokenize_round_trip(base: str, cluster: RunningCluster,
 def test_errors_name_the_field(client: openai.OpenAI, base: str, model: str) -> None:
     cases: list[tuple[dict[str, Any], str, str]] = [
         ({"extra_body": {"foo": 1}}, "foo", "unknown field: foo"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
-        ({"n": 2}, "n", "n is not supported yet"),
+        ({"suffix": "tail"}, "suffix", "suffix is not supported"),
+        ({"n": 0}, "n", "n must be in [1, 64]"),
         ({"temperature": -1}, "temperature", "temperature must be >= 0"),
         ({"max_tokens": 100_000}, "max_tokens", "exceeds the model's context"),
     ]
@@ -212,9 +212,8 @@ def test_errors_name_the_field(client: openai.OpenAI, base: str, model: str) -> 
     assert refused.value.param == "messages[0].content[0].type"
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function",
-                                               "function": {"name": "f"}}])
-    assert refused.value.param == "tools"
+                                       extra_body={"chat_template": "{{ 'x' }}"})
+    assert refused.value.param == "chat_template"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-model", prompt=PROMPT)
     assert missing.value.status_code == 404 and missing.value.param == "model"

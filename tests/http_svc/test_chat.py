@@ -1,13 +1,22 @@
-"""Chat messages onto what the gRPC API carries (role and text): text parts joined as vLLM
-joins them, other parts and what the API cannot carry to the template refused by name."""
+"""Chat messages onto what the gRPC API carries (role and text, tool fields, tools and
+documents): text parts joined as vLLM joins them, other parts and what the API cannot carry to
+the template refused by name."""
 
+import json
 from typing import Any
 
 import pytest
 
-from http_svc.chat import flatten_messages, refuse_template_inputs
+from http_svc.chat import (
+    ChatExtras,
+    chat_extras,
+    extras_num_bytes,
+    flatten_messages,
+    refuse_template_inputs,
+)
 from http_svc.errors import ApiError
 from http_svc.protocol import ChatCompletionRequest
+from http_svc.scheduler_client import Prompt, chat_to_pb
 
 
 def request(messages: list[dict[str, Any]], **fields: Any) -> ChatCompletionRequest:
@@ -48,17 +57,29 @@ def test_other_parts_are_refused_by_position() -> None:
     assert refused(extra).param == "messages[0].content[0].cache"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("name", "bob"), ("tool_calls", [{"id": "1"}]), ("tool_call_id", "1")])
-def test_message_fields_the_api_cannot_carry(field: str, value: Any) -> None:
-    error = refused({"role": "user", "content": "x", field: value})
-    assert error.param == f"messages[0].{field}"
-    assert "is not supported yet" in error.message
+def test_tools_documents_and_tool_fields_are_carried_as_json() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    documents = [{"title": "t", "text": "x"}]
+    body = request([{"role": "user", "content": "x", "name": "bob"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"}],
+                   tools=tools, documents=documents)
+    extras = chat_extras(body)
+    assert extras == ChatExtras((("bob", "", ""), ("", "", json.dumps([call])),
+                                 ("", "c1", "")), json.dumps(tools), json.dumps(documents))
+    assert extras_num_bytes(extras) == len("bob" + json.dumps([call]) + "c1"
+                                           + json.dumps(tools) + json.dumps(documents))
+    pb = chat_to_pb(Prompt(chat=tuple(flatten_messages(body.messages)), chat_extras=extras))
+    assert [(m.role, m.name, m.tool_call_id) for m in pb.messages] == [
+        ("user", "bob", ""), ("assistant", "", ""), ("tool", "", "c1")]
+    assert json.loads(pb.messages[1].tool_calls_json) == [call]
+    assert json.loads(pb.tools_json) == tools and json.loads(pb.documents_json) == documents
+    assert chat_extras(request([{"role": "user", "content": "x"}], tools=[])) is None
+    assert extras_num_bytes(None) == 0
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),

@@ -162,7 +162,7 @@ def test_no_ready_replica_is_503_after_the_checks_of_the_request() -> None:
         serve("completions", completion(), ready=False)
     assert refused.value.status == 503 and refused.value.message.endswith(": no worker")
     with pytest.raises(ApiError) as refused:             # a bad request is still a 400
-        serve("completions", completion(n=3), ready=False)
+        serve("completions", completion(n=0), ready=False)
     assert refused.value.status == 400
 
 

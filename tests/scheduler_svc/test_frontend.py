@@ -46,7 +46,8 @@ class CountingTokenizer:
         self.num_encoded += 1
         return [1] * len(text)
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    tools: object = None, documents: object = None) -> str:
         self.num_rendered += 1
         return "".join(f"<{m.role}>{m.content}" for m in messages)
 

@@ -12,8 +12,9 @@ import pytest
 import zmq
 
 from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.frontend import PreparedRequest
 from scheduler_svc.membership import Membership
-from scheduler_svc.request import RequestOutput
+from scheduler_svc.request import RequestOutput, SamplingParams
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.validation import InvalidRequest
 from services.model_config import load_model_config
@@ -88,10 +89,10 @@ def test_an_epoch_from_the_far_future_is_refused(servicer: WorkerControlServicer
 class RefusingFrontend:
     """Takes the request, then a replica refuses it as it is taken in."""
 
-    async def prepare(self, *_: object) -> str:
-        return "prepared"
+    async def prepare(self, *_: object) -> PreparedRequest:
+        return PreparedRequest("r", [1, 2], SamplingParams())
 
-    async def generate(self, prepared: str, time_remaining: float | None,
+    async def generate(self, prepared: PreparedRequest, time_remaining: float | None,
                        ) -> AsyncIterator[RequestOutput]:
         raise InvalidRequest("the pool holds 16 tokens")
         yield  # an async generator, like Frontend.generate

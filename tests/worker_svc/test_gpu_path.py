@@ -194,9 +194,9 @@ def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, ob
     sorts = []
     real_sample, real_sort = sampler.sample, torch.Tensor.sort
 
-    def sample(logits, specs, generators):  # type: ignore[no-untyped-def]
+    def sample(logits, specs, generators, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((tuple(logits.shape), specs))
-        return real_sample(logits, specs, generators)
+        return real_sample(logits, specs, generators, **kwargs)
 
     def sort(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         sorts.append(tuple(self.shape))
@@ -214,4 +214,5 @@ def test_the_profiling_forward_samples_the_worst_case(tiny_model: tuple[Path, ob
     spec = specs[0]
     assert spec.temperature > 0 and spec.top_p < 1 and 0 < spec.top_k < 128
     assert spec.num_logprobs == MAX_TOP_LOGPROBS
+    assert spec.min_p > 0 and spec.repetition_penalty != 1 and spec.presence_penalty
     assert (8, 128) in sorts, "top-p did not rank the whole vocabulary"

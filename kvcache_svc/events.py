@@ -1,6 +1,6 @@
 """The KV events edge of kvcache_svc: a ZMQ PUB socket that sends `KvEventBatch` frames.
 
-`server.KvCachePools` builds the batches (it owns the epoch and the seq counter, and hands
+`pools.KvCachePools` builds the batches (it owns the epoch and the seq counter, and hands
 each batch over under its lock, so batches leave in operation order); this module only binds,
 encodes and sends. Bound by `server.KvCacheServer.start`.
 

@@ -6,17 +6,19 @@ Every member of a cluster (scheduler, kvcache_svc, workers) is started with the 
 - gRPC control calls (worker registration and heartbeats on the scheduler's control
   listener, kvcache_svc's admin service) carry it as metadata (`x-splitserve-token`);
   `TokenInterceptor` refuses a call without it UNAUTHENTICATED and logs the peer (once per
-  peer and interval, with a count: services.refusal_log). Health
-  checks stay open (container healthchecks carry no secret; they reveal only liveness).
-- Every ZMQ frame (steps, outputs, plans, KV events) carries an HMAC-SHA256 tag of the frame
-  under a key derived from the token (`services.codec`); a frame without a valid tag is
-  dropped and logged by the receiver.
+  peer and interval, with a count: services.refusal_log). Health checks stay open
+  (container healthchecks carry no secret; they reveal only liveness).
+- Every ZMQ listener admits only peers that present a secret derived from the token at the
+  handshake (ZMQ PLAIN checked by a ZAP handler, services.zmq_gate), so a stranger's frames
+  are never buffered; and every ZMQ frame (steps, outputs, plans, KV events) carries an
+  HMAC-SHA256 tag under a key derived from the token (`services.codec`), so a frame without
+  a valid tag is dropped and logged by the receiver.
 
 Why an HMAC per frame rather than ZMQ CURVE: CURVE needs key pairs handed to every member and
-a ZAP handler to check clients, and a refused handshake is invisible without a socket monitor.
-The HMAC needs only the shared token, a refusal is one log line, and a forged or altered step
-or plan frame is refused whatever its sender. It does not encrypt: the internal plane belongs
-on a private network (loopback by default, compose's internal network), as the docs say.
+would encrypt every KV store chunk. The HMAC needs only the shared token, and a forged or
+altered step or plan frame is refused whatever its sender. It does not encrypt: the internal
+plane belongs on a private network (loopback by default, compose's internal network), as the
+docs say.
 """
 
 import hashlib

@@ -4,7 +4,7 @@
 frees, then grows (each fails alone), then admissions (first come, first served: the first
 that does not fit stops the rest). A plan is validated in full before anything changes, so a
 refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
-`kvcache_svc.server` under its lock; needs no network.
+`kvcache_svc.pools` under its lock; needs no network.
 
 It also answers the read-only prefix query (`num_cached_prefix_blocks`) and, when recording,
 hands out the prefix-index changes of each operation as wire KV events (`drain_events`).

@@ -1,12 +1,16 @@
 """The KV events edge of kvcache_svc: a ZMQ PUB socket that sends `KvEventBatch` frames.
 
-`server.KvCachePools` builds the batches (it owns the epoch and the seq counter, and hands
+`pools.KvCachePools` builds the batches (it owns the epoch and the seq counter, and hands
 each batch over under its lock, so batches leave in operation order); this module only binds,
 encodes and sends. Bound by `server.KvCacheServer.start`.
 
 Subscribers connect a SUB socket, subscribe to everything (b"") and decode each frame with
-`Codec(KvEventBatch)`. A PUB socket never blocks the sender: a subscriber that is slow, or not
-connected yet, misses batches and sees a gap in `seq`.
+`Codec(KvEventBatch)`. Only the cluster's members may subscribe: the PUB socket admits a peer
+only if it proves at the handshake that it holds the cluster token
+(`services.zmq_gate.present_credentials(sub, frame_key(token))`), so a stranger never sees a
+prefix hash and cannot confirm what another client sent by hashing a guessed prompt. A PUB
+socket never blocks the sender: a subscriber that is slow, or not connected yet, misses
+batches and sees a gap in `seq`.
 """
 
 import logging
@@ -17,6 +21,7 @@ import zmq
 from services.channels import tcp_address
 from services.codec import Codec
 from services.wire import KvEventBatch
+from services.zmq_gate import guard_listener
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ class EventPublisher:
         # A PUB socket only receives subscriptions: a larger frame is no subscriber of ours.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4096)
         try:
+            guard_listener(ctx, self.socket, self._codec.key)
             if port == 0:
                 port = self.socket.bind_to_random_port(f"tcp://{host}")
             else:

@@ -24,7 +24,12 @@ from scheduler_svc.router import Router
 from scheduler_svc.servicer import GenerationServicer, WorkerControlServicer
 from scheduler_svc.stats import cluster_stats
 from scheduler_svc.tokenizer import load_tokenizer, read_chat_template
-from scheduler_svc.validation import Limits, default_max_prompt_bytes, max_request_bytes
+from scheduler_svc.validation import (
+    REQUEST_OVERHEAD_BYTES,
+    Limits,
+    default_max_prompt_bytes,
+    max_request_bytes,
+)
 from services import cluster_token
 from services.flags import FlagParser
 from services.grpc_server import Health, bind, make_server
@@ -37,6 +42,9 @@ log = logging.getLogger("scheduler_svc")
 
 GENERATION_SERVICE = "splitserve.v1.Generation"
 CONTROL_SERVICE = "splitserve.v1.WorkerControl"
+# The largest --max-prompt-bytes: gRPC's receive limit (this plus the request's other fields)
+# is a C int.
+MAX_PROMPT_BYTES = (1 << 31) - 1 - REQUEST_OVERHEAD_BYTES
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerConfig, float]:
@@ -46,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerConfig, SchedulerCo
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
     if a.stream_interval < 1:
         p.error("--stream-interval must be >= 1")
-    if a.max_prompt_bytes is not None and a.max_prompt_bytes < 1:
-        p.error("--max-prompt-bytes must be >= 1")
+    if a.max_prompt_bytes is not None and not 1 <= a.max_prompt_bytes <= MAX_PROMPT_BYTES:
+        p.error(f"--max-prompt-bytes must be in [1, {MAX_PROMPT_BYTES}] (the gRPC receive "
+                f"limit follows it and is a signed 32-bit count), got {a.max_prompt_bytes}")
     if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
         p.error("--num-kv-blocks must be >= 2 (block 0 is the null block)")
     if a.tp < 1 or a.pp < 1:

@@ -13,10 +13,8 @@ existing dashboards work; the cluster's own have a `splitserve:` prefix. Two kin
 """
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scheduler_svc.metrics_server import MetricsServer
 from scheduler_svc.stats import ClusterStats
 
 log = logging.getLogger(__name__)
@@ -76,28 +75,14 @@ class SchedulerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP server on a daemon thread; returns the bound port. It answers
-        GET /metrics and nothing else (404): no other page, no debug output."""
+        GET /metrics and nothing else (404), to a few connections at once with read
+        timeouts (metrics_server.py)."""
         registry = self.registry
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802  (http.server's name)
-                if self.path.split("?", 1)[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = generate_latest(registry)
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def render() -> tuple[bytes, str]:
+            return generate_latest(registry), CONTENT_TYPE_LATEST
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-                pass                                 # scrapes every few seconds: no log line
-
-        server = ThreadingHTTPServer((host, port), Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-        return int(server.server_port)
+        return MetricsServer(host, port, render).serve_in_background()
 
 
 class RequestTimer:

@@ -10,11 +10,19 @@ are dispatched again (migration), their streams uninterrupted.
 Membership owns the replicas; the router only reads which are ready and hears about changes
 as membership's `ReplicaListener`. A thread of its own expires parked requests and retries
 them every half second.
+
+The prefix query is a call to kvcache_svc (up to ROUTE_QUERY_TIMEOUT_MS), and `dispatch` is
+called on the gRPC event loop that streams every client's tokens: a dispatch that needs the
+query hands it to the router's query thread and returns at once, so a slow kvcache_svc delays
+only the requests being routed, never other clients' tokens. After a query times out, routing
+goes by load alone for QUERY_BACKOFF_S (a kvcache_svc that is down or swamped is not asked
+once per request).
 """
 
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
@@ -31,6 +39,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.5
 ROUTE_QUERY_TIMEOUT_MS = 100  # the prefix query is on the request path: never wait long
+QUERY_BACKOFF_S = 1.0         # after a query timed out, route by load alone this long
 
 
 class Router:
@@ -41,6 +50,9 @@ class Router:
         self._lock = threading.Lock()   # the prefix-query socket and the counter
         self._route_kv: RequestClient[FromKvCache] = RequestClient(
             ctx, Codec(FromKvCache), membership.config.kvcache_address)
+        self._query_backoff_until = 0.0     # monotonic; guarded by _lock
+        # One thread: queries share one socket (and would only queue on the lock anyway).
+        self._queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="route-query")
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="router", daemon=True)
 
@@ -51,13 +63,35 @@ class Router:
         self._stop.set()
         if self._ticker.is_alive():
             self._ticker.join(timeout=5)
+        self._queries.shutdown(wait=True, cancel_futures=True)
         self._route_kv.close()
 
     # ------------------------------------------------------------------ placing requests
 
     def dispatch(self, request: Request) -> None:
         """Run a live request (added to `live`, parked) on the best ready replica, or leave it
-        parked until one is ready."""
+        parked until one is ready. Never waits on kvcache_svc: a dispatch that needs the
+        prefix query runs on the query thread (the request stays parked until then)."""
+        if self._needs_query(request):
+            try:
+                self._queries.submit(self._dispatch_logged, request)
+                return
+            except RuntimeError:    # shut down: route here, by load
+                pass
+        self._dispatch_now(request)
+
+    def _dispatch_logged(self, request: Request) -> None:
+        try:
+            self._dispatch_now(request)
+        except Exception:   # it stays parked; the ticker retries it
+            log.exception("routing request %s failed", request.request_id)
+
+    def _needs_query(self, request: Request) -> bool:
+        return (bool(request.block_hashes) and self.membership.kv_reachable
+                and len(self.membership.ready_replicas()) > 1
+                and time.monotonic() >= self._query_backoff_until)
+
+    def _dispatch_now(self, request: Request) -> None:
         while True:
             engine = self.route(request)
             if engine is None or not self.live.place(request.request_id, engine):
@@ -78,7 +112,8 @@ class Router:
         if not ready:
             return None
         cached: dict[int, int] = {}
-        if len(ready) > 1 and request.block_hashes and self.membership.kv_reachable:
+        if len(ready) > 1 and request.block_hashes and self.membership.kv_reachable \
+                and time.monotonic() >= self._query_backoff_until:
             cached = self._cached_blocks(request.block_hashes)
         block_size = self.membership.sched_config.block_size
         weight = self.membership.config.route_tokens_per_request
@@ -93,6 +128,8 @@ class Router:
         with self._lock:
             reply = self._route_kv.call(PrefixQuery(block_hashes=block_hashes),
                                         timeout_ms=ROUTE_QUERY_TIMEOUT_MS)
+            if reply is None:
+                self._query_backoff_until = time.monotonic() + QUERY_BACKOFF_S
         if not isinstance(reply, PrefixReply):
             return {}
         # What the KV store holds is reachable from every replica of the same layout (a load):

@@ -5,7 +5,10 @@ request and waits for the matching reply with a timeout (reconnecting after a ti
 restarted server is picked up), and `ReplyServer` a ROUTER that answers them. Malformed frames
 are logged and dropped by the receiving side; they never raise out of `recv`. Every receiving
 socket has ZMQ_MAXMSGSIZE set to the codec's frame limit: libzmq disconnects a peer that sends
-more, instead of buffering a frame of any size whole before the codec could refuse it.
+more, instead of buffering a frame of any size whole before the codec could refuse it. Every
+bound socket admits only the cluster's members at the handshake, and every connecting socket
+proves membership there (services.zmq_gate), so a stranger's multipart message is never
+buffered at all. Refused frames are logged rate-limited, per peer (services.refusal_log).
 """
 
 import logging
@@ -16,6 +19,8 @@ import zmq
 
 from services import cluster_token
 from services.codec import Codec, DecodeError
+from services.refusal_log import RefusalLog
+from services.zmq_gate import guard_listener, present_credentials
 
 log = logging.getLogger(__name__)
 
@@ -33,22 +38,54 @@ def limit_frames(socket: zmq.Socket, codec: Codec) -> None:  # type: ignore[type
     socket.setsockopt(zmq.MAXMSGSIZE, codec.max_frame_bytes + tag)
 
 
+def peer_of(frame: zmq.Frame) -> str:
+    """The sender's address as libzmq knows it ("" where it knows none, e.g. inproc)."""
+    try:
+        return frame.get("Peer-Address")  # type: ignore[no-any-return]
+    except zmq.ZMQError:
+        return ""
+
+
+Socket = zmq.Socket  # type: ignore[type-arg]
+
+
+def open_socket(ctx: zmq.Context, kind: int, codec: Codec,  # type: ignore[type-arg]
+                address: str, bind: bool,
+                options: dict[int, int] | None = None) -> tuple[Socket, str]:
+    """A socket of `kind` with `options` and the codec's frame limit, bound (a listener:
+    members only) or connected (presenting the membership proof) to `address`; port 0 binds
+    any free port. Returns it and its address. Raises zmq.ZMQError, with nothing left open,
+    when the address cannot be used. Options come first: libzmq applies them to the
+    connections made after."""
+    socket = ctx.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    for option, value in (options or {}).items():
+        socket.setsockopt(option, value)
+    limit_frames(socket, codec)
+    try:
+        if bind:
+            guard_listener(ctx, socket, codec.key)
+            if address.endswith(":0"):
+                host = address.rsplit(":", 1)[0]
+                address = f"{host}:{socket.bind_to_random_port(host)}"
+            else:
+                socket.bind(address)
+        else:
+            present_credentials(socket, codec.key)
+            socket.connect(address)
+    except zmq.ZMQError:
+        socket.close(linger=0)  # an open socket would hang ctx.term()
+        raise
+    return socket, address
+
+
 class Sender:
     """PUSH socket: connects (or binds) and sends encoded wire structs."""
 
     def __init__(self, ctx: zmq.Context, codec: Codec, address: str, bind: bool = False) -> None:
         self.codec = codec
-        self.socket = ctx.socket(zmq.PUSH)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        try:
-            if bind:
-                self.socket.bind(address)
-            else:
-                self.socket.connect(address)
-        except zmq.ZMQError:
-            self.socket.close(linger=0)  # an open socket would hang ctx.term()
-            raise
+        self.socket, self.address = open_socket(ctx, zmq.PUSH, codec, address, bind,
+                                                {zmq.SNDHWM: 0})
 
     def send(self, message: msgspec.Struct) -> None:
         self.socket.send(self.codec.encode(message), copy=False)
@@ -62,23 +99,9 @@ class Receiver(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, codec: Codec[T], address: str, bind: bool = True) -> None:
         self.codec = codec
-        self.socket = ctx.socket(zmq.PULL)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        limit_frames(self.socket, codec)
-        try:
-            if bind:
-                if address.endswith(":0"):
-                    port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
-                    address = f"{address.rsplit(':', 1)[0]}:{port}"
-                else:
-                    self.socket.bind(address)
-            else:
-                self.socket.connect(address)
-        except zmq.ZMQError:
-            self.socket.close(linger=0)
-            raise
-        self.address = address
+        self.refusals = RefusalLog(log, f"frames on {address}")
+        self.socket, self.address = open_socket(ctx, zmq.PULL, codec, address, bind,
+                                                {zmq.RCVHWM: 0})
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
         """The next valid message, or None when `timeout_ms` passes first. Invalid frames are
@@ -90,7 +113,8 @@ class Receiver(Generic[T]):
             try:
                 return self.codec.decode(frame.buffer)
             except DecodeError as exc:
-                log.warning("dropping malformed frame (%d bytes): %s", len(frame.buffer), exc)
+                self.refusals.refused(peer_of(frame), f"malformed frame of "
+                                      f"{len(frame.buffer)} bytes: {exc}")
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -103,13 +127,11 @@ class RequestClient(Generic[R]):
         self.ctx = ctx
         self.codec = codec
         self.address = address
+        self.refusals = RefusalLog(log, "replies")
         self.socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        limit_frames(sock, self.codec)
-        sock.connect(self.address)
+        sock, _ = open_socket(self.ctx, zmq.DEALER, self.codec, self.address, bind=False)
         return sock
 
     def call(self, message: msgspec.Struct, timeout_ms: int) -> R | None:
@@ -121,7 +143,7 @@ class RequestClient(Generic[R]):
             try:
                 return self.codec.decode(frame.buffer)
             except DecodeError as exc:
-                log.warning("dropping malformed reply from %s: %s", self.address, exc)
+                self.refusals.refused(self.address, f"malformed reply: {exc}")
         self.socket.close(linger=0)
         self.socket = self._connect()
         return None
@@ -135,14 +157,8 @@ class ReplyServer(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, codec: Codec[T], address: str) -> None:
         self.codec = codec
-        self.socket = ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        limit_frames(self.socket, codec)
-        try:
-            self.socket.bind(address)
-        except zmq.ZMQError:
-            self.socket.close(linger=0)
-            raise
+        self.refusals = RefusalLog(log, f"requests on {address}")
+        self.socket, self.address = open_socket(ctx, zmq.ROUTER, codec, address, bind=True)
 
     def recv(self, timeout_ms: int | None = None) -> tuple[bytes, T] | None:
         """(peer identity, message), or None on timeout. Malformed frames are logged and
@@ -152,12 +168,14 @@ class ReplyServer(Generic[T]):
                 return None
             parts = self.socket.recv_multipart(copy=False)
             if len(parts) != 2:
-                log.warning("dropping message with %d parts (expected 2)", len(parts))
+                self.refusals.refused(peer_of(parts[-1]), f"message with {len(parts)} parts "
+                                      f"(expected 2)")
                 continue
             try:
                 return parts[0].bytes, self.codec.decode(parts[1].buffer)
             except DecodeError as exc:
-                log.warning("dropping malformed frame (%d bytes): %s", len(parts[1].buffer), exc)
+                self.refusals.refused(peer_of(parts[1]), f"malformed frame of "
+                                      f"{len(parts[1].buffer)} bytes: {exc}")
 
     def reply(self, peer: bytes, message: msgspec.Struct) -> None:
         self.socket.send_multipart([peer, self.codec.encode(message)], copy=False)

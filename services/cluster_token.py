@@ -5,17 +5,20 @@ Every member of a cluster (scheduler, kvcache_svc, workers) is started with the 
 
 - gRPC control calls (worker registration and heartbeats on the scheduler's control
   listener, kvcache_svc's admin service) carry it as metadata (`x-splitserve-token`);
-  `TokenInterceptor` refuses a call without it UNAUTHENTICATED and logs the peer. Health
-  checks stay open (container healthchecks carry no secret; they reveal only liveness).
-- Every ZMQ frame (steps, outputs, plans, KV events) carries an HMAC-SHA256 tag of the frame
-  under a key derived from the token (`services.codec`); a frame without a valid tag is
-  dropped and logged by the receiver.
+  `TokenInterceptor` refuses a call without it UNAUTHENTICATED and logs the peer (once per
+  peer and interval, with a count: services.refusal_log). Health checks stay open
+  (container healthchecks carry no secret; they reveal only liveness).
+- Every ZMQ listener admits only peers that present a secret derived from the token at the
+  handshake (ZMQ PLAIN checked by a ZAP handler, services.zmq_gate), so a stranger's frames
+  are never buffered; and every ZMQ frame (steps, outputs, plans, KV events) carries an
+  HMAC-SHA256 tag under a key derived from the token (`services.codec`), so a frame without
+  a valid tag is dropped and logged by the receiver.
 
 Why an HMAC per frame rather than ZMQ CURVE: CURVE needs key pairs handed to every member and
-a ZAP handler to check clients, and a refused handshake is invisible without a socket monitor.
-The HMAC needs only the shared token, a refusal is one log line, and a forged or altered step
-or plan frame is refused whatever its sender. It does not encrypt: the internal plane belongs
-on a private network (loopback by default, compose's internal network), as the docs say.
+would encrypt every KV store chunk. The HMAC needs only the shared token, and a forged or
+altered step or plan frame is refused whatever its sender. It does not encrypt: the internal
+plane belongs on a private network (loopback by default, compose's internal network), as the
+docs say.
 """
 
 import hashlib
@@ -27,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+
+from services.refusal_log import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str) -> None:
         self._token = token.encode()
+        self.refusals = RefusalLog(log, "control-plane calls")
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -117,12 +123,21 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             presented = presented.encode()
         if hmac.compare_digest(presented, self._token):
             return await continuation(details)
-        return _refusal(method)
+        return _refusal(method, self.refusals)
 
 
-def _refusal(method: str) -> grpc.RpcMethodHandler:
+def peer_host(peer: str) -> str:
+    """"ipv4:10.0.0.7:41234" -> "10.0.0.7" (a peer's every connection is one peer)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        rest = rest.rsplit(":", 1)[0]
+    return rest or peer
+
+
+def _refusal(method: str, refusals: RefusalLog) -> grpc.RpcMethodHandler:
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        log.warning("refused %s from %s: no valid cluster token", method, context.peer())
+        refusals.refused(peer_host(context.peer()),
+                         f"{method[:200]} without a valid cluster token")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                             f"{method} needs the cluster token ({ENV}) in the "
                             f"'{METADATA_KEY}' metadata")

@@ -39,6 +39,7 @@ from services.kv_store_wire import (
     StoreInfo,
     StoreRefused,
 )
+from services.zmq_gate import present_credentials
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class KvStoreClient:
         sock.setsockopt(zmq.LINGER, 0)
         tag = 0 if self.codec.key is None else cluster_token.TAG_BYTES
         sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CHUNK_BYTES, self.codec.max_frame_bytes + tag))
+        present_credentials(sock, self.codec.key)   # the store admits members only
         sock.connect(self.address)
         return sock
 

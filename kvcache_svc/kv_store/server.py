@@ -48,6 +48,7 @@ from services.kv_store_wire import (
     StoreRefused,
     ToKvStore,
 )
+from services.zmq_gate import guard_listener
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,9 @@ class KvStoreLoop:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_inbound_frame(self.handler.codec))
         try:
+            # Members only, checked at the handshake: a stranger's multipart message of
+            # frames under MAXMSGSIZE each is never buffered (services.zmq_gate).
+            guard_listener(ctx, self._socket, self.handler.codec.key)
             if port == 0:
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
             else:

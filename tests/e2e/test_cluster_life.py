@@ -263,6 +263,7 @@ def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> N
     from services.cluster_token import frame_key
     from services.codec import Codec
     from services.wire import BlockStored, KvEventBatch
+    from services.zmq_gate import present_credentials
 
     with run_cluster(tmp_path, num_replicas=2, worker_args=["--threads", "1"]) as cluster:
         assert wait_for(lambda: sum(r.state == "ready" for r in info(cluster).replicas) == 2,
@@ -270,6 +271,7 @@ def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> N
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        present_credentials(sub, frame_key(cluster.token))   # the feed serves members only
         sub.connect(f"tcp://127.0.0.1:{cluster.procs.spec.kv_events_port}")
         time.sleep(0.5)                                   # PUB/SUB joins late
         system = "You are a meticulous assistant. " * 20  # a long shared prefix

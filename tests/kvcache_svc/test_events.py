@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from kvcache_svc.events import EventPublisher
-from kvcache_svc.server import KvCachePools
+from kvcache_svc.pools import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.codec import Codec
 from services.wire import (

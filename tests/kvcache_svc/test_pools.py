@@ -1,4 +1,4 @@
-"""KvCachePools (kvcache_svc/server.py) driven directly, no network: the instance epoch in
+"""KvCachePools (kvcache_svc/pools.py) driven directly, no network: the instance epoch in
 every reply, pool (re)configuration, the prefix query, one event batch per operation."""
 
 import time
@@ -6,9 +6,9 @@ import time
 import msgspec
 import pytest
 
-from kvcache_svc import server
+from kvcache_svc import pools as pools_module
 from kvcache_svc.block_manager import ReplicaBlockManager
-from kvcache_svc.server import KvCachePools
+from kvcache_svc.pools import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.codec import Codec, DecodeError
 from services.wire import (
@@ -131,7 +131,7 @@ def test_prefix_query_counts_per_replica_and_changes_nothing() -> None:
 
 
 def test_the_number_of_pools_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server, "MAX_REPLICAS", 2)
+    monkeypatch.setattr(pools_module, "MAX_REPLICAS", 2)
     pools = KvCachePools(epoch=3)
     assert pools.handle(ConfigurePool(0, 4, BLOCK_SIZE, True)) == KvAck(None, 3)
     assert pools.handle(ConfigurePool(1, 4, BLOCK_SIZE, True)) == KvAck(None, 3)

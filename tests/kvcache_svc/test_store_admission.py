@@ -11,7 +11,7 @@ from kvcache_svc.block_manager import ReplicaBlockManager
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from kvcache_svc.kv_store.view import StoreView
-from kvcache_svc.server import KvCachePools
+from kvcache_svc.pools import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.codec import Codec
 from services.kv_chunks import chunk_keys, make_chunk
@@ -288,7 +288,7 @@ def plan_admit(pools: KvCachePools, replica_id: int, token_ids: list[int],
 
 
 def test_pools_configured_with_store_slices_load(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kvcache_svc.server")
+    caplog.set_level(logging.INFO, logger="kvcache_svc.pools")
     store = new_store()
     tokens = prompt(600)
     put_chunks(store, tokens, [0, 1])
@@ -320,7 +320,7 @@ def test_a_chunk_size_that_is_no_multiple_of_the_block_size_means_no_view(
     put_chunks(store, tokens, [0, 1])
     pools = KvCachePools(epoch=5)
     pools.store = store
-    with caplog.at_level(logging.WARNING, logger="kvcache_svc.server"):
+    with caplog.at_level(logging.WARNING, logger="kvcache_svc.pools"):
         configure(pools, 1, block_size=24)                 # 256 % 24 != 0: still configured
     assert "replica 1 will not load from the KV store" in caplog.text
     # A view would have failed to key the chunks (and the plan with it): no view, no loads.

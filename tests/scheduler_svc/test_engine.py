@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvcache_svc.server import KvCachePools
+from kvcache_svc.pools import KvCachePools
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests

@@ -15,6 +15,7 @@ from kvcache_svc.kv_store.store import KvStore
 from services.kv_chunks import KvChunk, log_stored, skip_leading_tokens
 from services.kv_store_client import KvStoreClient, SaveResult
 from services.kv_store_wire import LoadReply, StoreInfo
+from services.zmq_gate import guard_listener
 from tests.kvcache_svc.kv_store.common import CHUNK_TOKENS, chunk, key
 from tests.kvcache_svc.kv_store.serving import HOST, client_codec, server_codec, serving
 
@@ -122,6 +123,7 @@ def fake_store_reply(ctx: zmq.Context, frames: list[bytes]) -> list[KvChunk | No
     `frames`."""
     fake = ctx.socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)
+    guard_listener(ctx, fake, server_codec().key)   # the client proves membership first
     port = fake.bind_to_random_port(f"tcp://{HOST}")
 
     def answer() -> None:

@@ -26,8 +26,9 @@ from services.kv_store_wire import (
     StoreRefused,
     ToKvStore,
 )
+from services.zmq_gate import present_credentials
 from tests.kvcache_svc.kv_store.common import CHUNK_TOKENS, chunk, key
-from tests.kvcache_svc.kv_store.serving import HOST, client_codec, server_codec, serving
+from tests.kvcache_svc.kv_store.serving import HOST, KEY, client_codec, server_codec, serving
 
 TIMEOUT_MS = 5000
 
@@ -47,6 +48,7 @@ def address(ctx: zmq.Context, store: KvStore) -> Iterator[str]:
 def raw(ctx: zmq.Context, address: str) -> Iterator[zmq.Socket]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    present_credentials(sock, KEY)   # past the handshake: the frames themselves are tested
     sock.connect(address)
     yield sock
     sock.close(linger=0)
@@ -134,6 +136,7 @@ def test_a_frame_over_the_limit_drops_the_peer_unread(
     try:
         for sock in (sender, other):
             sock.setsockopt(zmq.LINGER, 0)
+            present_credentials(sock, KEY)
             sock.connect(loop.address)
         sender.send_multipart([encode(DescribeStore()), b"x" * 5000])
         assert not sender.poll(300)                      # libzmq dropped it: no reply

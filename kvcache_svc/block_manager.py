@@ -1,6 +1,6 @@
 """Block bookkeeping of one replica: applies the scheduler's batched per-step plan to a pool.
 
-`ReplicaBlockManager.apply` implements the semantics documented on `services.wire.PlanRequest`:
+`ReplicaBlockManager.apply` implements the semantics documented on `services.kv_wire.PlanRequest`:
 frees, then grows (each fails alone), then admissions (first come, first served: the first
 that does not fit stops the rest). A plan is validated in full before anything changes, so a
 refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
@@ -24,9 +24,7 @@ from kvcache_svc.kv_store.view import StoreView
 from kvcache_svc.prefix_hits import hit_tables, longest_hit
 from kvcache_svc.request_blocks import RequestBlocks
 from services.kv_groups import FULL_ATTENTION, first_kept_block
-from services.wire import (
-    MAX_BLOCKS_PER_REQUEST,
-    MAX_KV_GROUPS,
+from services.kv_wire import (
     AdmitOp,
     AdmitResult,
     BlockRemoved,
@@ -35,6 +33,10 @@ from services.wire import (
     KvEvent,
     PlanReply,
     PlanRequest,
+)
+from services.wire import (
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_KV_GROUPS,
 )
 
 

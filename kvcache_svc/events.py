@@ -20,7 +20,9 @@ import zmq
 
 from services.channels import tcp_address
 from services.codec import Codec
-from services.wire import KvEventBatch
+from services.kv_wire import (
+    KvEventBatch,
+)
 from services.zmq_gate import guard_listener
 
 log = logging.getLogger(__name__)

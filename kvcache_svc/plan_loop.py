@@ -11,7 +11,9 @@ import zmq
 from kvcache_svc.pools import KvCachePools
 from services.channels import ReplyServer
 from services.codec import Codec
-from services.wire import ToKvCache
+from services.kv_wire import (
+    ToKvCache,
+)
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvcache_svc.block_manager import PoolStats, ReplicaBlockManager
 from kvcache_svc.kv_store.store import KvStore
 from kvcache_svc.kv_store.view import StoreView
-from services.wire import (
+from services.kv_wire import (
     MAX_REPLICAS,
     AllBlocksCleared,
     ConfigurePool,

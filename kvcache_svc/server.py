@@ -18,8 +18,10 @@ from kvcache_svc.plan_loop import PlanLoop
 from kvcache_svc.pools import KvCachePools
 from services.channels import tcp_address
 from services.grpc_server import Health, bind, make_server
+from services.kv_wire import (
+    KvEventBatch,
+)
 from services.rpc.splitserve.v1 import kvcache_pb2_grpc
-from services.wire import KvEventBatch
 
 
 class KvCacheServer:

@@ -44,14 +44,16 @@ from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import EngineStats
 from scheduler_svc.step_window import STEP_LOG_INTERVAL, StepWindow
 from services.kv_store_wire import KvSlice
-from services.wire import (
-    CacheReady,
+from services.kv_wire import (
     ConfigurePool,
     DropPool,
-    InitCache,
     KvAck,
-    KvLoaded,
     PlanReply,
+)
+from services.wire import (
+    CacheReady,
+    InitCache,
+    KvLoaded,
     StepError,
     StepOutput,
     WorkerFailure,

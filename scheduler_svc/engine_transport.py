@@ -14,7 +14,15 @@ import zmq
 
 from services.channels import Receiver, RequestClient, Sender
 from services.codec import Codec
-from services.wire import FromKvCache, FromWorker, StepInput, ToKvCache, ToWorker
+from services.kv_wire import (
+    FromKvCache,
+    ToKvCache,
+)
+from services.wire import (
+    FromWorker,
+    StepInput,
+    ToWorker,
+)
 
 
 class EngineTransport(Protocol):

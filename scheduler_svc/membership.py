@@ -48,8 +48,15 @@ from services.channels import Receiver, RequestClient, tcp_address
 from services.codec import Codec
 from services.kv_groups import max_tokens_per_request
 from services.kv_store_wire import KvSlice, StoreStats
+from services.kv_wire import (
+    FromKvCache,
+    PrefixQuery,
+    PrefixReply,
+)
 from services.model_config import ModelConfig
-from services.wire import FromKvCache, FromWorker, PrefixQuery, PrefixReply
+from services.wire import (
+    FromWorker,
+)
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,11 @@ from scheduler_svc.placement import Replica
 from scheduler_svc.request import Request
 from services.channels import RequestClient
 from services.codec import Codec
-from services.wire import FromKvCache, PrefixQuery, PrefixReply
+from services.kv_wire import (
+    FromKvCache,
+    PrefixQuery,
+    PrefixReply,
+)
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,14 @@ from scheduler_svc.detokenizer import IncrementalDetokenizer, stop_check
 from scheduler_svc.kv_blocks import KvBlocks
 from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.store_loads import StoreLoads
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     GrowOp,
-    NewRequest,
     PlanReply,
     PlanRequest,
+)
+from services.wire import (
+    NewRequest,
     RunningRequest,
     StepError,
     StepInput,

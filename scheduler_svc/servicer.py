@@ -36,6 +36,9 @@ from scheduler_svc.validation import (
     validate_model,
 )
 from services.kv_store_wire import KvSlice, store_stats_to_pb
+from services.kv_wire import (
+    future_epoch,
+)
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import (
     control_pb2,
@@ -43,7 +46,6 @@ from services.rpc.splitserve.v1 import (
     generation_pb2,
     generation_pb2_grpc,
 )
-from services.wire import future_epoch
 
 log = logging.getLogger(__name__)
 

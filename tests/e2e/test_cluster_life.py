@@ -262,7 +262,10 @@ def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> N
 
     from services.cluster_token import frame_key
     from services.codec import Codec
-    from services.wire import BlockStored, KvEventBatch
+    from services.kv_wire import (
+    BlockStored,
+    KvEventBatch,
+)
     from services.zmq_gate import present_credentials
 
     with run_cluster(tmp_path, num_replicas=2, worker_args=["--threads", "1"]) as cluster:

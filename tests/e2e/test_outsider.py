@@ -21,8 +21,14 @@ from services.cluster_token import frame_key
 from services.codec import Codec
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import MAX_STORE_HEADER_BYTES, FromKvStore
+from services.kv_wire import (
+    ConfigurePool,
+    FromKvCache,
+    KvAck,
+    KvEventBatch,
+    ToKvCache,
+)
 from services.launcher import INTERNAL_HOST, REPO_ROOT, ClusterSpec, ServiceProcesses
-from services.wire import ConfigurePool, FromKvCache, KvAck, KvEventBatch, ToKvCache
 from services.zmq_gate import present_credentials
 from tests.e2e.harness import free_ports, wait_for
 

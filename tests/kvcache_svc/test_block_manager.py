@@ -7,7 +7,7 @@ import pytest
 
 from kvcache_svc import block_manager
 from kvcache_svc.block_manager import ReplicaBlockManager
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     AdmitResult,
     BlockRemoved,

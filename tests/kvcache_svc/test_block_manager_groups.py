@@ -9,7 +9,12 @@ import pytest
 from kvcache_svc.block_manager import ReplicaBlockManager
 from kvcache_svc.block_pool import NULL_BLOCK_ID
 from services.kv_groups import first_kept_block, max_blocks_in_window
-from services.wire import AdmitOp, BlockStored, GrowOp, PlanRequest
+from services.kv_wire import (
+    AdmitOp,
+    BlockStored,
+    GrowOp,
+    PlanRequest,
+)
 
 BLOCK_SIZE = 4
 WINDOW = 8                   # a query reads itself and the 7 tokens before it

@@ -12,7 +12,7 @@ from kvcache_svc.events import EventPublisher
 from kvcache_svc.pools import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.codec import Codec
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     AllBlocksCleared,
     BlockRemoved,

@@ -11,7 +11,7 @@ from kvcache_svc.block_manager import ReplicaBlockManager
 from kvcache_svc.pools import KvCachePools
 from services.block_hash import hash_full_blocks
 from services.codec import Codec, DecodeError
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     AllBlocksCleared,
     BlockRemoved,

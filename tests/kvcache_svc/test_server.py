@@ -22,8 +22,7 @@ from services import cluster_token
 from services.block_hash import hash_full_blocks
 from services.channels import RequestClient, tcp_address
 from services.codec import Codec
-from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     AllBlocksCleared,
     BlockRemoved,
@@ -38,6 +37,7 @@ from services.wire import (
     PrefixQuery,
     PrefixReply,
 )
+from services.rpc.splitserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from services.zmq_gate import present_credentials
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from services.block_hash import hash_full_blocks
 from services.codec import Codec
 from services.kv_chunks import chunk_keys, make_chunk
 from services.kv_store_wire import KvSlice
-from services.wire import (
+from services.kv_wire import (
     AdmitOp,
     AdmitResult,
     ConfigurePool,

@@ -11,7 +11,11 @@ from kvcache_svc.kv_store.store import KvStore
 from kvcache_svc.kv_store.view import StoreView
 from services.block_hash import hash_full_blocks
 from services.kv_chunks import make_chunk, prefix_chunk_keys, prefix_hash
-from services.wire import AdmitOp, AdmitResult, PlanRequest
+from services.kv_wire import (
+    AdmitOp,
+    AdmitResult,
+    PlanRequest,
+)
 from tests.kvcache_svc.test_store_admission import (
     BLOCK_SIZE,
     CHUNK_TOKENS,

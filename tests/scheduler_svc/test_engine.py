@@ -21,16 +21,18 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
+from services.kv_wire import (
+    FromKvCache,
+    ToKvCache,
+)
 from services.wire import (
     CacheReady,
-    FromKvCache,
     FromWorker,
     InitCache,
     StepError,
     StepInput,
     StepOutput,
     StepTimings,
-    ToKvCache,
     ToWorker,
     WorkerFailure,
 )

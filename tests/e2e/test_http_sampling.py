@@ -183,8 +183,12 @@ def test_n_choices_share_the_prompts_cached_blocks(cluster: RunningCluster) -> N
     assert num_prompt > 2 * block_size
     full_blocks = (num_prompt - 1) // block_size * block_size
     assert finals[0].usage.cached_prompt_tokens == 0           # a new prompt
-    for index in (1, 2):                                       # choice 0's blocks, reused
-        assert finals[index].usage.cached_prompt_tokens == full_blocks
+    for index in (1, 2):
+        usage = finals[index].usage
+        # Choice 0's full blocks from the prefix cache; the KV store (on by default) may add
+        # the prompt's partial tail it saved, up to every token but the last.
+        assert usage.cached_prompt_tokens - usage.store_hit_tokens == full_blocks
+        assert usage.cached_prompt_tokens <= num_prompt - 1
 
 
 def test_echo_returns_the_prompt_first(client: openai.OpenAI, model: str) -> None:

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings, per request.
+"""Incremental detokenization, stop strings and the outputs built from them, per request.
 
 Text is emitted only once the tokens decode to complete UTF-8 (a byte-level BPE token can hold
 half a character: the decode then ends in U+FFFD and we wait for the next token). Decoding
@@ -18,8 +18,9 @@ also the most a match can reach into text from before the check).
 
 from collections.abc import Sequence
 
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.tokenizer import TextTokenizer
+from services.wire import TokenLogprobs
 
 REPLACEMENT_CHAR = "\ufffd"
 INITIAL_WINDOW = 6  # prompt tokens decoded as context so the first output token reads right
@@ -100,3 +101,26 @@ def stop_check(request: Request, token_id: int) -> tuple[FinishReason | None, st
     if reason is None and request.num_tokens >= request.max_num_tokens:
         reason = FinishReason.LENGTH
     return reason, stop_reason
+
+
+def token_output(request: Request, token_id: int,
+                 logprobs: TokenLogprobs | None) -> RequestOutput:
+    """What a running request's client gets for `token_id`: the token and the text it made
+    printable (a possible stop string's start held back)."""
+    detok = request.detokenizer
+    text = detok.take_delta(False) if isinstance(detok, IncrementalDetokenizer) else ""
+    return RequestOutput(request.request_id, [token_id], text, [logprobs])
+
+
+def final_output(request: Request, token_ids: list[int],
+                 logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+    """A finished request's last output: `token_ids`, the rest of its text, its ending and
+    its usage counts."""
+    detok = request.detokenizer
+    text = detok.take_delta(True) if isinstance(detok, IncrementalDetokenizer) else ""
+    return RequestOutput(
+        request.request_id, token_ids, text, logprobs, request.finish_reason,
+        request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens or 0,
+        num_store_loaded_tokens=request.num_store_loaded_tokens)

@@ -30,7 +30,6 @@ Failures, and who handles them:
 """
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine_inbox import Abort, Add, Command, EngineInbox
 from scheduler_svc.engine_transport import Connect, EngineTransport
 from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
@@ -88,16 +88,6 @@ class EngineConfig:
     store_slices: tuple[KvSlice, ...] = ()
 
 
-@dataclass(slots=True)
-class _Add:
-    request: Request
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
 class ReplicaEngine:
     def __init__(self, config: EngineConfig, connect: Connect, on_outputs: OnOutputs,
                  on_down: OnDown, on_kv_change: Callable[[], None] = lambda: None) -> None:
@@ -115,14 +105,11 @@ class ReplicaEngine:
         self._on_outputs = on_outputs
         self._on_down = on_down
         self._on_kv_change = on_kv_change
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox = EngineInbox()           # from other threads (engine_inbox.py)
         self._thread = threading.Thread(target=self._run, name=f"replica-{config.replica_id}",
                                         daemon=True)
         self._stopping = False
         self._down_reason: str | None = None  # set by fail_over (any thread)
-        # Guards `_dead`: submit vs. the final hand-over of requests.
-        self._submit_lock = threading.Lock()
-        self._dead = False
         self.kv_ok = True                     # kvcache_svc reachable and holding our pool
         self._reset_pool = False              # a failed step may have poisoned the prefix index
         self.kv_epoch: int | None = None      # the kvcache_svc instance that holds it
@@ -141,7 +128,7 @@ class ReplicaEngine:
 
     def stop(self) -> None:
         self._stopping = True
-        self._commands.put(None)
+        self._inbox.wake()
         self._thread.join(timeout=10)
 
     @property
@@ -151,11 +138,7 @@ class ReplicaEngine:
     def submit(self, request: Request) -> bool:
         """Queues a request (new, or migrated from a lost replica). False if this engine has
         already gone down: the caller must place the request elsewhere."""
-        with self._submit_lock:
-            if self._dead or self._down_reason is not None:
-                return False
-            self._commands.put(_Add(request))
-            return True
+        return self._down_reason is None and self._inbox.add(request)
 
     def stats(self) -> EngineStats:
         """The latest snapshot, published by the engine's thread (any thread may call)."""
@@ -165,10 +148,10 @@ class ReplicaEngine:
         """A rank of this replica is gone: stop and hand the live requests back."""
         if self._down_reason is None:
             self._down_reason = reason
-            self._commands.put(None)  # wakes an idle engine
+            self._inbox.wake()        # an idle engine notices
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._inbox.abort(request_id)
 
     # ---------------------------------------------------------------- engine thread
 
@@ -219,18 +202,10 @@ class ReplicaEngine:
         """Drops the replica's pool and prefix index in kvcache_svc (its blocks describe KV
         that no longer exists) and hands every live request back to the router, reset to
         run again from its prompt + tokens so far (nothing is lost silently)."""
-        with self._submit_lock:
-            self._dead = True
         orphans = [*self.scheduler.running, *self.scheduler.waiting]
         for request in orphans:
             request.reset_for_migration()
-        while True:   # requests submitted but not yet taken in
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, _Add):
-                orphans.append(command.request)
+        orphans += self._inbox.close()   # submitted but not yet taken in
         if self.kv_ok:
             io.call_kv(DropPool(replica_id=self.config.replica_id), timeout_ms=1000)
         self._on_down(self.config.replica_id, reason, orphans)
@@ -269,20 +244,12 @@ class ReplicaEngine:
         log.info("replica %d ready: %d KV blocks of %d tokens", cfg.replica_id,
                  cfg.num_kv_blocks, cfg.scheduler.block_size)
 
-    def _take_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return
-        while True:
+    def _take_commands(self, block: bool, timeout_s: float | None = None) -> None:
+        for command in self._inbox.take(block, timeout_s):
             self._apply_command(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
 
-    def _apply_command(self, command: _Add | _Abort | None) -> None:
-        if isinstance(command, _Add):
+    def _apply_command(self, command: Command) -> None:
+        if isinstance(command, Add):
             request = command.request
             try:
                 self.scheduler.add_request(request)
@@ -290,7 +257,7 @@ class ReplicaEngine:
                 self._on_outputs([RequestOutput(request.request_id, [], "", [],
                                                 FinishReason.ABORT, error=str(exc),
                                                 invalid=True)])
-        elif isinstance(command, _Abort):
+        elif isinstance(command, Abort):
             final = self.scheduler.abort(command.request_id)
             if final is not None:
                 self._on_outputs([final])
@@ -311,7 +278,7 @@ class ReplicaEngine:
             # Nothing fit (the free-block estimate was off; the next plan starts from
             # kvcache_svc's exact count), or the plan only freed blocks (the scheduler has
             # nothing left to send then, and the run loop blocks): wait briefly for news.
-            self._take_commands_timeout(0.002)
+            self._take_commands(True, 0.002)
 
     def _send_step(self, io: EngineTransport) -> bool:
         started = time.perf_counter()
@@ -365,13 +332,6 @@ class ReplicaEngine:
         self._on_outputs(failed)
         if poisoned:
             self._reset_pool = True
-
-    def _take_commands_timeout(self, seconds: float) -> None:
-        try:
-            command = self._commands.get(timeout=seconds)
-        except queue.Empty:
-            return
-        self._apply_command(command)
 
     def _finish_loads(self, num_ranks: int) -> None:
         """Applies the KV loads every rank has reported (store_loads.py); a load a rank has
@@ -452,4 +412,4 @@ class ReplicaEngine:
                          len(self.scheduler.waiting))
                 self._set_kv_ok(True)
                 return
-            self._take_commands_timeout(KV_RETRY_S)
+            self._take_commands(True, KV_RETRY_S)

@@ -26,10 +26,12 @@ estimates count a sliding group's blocks as bounded by the window).
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler_svc.chunking import Chunking
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.detokenizer import IncrementalDetokenizer, stop_check
+from scheduler_svc.detokenizer import final_output, stop_check, token_output
 from scheduler_svc.kv_blocks import KvBlocks
 from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_svc.steps_in_flight import StepsInFlight
 from scheduler_svc.store_loads import StoreLoads
 from services.kv_wire import (
     AdmitOp,
@@ -46,14 +48,6 @@ from services.wire import (
     TokenLogprobs,
     TokenMask,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _InStep:
-    """One request's share of a step in flight."""
-    request: Request
-    samples: bool        # the step samples a token for it (not a non-final prefill chunk)
-    commits: bool        # its plan put block hashes in the prefix index (their KV is this step's)
 
 
 @dataclass(slots=True)
@@ -86,13 +80,14 @@ class Scheduler:
         self._new_token_ids: dict[str, list[int]] = {}  # sampled since last step (PP > 1)
         self.ship_sampled_tokens, self.num_batches = ship_sampled_tokens, num_batches
         self.async_scheduling = async_scheduling
-        self._step_requests: dict[int, list[_InStep]] = {}   # step id -> its requests
+        self.in_flight = StepsInFlight()    # steps sent, output not back (steps_in_flight.py)
         self._draft: _Draft | None = None
         self._plan_id = 0
         self._step_id = 0
         self.num_preemptions = 0
         self.loads = StoreLoads()           # KV loaded from the store (store_loads.py)
         self.kv_blocks = KvBlocks(config)    # what steps take over the KV groups
+        self.chunking = Chunking(config)     # a request's tokens per step (chunking.py)
         self.num_prompt_tokens_admitted = 0
         self.num_cached_tokens_admitted = 0
 
@@ -126,7 +121,7 @@ class Scheduler:
         else:
             self.running.remove(request)
         self._finish(request, FinishReason.ABORT, None)
-        return self._final_output(request, [], [])
+        return final_output(request, [], [])
 
     # Pending finished ids count for neither: they ride on the next step that runs a request
     # (counting them kept an idle replica drafting empty plans forever).
@@ -157,11 +152,8 @@ class Scheduler:
     def max_request_tokens(self) -> int:
         """The longest request (prompt + outputs) whose blocks fit the pool in its largest
         step, every KV group counted."""
-        cfg = self.config
-        max_step = cfg.token_budget
-        if cfg.chunked_prefill and cfg.long_prefill_token_threshold > 0:
-            max_step = min(max_step, cfg.long_prefill_token_threshold)
-        return self.kv_blocks.max_request_tokens(self.num_total_blocks, max_step)
+        return self.kv_blocks.max_request_tokens(self.num_total_blocks,
+                                                 self.chunking.max_step_tokens())
 
     def discard_draft(self) -> None:
         """The plan call failed: nothing of the drafted plan happened."""
@@ -173,8 +165,7 @@ class Scheduler:
         The caller lets the steps in flight finish first; any still recorded are forgotten
         here, and with them what they hold of each request's in-flight counters (a late
         output of such a step is then ignored by `update`)."""
-        for step_id in list(self._step_requests):
-            self._leave_step(step_id)
+        self.in_flight.leave_all()
         self.loads.forget()
         for request in reversed(self.running):
             self._preempt(request, release_blocks=False)
@@ -201,7 +192,7 @@ class Scheduler:
         i = 0
         while i < len(queue) and budget > 0 and len(grows) < max_requests:
             request = queue[i]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self.chunking.num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -239,10 +230,8 @@ class Scheduler:
             if len(admits) >= num_slots or budget <= 0:
                 break
             num_tokens = request.num_tokens
-            max_new = min(budget, num_tokens)
-            if cfg.long_prefill_token_threshold > 0 and cfg.chunked_prefill:
-                max_new = min(max_new, cfg.long_prefill_token_threshold)
-            if not cfg.chunked_prefill and num_tokens > budget:
+            max_new = self.chunking.admit_tokens(num_tokens, budget)
+            if max_new is None:
                 break
             needed = self.kv_blocks.admit_cost(max_new)
             if needed > free:
@@ -262,14 +251,6 @@ class Scheduler:
         self._free_ids = []
         self._draft = _Draft(plan, grow_reqs, admit_reqs)
         return plan
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
-        if self.config.chunked_prefill:
-            if self.config.long_prefill_token_threshold > 0:
-                num_new = min(num_new, self.config.long_prefill_token_threshold)
-            return min(num_new, budget)
-        return num_new if num_new <= budget else 0
 
     def _hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[bytes]:
         """Hashes of blocks that this step fills and kvcache_svc has not indexed yet."""
@@ -359,19 +340,9 @@ class Scheduler:
         self._step_id += 1
         in_step = [self.requests[r.request_id] for r in running] + list(
             draft.admit_reqs[:len(reply.admitted)])
-        entries = []
-        masks: list[TokenMask] = []    # structured output (scheduler_svc.grammar)
-        for request in in_step:
-            # The step samples for a request when it reaches the end of its known tokens
-            # (a non-final prefill chunk does not).
-            samples = (request.num_computed_tokens
-                       == request.num_tokens + request.num_pending_tokens)
-            request.num_in_flight += 1
-            request.num_pending_tokens += samples
-            entries.append(_InStep(request, samples, request.request_id in committing))
-            if samples and request.grammar is not None:
-                masks.append(TokenMask(request.request_id, request.grammar.next_token_mask()))
-        self._step_requests[self._step_id] = entries
+        entries = self.in_flight.enter(self._step_id, in_step, committing)
+        masks = [TokenMask(e.request.request_id, e.request.grammar.next_token_mask())
+                 for e in entries if e.samples and e.request.grammar is not None]
         self.loads.add(self._step_id, loading)
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
                          finished_ids=self._finished_ids, token_masks=masks)
@@ -382,7 +353,7 @@ class Scheduler:
 
     def update(self, output: StepOutput) -> list[RequestOutput]:
         sampling_ids = {e.request.request_id
-                         for e in self._leave_step(output.step_id) if e.samples}
+                         for e in self.in_flight.leave(output.step_id) if e.samples}
         outputs: list[RequestOutput] = []
         for chunk in output.prompt_logprobs:
             if (request := self.requests.get(chunk.request_id)) is not None:
@@ -402,19 +373,12 @@ class Scheduler:
                 outputs[-1].prompt_logprobs = request.prompt_logprobs_output()
         return outputs
 
-    def _leave_step(self, step_id: int) -> list[_InStep]:
-        entries = self._step_requests.pop(step_id, [])
-        for e in entries:
-            e.request.num_in_flight -= 1
-            e.request.num_pending_tokens -= e.samples
-        return entries
-
     def fail_step(self, step_id: int, error: StepError) -> tuple[list[RequestOutput], bool]:
         """The worker could not run step `step_id` and dropped that step's requests (it skips
         them in later steps already sent): each live one ends with `error` and gives its
         blocks back. Returns their final outputs, and whether the prefix index may now hold
         blocks whose KV was never written (the caller must then empty the index)."""
-        entries = self._leave_step(step_id)
+        entries = self.in_flight.leave(step_id)
         self.loads.forget(step_id)
         failed = {e.request for e in entries}
         # Blocks are committed to the index when planned, before their KV is computed. Bad:
@@ -424,8 +388,7 @@ class Scheduler:
         # requests count too: their freed blocks keep their hashes.
         poisoned = self.config.prefix_caching and (
             (not error.kv_written and any(e.commits for e in entries))
-            or any(e.commits and e.request in failed
-                   for later in self._step_requests.values() for e in later))
+            or self.in_flight.commit_for_any(failed))
         outputs = []
         for e in entries:
             request = e.request
@@ -436,7 +399,7 @@ class Scheduler:
             else:
                 self.running.remove(request)
             self._finish(request, FinishReason.ABORT, None)
-            final = self._final_output(request, [], [])
+            final = final_output(request, [], [])
             final.error = f"the worker failed a step of this request: {error.message}"
             final.server_fault = True
             outputs.append(final)
@@ -447,13 +410,11 @@ class Scheduler:
         reason, stop_reason = stop_check(request, token_id)
         if reason is None and request.grammar is not None and request.grammar.advance(token_id):
             reason = FinishReason.STOP      # the grammar is complete
-        detok = request.detokenizer
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason, stop_reason)
-            return self._final_output(request, [token_id], [logprobs])
-        text = detok.take_delta(False) if isinstance(detok, IncrementalDetokenizer) else ""
-        return RequestOutput(request.request_id, [token_id], text, [logprobs])
+            return final_output(request, [token_id], [logprobs])
+        return token_output(request, token_id, logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None,
                 ) -> None:
@@ -466,14 +427,3 @@ class Scheduler:
             self._finished_ids.append(request.request_id)
         self._new_token_ids.pop(request.request_id, None)
         del self.requests[request.request_id]
-
-    def _final_output(self, request: Request, token_ids: list[int],
-                      logprobs: list[TokenLogprobs | None]) -> RequestOutput:
-        detok = request.detokenizer
-        text = detok.take_delta(True) if isinstance(detok, IncrementalDetokenizer) else ""
-        return RequestOutput(
-            request.request_id, token_ids, text, logprobs, request.finish_reason,
-            request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_store_loaded_tokens=request.num_store_loaded_tokens)

@@ -16,7 +16,6 @@ The stream owns its generation calls: however it ends (finished, failed, or the 
 which cancels it), every call is cancelled, so the scheduler aborts what is still running.
 """
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -34,6 +33,7 @@ from http_svc.outputs import (
 )
 from http_svc.sampling import Sampling
 from http_svc.scheduler_client import Chunk, GenerationCall, TokenLogprob, Usage
+from services.merge_streams import merge_streams
 
 log = logging.getLogger(__name__)
 
@@ -99,30 +99,9 @@ async def _merged(streams: Sequence[Started], n: int) -> AsyncIterator[tuple[int
         async for chunk in call:
             yield i, chunk
         return
-    queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, call: GenerationCall) -> None:
-        try:
-            async for chunk in call:
-                queue.put_nowait((i, chunk))
-            queue.put_nowait((i, None))
-        except Exception as exc:  # ApiError, or anything else: the stream reports it
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, call)) for i, call in open_streams]
-    try:
-        num_open = len(tasks)
-        while num_open:
-            i, item = await queue.get()
-            if item is None:
-                num_open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
+    indices = [i for i, _ in open_streams]
+    async for position, chunk in merge_streams([call for _, call in open_streams]):
+        yield indices[position], chunk
 
 
 def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,

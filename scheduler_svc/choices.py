@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from scheduler_svc.frontend import Frontend, PreparedRequest
 from scheduler_svc.request import FinishReason, RequestOutput
 from scheduler_svc.validation import MAX_CHOICE_SUFFIX, InvalidRequest
+from services.merge_streams import merge_streams
 from services.wire import MAX_ID_LEN
 
 SEED_SPAN = 1 << 64
@@ -71,39 +72,20 @@ async def generate_choices(frontend: Frontend, prepared: PreparedRequest,
         async for out in frontend.generate(choices[0], time_remaining):
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
     first_output = asyncio.Event()
 
-    async def pump(index: int, choice: PreparedRequest) -> None:
+    async def choice_stream(index: int, choice: PreparedRequest) -> AsyncIterator[RequestOutput]:
         try:
             if index:
                 await first_output.wait()
                 if aborted is not None and aborted.is_set():
-                    queue.put_nowait((index, _aborted_output(choice)))
-                    queue.put_nowait((index, None))
+                    yield _aborted_output(choice)
                     return
             async for out in frontend.generate(choice, time_remaining):
                 first_output.set()
-                queue.put_nowait((index, out))
-            queue.put_nowait((index, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:     # InvalidRequest, QueueFull, ...: the stream ends
-            first_output.set()
-            queue.put_nowait((index, exc))
+                yield out
+        finally:
+            first_output.set()     # a choice that failed never holds the others back
 
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-    try:
-        num_open = len(tasks)
-        while num_open:
-            index, item = await queue.get()
-            if item is None:
-                num_open -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async for index, out in merge_streams([choice_stream(i, c) for i, c in enumerate(choices)]):
+        yield index, out

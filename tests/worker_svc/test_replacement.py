@@ -26,8 +26,8 @@ from worker_svc.placement import Placer
 
 BLOCK_SIZE = 256
 MIB = 1 << 20
-# Big enough that a cache still held at the second measurement moves it past 5 % on a
-# machine with up to ~40 GiB available; small enough to allocate in well under a second.
+# Big enough that a cache still held at the second measurement moves it well past the host's
+# own drift in MemAvailable; small enough to allocate in well under a second.
 FIRST_CACHE_BYTES = 2048 * MIB
 CACHE_BYTES = 192 * MIB
 
@@ -115,8 +115,11 @@ def test_a_second_placement_measures_what_the_first_did(placer: Placer) -> None:
     assert placer.runner is runner, "the same shard is kept, not loaded again"
     per_block = runner.kv_bytes_per_block(BLOCK_SIZE)
     assert FIRST_CACHE_BYTES // per_block < first     # the first cache fit the budget
-    # Before the fix the second measurement saw the first cache as taken: 2 GiB less.
-    assert abs(second - first) <= 0.05 * first, (first * per_block, second * per_block)
+    # Before the fix the second measurement saw the first cache as taken: 2 GiB less. The
+    # host's MemAvailable moves by itself between the two measurements (other processes, the
+    # page cache; +1.2 GB was seen in CI), so the bound is one-sided with half the cache as slack.
+    slack = FIRST_CACHE_BYTES // 2 // per_block
+    assert second >= first - slack, (first * per_block, second * per_block)
 
 
 def test_ten_placements_leave_threads_and_memory_flat(placer: Placer) -> None:

@@ -17,11 +17,12 @@ longer chunk under its own key (`extend_chunk`). A chunk's data layout is the wo
 [layers, 2 (keys, values), tokens, kv heads, head_dim]; only an extension relies on it.
 """
 
-import hashlib
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import blake3
 
 from services.block_hash import NONE_HASH, hash_block
 from services.kv_store_wire import (
@@ -34,8 +35,11 @@ from services.kv_store_wire import (
 
 
 def chunk_checksum(data: bytes | memoryview) -> bytes:
-    """BLAKE2b-256 of a chunk's data frame (hashlib releases the GIL while it hashes)."""
-    return hashlib.blake2b(data, digest_size=CHUNK_CHECKSUM_BYTES).digest()
+    """BLAKE3-256 of a chunk's data frame, releasing the GIL while it hashes. Every chunk is
+    hashed at least three times (the saver, the store on save, the loader), so the hash's speed
+    is a hit's load time: 5.7 GB/s on one core of a Xeon with AVX-512, against BLAKE2b's 0.52,
+    which took ~200 of a 2,000-token float32 hit's ~300 ms load (family 6 model 207)."""
+    return blake3.blake3(data).digest(CHUNK_CHECKSUM_BYTES)
 
 
 def chunk_num_bytes(shape: Sequence[int], dtype: str) -> int:

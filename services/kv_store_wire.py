@@ -6,7 +6,7 @@ with validation and size limits by `services.codec`, never pickled.
 Computed KV kept by kvcache_svc in chunks (a rank's slice of the KV of `num_tokens` tokens;
 services.kv_chunks cuts and keys them). A message is a ZMQ multipart: one header frame through
 the Codec (so the cluster-token HMAC covers it), then one raw data frame per ChunkHeader, in
-order. The header's checksum (BLAKE2b-256 of the data frame) is verified before data is stored
+order. The header's checksum (BLAKE3-256 of the data frame) is verified before data is stored
 or taken, so the authenticated header vouches for the data. Data frames are never msgpack.
 """
 
@@ -36,7 +36,7 @@ MAX_CHUNKS_PER_MESSAGE = 1 << 16    # headers or keys in one message (or one key
 MAX_KEY_LISTS = 1 << 10             # key lists in one LookupChunks
 MAX_STORE_DATA_BYTES = 1 << 30      # data frames of one message together (senders split above)
 MAX_STORE_HEADER_BYTES = 16 << 20   # one header frame (before its HMAC tag)
-CHUNK_CHECKSUM_BYTES = 32           # BLAKE2b-256
+CHUNK_CHECKSUM_BYTES = 32           # BLAKE3-256 (services.kv_chunks.chunk_checksum)
 SliceIndex = Annotated[int, Meta(ge=0, le=1 << 16)]
 
 
@@ -91,7 +91,7 @@ class ChunkHeader(_Wire, frozen=True):
                      Meta(min_length=1, max_length=8)]   # elements per dimension (layout: caller's)
     num_bytes: Annotated[int, Meta(ge=1, le=MAX_CHUNK_BYTES)]  # of the data frame
     checksum: Annotated[bytes, Meta(min_length=CHUNK_CHECKSUM_BYTES,
-                                    max_length=CHUNK_CHECKSUM_BYTES)]  # BLAKE2b-256 of the data
+                                    max_length=CHUNK_CHECKSUM_BYTES)]  # BLAKE3-256 of the data
     # Set on a save that continues a stored partial chunk (services.kv_chunks): the data holds
     # only the tokens past `base`, which the store appends to it; None: the data is the chunk.
     base: "ChunkKey | None" = None

@@ -38,7 +38,8 @@ from services.kv_store_wire import ChunkHeader, ChunkKey
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SSKVCH01"
+MAGIC = b"SSKVCH02"       # 02: BLAKE3 checksums (services.kv_chunks)
+OLD_MAGICS = {b"SSKVCH01": "BLAKE2b checksums"}     # earlier formats: dropped at start
 PREFIX = struct.Struct("<8sI")          # magic, header length
 MAX_HEADER_BYTES = 64 << 10
 SUFFIX = ".kvchunk"
@@ -48,6 +49,10 @@ LOCK_NAME = ".lock"
 
 class ChunkFileError(ValueError):
     """A chunk file that is not what its name and header promise."""
+
+
+class OldFormatError(ChunkFileError):
+    """A chunk file an earlier version wrote: dropped, counted in one line at start."""
 
 
 class DiskTier(StoreTier):
@@ -85,14 +90,21 @@ class DiskTier(StoreTier):
 
     def _scan(self) -> None:
         found: list[tuple[int, ChunkKey, int]] = []     # (mtime, key, file bytes)
+        old_format: dict[str, int] = {}
         for path in self.directory.iterdir():
             if path.name.endswith(TMP_SUFFIX):          # a write cut short by a crash
                 path.unlink(missing_ok=True)
             elif path.name.endswith(SUFFIX):
                 try:
                     found.append(self._index_entry(path))
+                except OldFormatError as exc:
+                    old_format[str(exc)] = old_format.get(str(exc), 0) + 1
+                    path.unlink(missing_ok=True)
                 except (OSError, ChunkFileError) as exc:
                     self._drop(path, f"at start: {exc}")
+        for why, count in old_format.items():
+            log.warning("KV store disk tier %s: dropped %d chunk files of %s", self.directory,
+                        count, why)
         found.sort(key=lambda entry: entry[0])
         for _, key, file_bytes in found:
             self._files[key] = file_bytes
@@ -118,6 +130,8 @@ class DiskTier(StoreTier):
         if len(raw) < PREFIX.size:
             raise ChunkFileError(f"only {len(raw)} bytes")
         magic, header_len = PREFIX.unpack_from(raw)
+        if magic in OLD_MAGICS:
+            raise OldFormatError(f"an earlier format ({OLD_MAGICS[magic]})")
         if magic != MAGIC:
             raise ChunkFileError("not a chunk file (bad magic)")
         offset = PREFIX.size + header_len

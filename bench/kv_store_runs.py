@@ -6,6 +6,7 @@ back as plain dicts; bench/kv_store.py (the CLI) builds the prompts, calls ttft_
 throughput_run, and reports. See its docstring for the phases and targets."""
 
 import os
+import statistics
 import sys
 import threading
 import time
@@ -20,7 +21,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_io import load_workload  # noqa: E402
 from splitserve_runs import bench_splitserve, request, run_batch, run_stream  # noqa: E402
 
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from services.block_hash import BLOCK_HASH_BYTES  # noqa: E402
+from services.channels import tcp_address  # noqa: E402
+from services.cluster_token import frame_key  # noqa: E402
+from services.codec import Codec  # noqa: E402
+from services.kv_chunks import make_chunk  # noqa: E402
+from services.kv_store_client import KvStoreClient  # noqa: E402
+from services.kv_store_wire import MAX_STORE_HEADER_BYTES, ChunkKey, FromKvStore  # noqa: E402
+from services.launcher import INTERNAL_HOST  # noqa: E402
+from services.model_config import default_model_path, load_model_config  # noqa: E402
 from services.rpc.splitserve.v1 import generation_pb2, kvcache_pb2  # noqa: E402
+from worker_svc.kv_fetcher import ChunkFetcher  # noqa: E402
 from tests.e2e.harness import RunningCluster, run_cluster, wait_for  # noqa: E402
 
 DTYPE = "float32"
@@ -183,9 +197,55 @@ def ttft_cluster(store: bool, prompts: list[str], log_dir: Path) -> dict[str, ob
         out["kv_store"] = ({f.name: getattr(info.kv_store, f.name)
                             for f in info.kv_store.DESCRIPTOR.fields if f.name != "tiers"}
                            if info.HasField("kv_store") else None)
+        if store:
+            hit = int(statistics.median(row.get("loaded", 0) for row in evicted))  # type: ignore[misc]
+            out["transfer"] = store_transfer(c, hit)
         out["log_problems"] = log_problems(log_dir)
     out["anomalies"] = anomalies(out)
     return out
+
+
+def store_transfer(c: RunningCluster, num_tokens: int, repeats: int = 3) -> dict[str, float]:
+    """What (b)'s TTFT is compared with: the same bytes (`num_tokens` of this model's float32
+    KV, in chunks of the store's size) fetched from the cluster's store by the worker's own
+    fetcher (one chunk per message, a few ahead, each checked), without the copy into blocks.
+    Random data under a model name no worker uses; median ms of `repeats`."""
+    config = load_model_config(default_model_path())
+    chunk_tokens = c.kv_stats().store.chunk_tokens or 256
+    shape = (config.num_layers, 2, chunk_tokens, config.num_kv_heads, config.head_dim)
+    sizes = [chunk_tokens] * (num_tokens // chunk_tokens)
+    sizes += [num_tokens % chunk_tokens] if num_tokens % chunk_tokens else []
+    codec = Codec(FromKvStore, max_frame_bytes=MAX_STORE_HEADER_BYTES,
+                  key=frame_key(c.procs.cluster_token))
+    address = tcp_address(INTERNAL_HOST, c.procs.spec.kv_store_port)
+    keys, chunks = [], []
+    for i, n in enumerate(sizes):
+        key = ChunkKey(block_hash=(i + 1).to_bytes(BLOCK_HASH_BYTES, "little"), num_tokens=n, model="bench-transfer@0",
+                       dtype="float32", layer_start=0, layer_end=shape[0], head_start=0,
+                       head_end=shape[3])
+        data = torch.randn(shape[0], 2, n, *shape[3:]).numpy().tobytes()
+        keys.append(key)
+        chunks.append(make_chunk(key, (shape[0], 2, n, *shape[3:]), data))
+    ctx = zmq.Context()
+    saver = KvStoreClient(ctx, address, codec=codec)
+    fetcher = ChunkFetcher(lambda ctx: KvStoreClient(ctx, address, codec=codec))
+    try:
+        stored = saver.save(chunks)
+        if stored.num_failed_chunks:
+            raise RuntimeError(f"the store kept {stored} of {len(chunks)} reference chunks")
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            got = list(fetcher.fetch(keys))
+            times.append((time.perf_counter() - start) * 1000)
+            if len(got) != len(keys) or any(chunk is None for chunk in got):
+                raise RuntimeError("a reference chunk did not come back")
+    finally:
+        fetcher.close()
+        saver.close()
+        ctx.term()
+    return {"num_tokens": num_tokens, "num_bytes": sum(chunk.num_bytes for chunk in chunks),
+            "num_chunks": len(chunks), "fetch_ms": statistics.median(times)}
 
 
 def anomalies(out: dict[str, object]) -> list[str]:

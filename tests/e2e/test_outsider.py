@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from services.channels import RequestClient, tcp_address
 from services import refusal_log
+from services.channels import RequestClient, tcp_address
 from services.cluster_token import frame_key
 from services.codec import Codec
 from services.kv_store_client import KvStoreClient

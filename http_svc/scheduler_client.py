@@ -26,6 +26,11 @@ from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
 
 UNARY_TIMEOUT_S = 60.0
+# gRPC's default reconnect backoff grows to 2 minutes: a front end that saw the scheduler down
+# for a while would go on answering 503 that long after it came back. At most 1 s here.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 VOCAB_SLICE = 8192        # one-token sequences per Detokenize call for the vocabulary
 CAPACITY_TTL_S = 5.0      # how long a ServerInfo reading of the replicas' KV capacity is used
 
@@ -191,7 +196,8 @@ class SchedulerClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(address,
+                                                 options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._card: ModelCard | None = None
         self._vocabulary: tuple[ModelCard, list[str]] | None = None

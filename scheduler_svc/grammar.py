@@ -18,9 +18,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-
-import xgrammar as xgr
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any
 
 from scheduler_svc.structured_output import (
     FIELD,
@@ -30,8 +28,14 @@ from scheduler_svc.structured_output import (
 )
 from scheduler_svc.tokenizer import TextTokenizer
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    CompiledGrammar = xgr.CompiledGrammar
+else:
+    CompiledGrammar = Any       # xgrammar's, once imported
+
 log = logging.getLogger(__name__)
-CompiledGrammar = xgr.CompiledGrammar
 
 MAX_CACHED_GRAMMARS = 512          # compiled grammars kept, least recently used dropped
 COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compilation intermediates
@@ -49,9 +53,9 @@ class Grammars:
         self._compiler: xgr.GrammarCompiler | None = None   # built on first use (~1 s)
         self._compiler_lock = threading.Lock()   # held while it is built (off the loop)
         self._lock = threading.Lock()            # the cache's; never held while compiling
-        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
+    def _get_compiler(self) -> "xgr.GrammarCompiler":
         if self._tokenizer.vocab_size > self.vocab_size:
             # A mask can only cover the logits; such a model's tokens past them cannot be
             # told apart from the grammar's.
@@ -60,6 +64,18 @@ class Grammars:
                 f"{self._tokenizer.vocab_size} ids, its logits {self.vocab_size}")
         with self._compiler_lock:
             if self._compiler is None:
+                # Imported here, not with the module: xgrammar brings torch and transformers
+                # (~2 s of a scheduler's start here, and its memory), which only a constrained
+                # request needs. The first one waits for them, once (vLLM starts its grammar
+                # backend on first use too).
+                try:
+                    import xgrammar as xgr
+                    from transformers import PreTrainedTokenizerFast
+                except ImportError as exc:
+                    raise StructuredOutputError(
+                        f"{FIELD} is not served here: {exc} (install splitserve's "
+                        f"dependencies)") from None
+
                 fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(
                     fast, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids)
@@ -67,7 +83,7 @@ class Grammars:
                                                      cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 
-    def cached(self, spec: StructuredOutput) -> xgr.CompiledGrammar | None:
+    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
         """The compiled grammar if it is cached (no compiling: safe on the event loop)."""
         with self._lock:
             grammar = self._cache.get(spec)
@@ -75,7 +91,7 @@ class Grammars:
                 self._cache.move_to_end(spec)
             return grammar
 
-    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The grammar of `spec`; raises StructuredOutputError naming the field when xgrammar
         cannot compile it (an unsupported schema keyword, a malformed regex)."""
         grammar = self.cached(spec)
@@ -104,7 +120,7 @@ class Grammars:
                 self._cache.popitem(last=False)
         return grammar
 
-    def new_state(self, grammar: xgr.CompiledGrammar) -> "GrammarState":
+    def new_state(self, grammar: CompiledGrammar) -> "GrammarState":
         return GrammarState(grammar, self.vocab_size)
 
 
@@ -127,7 +143,9 @@ class GrammarState:
 
     __slots__ = ("_matcher", "_bitmask")
 
-    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, grammar: "xgr.CompiledGrammar", vocab_size: int) -> None:
+        import xgrammar as xgr  # loaded already: the grammar was compiled with it
+
         self._matcher = xgr.GrammarMatcher(grammar)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)   # [1, words] int32
 

@@ -21,7 +21,7 @@ import pytest
 
 from services.launcher import ClusterSpec, ServiceProcesses
 from services.rpc.splitserve.v1 import generation_pb2 as pb
-from tests.e2e.harness import RunningCluster, free_ports, run_cluster
+from tests.e2e.harness import RunningCluster, free_ports, run_cluster, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -270,6 +270,9 @@ def test_no_replica_is_503(tmp_path: Path) -> None:
             grpc.channel_ready_future(channel).result(timeout=60)
         wait_for_http(base, 503)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        # /health is 503 too while the front end has not reached the scheduler yet: the model
+        # list says it has (the card is the scheduler's).
+        assert wait_for(lambda: get(f"{base}/v1/models", timeout=2)[0] == 200, 30)
         (card,) = client.models.list().data
         start = time.monotonic()
         with pytest.raises(openai.InternalServerError) as refused:

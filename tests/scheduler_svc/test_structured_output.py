@@ -5,6 +5,8 @@ that samples, never a constrained request ahead of its own token under async sch
 grammar advanced by each token and the request finished when the grammar is complete."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -219,3 +221,21 @@ def test_a_tokenizer_wider_than_the_logits_is_refused(tokenizer) -> None:  # typ
     narrow = Grammars(tokenizer, tokenizer.vocab_size - 1, (EOS,))
     with pytest.raises(StructuredOutputError, match="structured_output is not served"):
         narrow.compile(StructuredOutput(OutputKind.JSON_OBJECT))
+
+
+def test_the_scheduler_starts_without_the_grammar_library() -> None:
+    # xgrammar brings torch and transformers (~2 s of every start, and their memory): only a
+    # constrained request loads it.
+    code = ("import sys, scheduler_svc.__main__; "
+            "print(sorted(m for m in ('xgrammar', 'torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_without_the_grammar_library_a_constraint_is_a_clear_error(
+        tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "xgrammar", None)      # its import fails
+    fresh = Grammars(tokenizer, tokenizer.vocab_size, (EOS,))
+    with pytest.raises(StructuredOutputError, match="not served here"):
+        fresh.compile(StructuredOutput(OutputKind.REGEX, "[ab]+"))

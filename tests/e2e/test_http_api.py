@@ -235,14 +235,20 @@ def wait_until(check: Any, timeout_s: float = 20) -> bool:
     return False
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_aborts_its_request(cluster: RunningCluster, base: str,
-                                                      stream: bool) -> None:
+def long_completion(cluster: RunningCluster, stream: bool) -> http.client.HTTPConnection:
+    """A 4,000-token completion sent on a raw connection (its caller cuts it off)."""
     host, port = cluster.procs.http_address.rsplit(":", 1)  # type: ignore[union-attr]
     body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True,
                        "temperature": 0, "stream": stream})
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    return connection
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_aborts_its_request(cluster: RunningCluster, base: str,
+                                                      stream: bool) -> None:
+    connection = long_completion(cluster, stream)
     if stream:
         response = connection.getresponse()
         assert response.status == 200

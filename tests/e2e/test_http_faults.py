@@ -21,7 +21,7 @@ import pytest
 
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from tests.e2e.harness import RunningCluster, run_cluster
-from tests.e2e.test_http_api import PROMPT, get, post, wait_for_http
+from tests.e2e.test_http_api import PROMPT, get, long_completion, post, wait_for_http
 
 pytestmark = pytest.mark.e2e
 
@@ -87,11 +87,7 @@ def test_request_bodies_are_bounded(cluster: RunningCluster, base: str) -> None:
 
 def test_a_disconnecting_stream_frees_its_blocks_within_a_second(
         cluster: RunningCluster) -> None:
-    host, port = cluster.procs.http_address.rsplit(":", 1)  # type: ignore[union-attr]
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True,
-                       "temperature": 0, "stream": True})
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    connection = long_completion(cluster, stream=True)
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")
     deadline = time.monotonic() + 20

@@ -3,15 +3,7 @@ re-routing when a replica went down meanwhile, and migration of a lost replica's
 with fake engines (the e2e tests run the real ones)."""
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-import zmq
-
-from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.live_requests import LiveRequests
-from scheduler_svc.membership import Membership
 from scheduler_svc.placement import ReplicaState
 from scheduler_svc.request import Request, RequestOutput, SamplingParams
 from scheduler_svc.router import Router
@@ -19,25 +11,7 @@ from services.kv_wire import (
     PrefixReply,
     ReplicaPrefix,
 )
-from services.model_config import load_model_config
 from tests.scheduler_svc.fakes import FakeEngine, add_replica
-
-
-@pytest.fixture
-def router(model_path: Path) -> Iterator[Router]:
-    ctx = zmq.Context()
-    config = ServerConfig(model_path=str(model_path), model_name="",
-                          kvcache_address="tcp://127.0.0.1:9")
-    live = LiveRequests()
-    membership = Membership(config, SchedulerConfig(block_size=16),
-                            load_model_config(model_path), ctx, live.deliver)
-    membership.kv_reachable = True
-    r = Router(membership, live, ctx)
-    membership.listen(r)
-    yield r
-    r.shutdown()
-    membership.shutdown()
-    ctx.destroy(linger=0)
 
 
 def request(request_id: str, num_tokens: int, deadline: float = 1e12) -> Request:

@@ -6,23 +6,16 @@ out, routing goes by load alone for a while instead of asking again per request.
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import zmq
 
 from scheduler_svc import router as router_module
-from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.live_requests import LiveRequests
-from scheduler_svc.membership import Membership
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.router import Router
 from services.kv_wire import (
     PrefixReply,
     ReplicaPrefix,
 )
-from services.model_config import load_model_config
 from tests.scheduler_svc.fakes import FakeEngine, add_replica
 
 SLOW_S = 0.5    # how long the fake kvcache_svc takes to answer a prefix query
@@ -47,23 +40,6 @@ class SlowKv:
 
     def close(self) -> None:
         pass
-
-
-@pytest.fixture
-def router(model_path: Path) -> Iterator[Router]:
-    ctx = zmq.Context()
-    config = ServerConfig(model_path=str(model_path), model_name="",
-                          kvcache_address="tcp://127.0.0.1:9")
-    live = LiveRequests()
-    membership = Membership(config, SchedulerConfig(block_size=16),
-                            load_model_config(model_path), ctx, live.deliver)
-    membership.kv_reachable = True
-    r = Router(membership, live, ctx)
-    membership.listen(r)
-    yield r
-    r.shutdown()
-    membership.shutdown()
-    ctx.destroy(linger=0)
 
 
 def request(request_id: str, num_tokens: int = 400) -> Request:

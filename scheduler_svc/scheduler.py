@@ -378,17 +378,9 @@ class Scheduler:
         them in later steps already sent): each live one ends with `error` and gives its
         blocks back. Returns their final outputs, and whether the prefix index may now hold
         blocks whose KV was never written (the caller must then empty the index)."""
-        entries = self.in_flight.leave(step_id)
+        entries, poisoned = self.in_flight.leave_failed(step_id, error.kv_written)
+        poisoned = poisoned and self.config.prefix_caching
         self.loads.forget(step_id)
-        failed = {e.request for e in entries}
-        # Blocks are committed to the index when planned, before their KV is computed. Bad:
-        # this step's commits if it failed before its forward finished, and any commit for a
-        # failed request by a later step in flight, which the worker skips (none today: such
-        # a step only decodes it, with a token unknown when planned). Finished or aborted
-        # requests count too: their freed blocks keep their hashes.
-        poisoned = self.config.prefix_caching and (
-            (not error.kv_written and any(e.commits for e in entries))
-            or self.in_flight.commit_for_any(failed))
         outputs = []
         for e in entries:
             request = e.request

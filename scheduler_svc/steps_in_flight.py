@@ -52,7 +52,17 @@ class StepsInFlight:
         for step_id in list(self._steps):
             self.leave(step_id)
 
-    def commit_for_any(self, requests: set[Request]) -> bool:
-        """Whether a step still in flight committed blocks for one of `requests`."""
-        return any(e.commits and e.request in requests
-                   for entries in self._steps.values() for e in entries)
+    def leave_failed(self, step_id: int, kv_written: bool) -> tuple[list[InStep], bool]:
+        """`leave` for a step the worker failed, and whether the prefix index may now name
+        blocks whose KV was never written. Blocks are committed when planned, before their KV
+        is computed. Bad: this step's commits if it failed before its forward finished
+        (`kv_written` False), and any commit for one of its requests by a later step in
+        flight, which the worker skips (none today: such a step only decodes it, with a token
+        unknown when planned). Finished or aborted requests count too: their freed blocks keep
+        their hashes."""
+        entries = self.leave(step_id)
+        failed = {e.request for e in entries}
+        poisoned = (not kv_written and any(e.commits for e in entries)) or any(
+            e.commits and e.request in failed
+            for later in self._steps.values() for e in later)
+        return entries, poisoned

@@ -122,6 +122,13 @@ def test_prefill_chunks_beside_decodes(group: int, head_dim: int) -> None:
 
 
 @needs_amx
+def test_many_decodes_go_out_a_request_at_a_time() -> None:
+    # 40 decode rows: enough that each thread takes a request's KV heads together (fewer
+    # requests go out a head at a time; both are checked against the twin).
+    _check([1] * 40, [(37 * i) % 400 for i in range(40)], 16, 3, 3, 64)
+
+
+@needs_amx
 def test_peaked_softmax_and_block_size_32() -> None:
     # Scores in the tens: most weight on a few keys, exp far from 1.
     _check([1, 1, 33, 20], [30, 500, 0, 100], 32, 3, 3, 64, spread=4.0)
@@ -129,6 +136,7 @@ def test_peaked_softmax_and_block_size_32() -> None:
 
 @needs_amx
 def test_same_result_for_any_thread_count_and_row_grouping() -> None:
+    # 10 runs: 1 and 2 threads take a request's KV heads together, 3 threads a head at a time.
     q, k, v, cache, _, meta = _step([1] * 5 + [50, 37], [3, 100, 17, 300, 0, 60, 0], 16, 3, 3,
                                     64, seed=3)
     kernel = _amx(64, 3)

@@ -57,6 +57,13 @@
  * its buffers; an output element depends only on its own row's inputs (other query vectors
  * of a tile, and keys outside its row's window, add exact zeros), so results do not depend on
  * the thread count or on how rows are grouped.
+ *
+ * Items go out to the threads a request's KV heads together where there are enough requests
+ * (see the loop), each with its next item's first keys asked for ahead. Measured against
+ * handing out single items (dynamic, 1), in one process with the two builds alternating,
+ * bench-style caches of 30 layers, Xeon family 6 model 207, 2 threads: decodes of 64 x 176
+ * keys 1.08x (contiguous blocks) and 1.09x (scattered), 16 x 1,000 1.05x, 16 prompts x 176
+ * prefill 1.07x, 1 x 2,000 and one 512-token chunk unchanged (0.98x, 0.99x: noise).
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -131,6 +138,19 @@ static int64_t split_runs(const int64_t *row_request, int64_t num_rows, run_t *r
   return count;
 }
 
+/* Asks for the first 64 keys (K) an item reads: from its earliest row's window start. */
+static void prefetch_item_start(const step_t *s, run_t run, int64_t head,
+                                const int64_t *table) {
+  int64_t len = 0, first = INT64_MAX;
+  for (int64_t r = run.start; r < run.end; r++) {
+    const int64_t n = s->kv_lens[r], start = s->window > 0 && n > s->window ? n - s->window : 0;
+    len = n > len ? n : len;
+    first = start < first ? start : first;
+  }
+  for (int64_t t = first / 16 * 16; t < first / 16 * 16 + 64; t += 16)
+    prefetch_run(s, table, head, t, len, 0);
+}
+
 /* Same arguments and contract as paged_attention() in paged_attention.c (bfloat16 only),
  * with block_size % 16 == 0. */
 void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
@@ -147,6 +167,7 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
   int64_t longest = 1;
   for (int64_t r = 0; r < num_rows; r++) longest = kv_lens[r] > longest ? kv_lens[r] : longest;
   const int64_t keys = round_up(longest, 16);
+  int64_t claimed = 0; /* items handed out */
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -170,11 +191,29 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     w.edge = (uint16_t *)(w.probs + keys * 32);
     w.acc = (float *)(w.edge + 2 * 16 * HEAD_DIM);
     w.tile = w.acc + 16 * HEAD_DIM;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_runs * num_kv_heads; item++) {
-      const run_t run = runs[item / num_kv_heads];
-      attend_item(&step, &w, run.start, run.end, item % num_kv_heads,
-                  block_tables + row_request[run.start] * max_blocks);
+    /* Items go out in groups of `per` consecutive ones: a decode's KV heads of one request
+     * together when there are enough requests to share (the heads' rows interleave in the
+     * cache, so the lines the hardware fetches ahead for one head serve the next), one item
+     * at a time otherwise. A group is claimed one ahead, and every item's first keys are asked
+     * for before the item before it is attended, so that they arrive meanwhile. */
+    const int64_t items = num_runs * num_kv_heads;
+    const int64_t per = num_runs >= 4 * omp_get_num_threads() ? num_kv_heads : 1;
+    int64_t group = __atomic_fetch_add(&claimed, per, __ATOMIC_RELAXED);
+    while (group < items) {
+      const int64_t next = __atomic_fetch_add(&claimed, per, __ATOMIC_RELAXED);
+      const int64_t end = group + per < items ? group + per : items;
+      for (int64_t item = group; item < end; item++) {
+        const int64_t ahead = item + 1 < end ? item + 1 : next;
+        if (ahead < items) {
+          const run_t run = runs[ahead / num_kv_heads];
+          prefetch_item_start(&step, run, ahead % num_kv_heads,
+                              block_tables + row_request[run.start] * max_blocks);
+        }
+        const run_t run = runs[item / num_kv_heads];
+        attend_item(&step, &w, run.start, run.end, item % num_kv_heads,
+                    block_tables + row_request[run.start] * max_blocks);
+      }
+      group = next;
     }
     free(memory);
     _tile_release();

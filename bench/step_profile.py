@@ -29,12 +29,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from worker_svc.process_env import apply_worker_env  # noqa: E402
+
+apply_worker_env()      # as a worker process runs (before torch loads)
+
+import torch  # noqa: E402
 from bench_io import write_result  # noqa: E402
 
 from services.model_config import default_model_path, load_model_config  # noqa: E402

@@ -9,19 +9,17 @@ when the new placement is the same. Flags (services.service_flags) fall back to 
 environment variables.
 """
 
+# ruff: noqa: E402  (the worker's environment is set before anything imports torch)
+from worker_svc.process_env import apply_worker_env
+
+apply_worker_env()      # libgomp reads it when torch loads it
+
+import dataclasses
+import logging
 import os
-
-# OpenMP threads that spin-wait at barriers collapse when another process shares the cores (the
-# scheduler, or clients on a small box): 64 streaming clients made each step 10x slower. A short
-# spin, then sleep, keeps quiet-machine speed. libgomp reads this when torch loads it, so it is
-# set before anything imports torch.
-os.environ.setdefault("GOMP_SPINCOUNT", "30000")
-
-import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import socket
+import sys
+import time
 
 from services import cluster_token
 from services.flags import FlagParser, parse_bool

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["env", "models", "kernels", "logits", "services", "bench-smollm2", "bench-llama-1b"]
+PHASES = ["env", "models", "kernels", "logits", "services", "bench-smollm2", "bench-llama-1b",
+          "profile"]
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 

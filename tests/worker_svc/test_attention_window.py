@@ -231,9 +231,11 @@ def test_negative_window_is_refused() -> None:
 
 
 # The Triton kernel in the interpreter (slow: tiny shapes; bfloat16 is wrong there).
+@pytest.mark.parametrize("splits", [None, 1, 2])     # None: the default (16 for few rows)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window,tile_tokens", [(3, 4), (4, None), (7, 4), (100, None)])
-def test_triton_kernel(window: int, tile_tokens: int | None, dtype: torch.dtype) -> None:
+def test_triton_kernel(window: int, tile_tokens: int | None, dtype: torch.dtype,
+                       splits: int | None) -> None:
     pytest.importorskip("triton")
     from worker_svc.triton_kernels import TritonPagedAttention, triton_available
     from worker_svc.triton_kernels.kv_write import write_kv
@@ -249,7 +251,7 @@ def test_triton_kernel(window: int, tile_tokens: int | None, dtype: torch.dtype)
     args = [t.to(device) for t in (meta.block_table, meta.row_request, meta.row_kv_lens)]
     write_kv(step.k.to(device), step.v.to(device), cache, meta.slot_mapping.to(device))
     out = triton_attention(step.q.to(device), cache, *args, 16 ** -0.5, window,
-                           tile_tokens=tile_tokens)
+                           tile_tokens=tile_tokens, splits=splits)
     step.check(out.cpu(), cache.cpu())
     twin = paged_attention_reference(step.q.to(device), cache, *args, 16 ** -0.5, window)
     step.check(twin.cpu(), cache.cpu())
@@ -258,6 +260,6 @@ def test_triton_kernel(window: int, tile_tokens: int | None, dtype: torch.dtype)
     layer = TritonPagedAttention(16, 2, dtype)(
         step.q.to(device), step.k.to(device), step.v.to(device), layer_cache,
         meta.slot_mapping.to(device), *args, window)
-    if tile_tokens is None:
+    if tile_tokens is None and splits is None:
         assert torch.equal(layer.cpu(), out.cpu())
     step.check(layer.cpu(), layer_cache.cpu())

@@ -162,6 +162,45 @@ def test_paged_attention_across_tiles(tile_tokens: int, dtype: torch.dtype) -> N
     assert_close(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+def test_paged_attention_split_across_programs(splits: int, dtype: torch.dtype) -> None:
+    """A row's keys split over programs (flash-decoding) and combined: runs of several tiles
+    (30 keys in tiles of 4 over 2 splits), splits with no keys (5 keys over 16), a row with
+    one key, and padding rows (no keys at all) that must come out zero."""
+    step = Step([1, 1, 3, 1], [30, 5, 17, 0], 6, 4, 2, 16, dtype, num_padding_rows=2,
+                seed=splits)
+    expected, cache = step.run_twin()
+    out = paged_attention(step.q, cache, step.block_table, step.row_request, step.kv_lens,
+                          step.scale, tile_tokens=4, splits=splits)
+    assert_close(out, expected)
+    assert not out[-2:].any(), "kv_len 0 rows must output zeros"
+
+
+def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a launch of at most _SPLIT_MAX_ROWS rows splits each row's keys over
+    _SPLITS programs and a larger one runs the single pass; a row's result does not depend on
+    how many rows share its launch (a padded decode graph and the eager step agree)."""
+    import worker_svc.triton_kernels.paged_attention as module
+
+    step = Step([1, 1, 3], [30, 5, 17], 6, 4, 2, 16, torch.float32, num_padding_rows=3, seed=7)
+    _, cache = step.run_twin()
+    args = (step.q, cache, step.block_table, step.row_request, step.kv_lens, step.scale)
+    rows = step.q.shape[0]
+    split = paged_attention(*args, splits=module._SPLITS)
+    single = paged_attention(*args, splits=1)
+    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows)
+    assert torch.equal(paged_attention(*args), split)
+    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows - 1)
+    assert torch.equal(paged_attention(*args), single)
+    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows)
+    fewer = paged_attention(step.q[:5], cache, step.block_table, step.row_request[:5],
+                            step.kv_lens[:5], step.scale)
+    assert torch.equal(fewer, split[:5])
+    with pytest.raises(ValueError, match="splits"):
+        paged_attention(*args, splits=3)
+
+
 def test_paged_attention_matches_slow_oracle() -> None:
     """The kernel against worker_svc.attention's token-by-token reference (CPU tensors)."""
     query_lens, context_lens = [1, 1, 7, 3], [6, 12, 5, 0]

@@ -16,9 +16,15 @@ length fits in registers; scores are kept in log2 units (the scale folds in log2
 exp2. Products are broadcast-multiply-and-sum, not `tl.dot`: a group has 1 to 8 heads, below
 the 16 rows a tensor-core dot needs, and a decode row is bound by reading K/V anyway.
 
-Why not split long sequences across programs (flash-decoding): it needs a second reduction
-pass; rows x KV heads programs already fill a GPU once a step has a few hundred rows, which is
-where the time goes. A lone long decode under-fills it: that is the known cost of this choice.
+Small steps split each row's keys across programs (flash-decoding). With one program per (row,
+KV head), a decode step of 64 rows of SmolLM2 (3 KV heads) is 192 programs walking their keys
+tile after tile: the first H200 run measured 31 us per layer for one row and 42 us for 64
+rows, most of the step. So a launch of at most `_SPLIT_MAX_ROWS` rows runs `_SPLITS` programs
+per (row, KV head), each over its own run of whole tiles of the row's keys, writing its
+running max, sum and unnormalised output (float32) to a scratch buffer; a second kernel
+combines them per (row, KV head). A row's split depends only on its own length, never on the
+other rows, so a decode graph (padded rows) and the same step run eagerly agree. Larger
+launches (prefill chunks, big batches) fill the GPU with rows alone and keep the single pass.
 
 Sliding window (`window` > 0): a row of kv_len keys attends [max(0, kv_len - window), kv_len);
 its key loop starts at the tile that holds that start, so no block wholly before it is read
@@ -49,6 +55,11 @@ _HEAD_DIMS = tuple(2 ** i for i in range(4, 9))          # 16 .. 256
 # Elements of the [group, TILE, head_dim] products a program holds: bounds registers.
 _TILE_ELEMENTS = 8192
 _MIN_TILE, _MAX_TILE = 4, 64
+# Launches of at most this many rows split each row's keys over `_SPLITS` programs. At 128
+# rows the scratch is rows x KV heads x splits x padded group x head_dim float32: 16 MiB for
+# 8 KV heads of 4 x 128; the smallest capture sizes and every single-stream step are below.
+_SPLIT_MAX_ROWS = 128
+_SPLITS = 16
 
 
 # `max_blocks` (the block table's width) follows the longest request of each eager step: left
@@ -105,6 +116,91 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
     tl.store(out_row + head_offsets, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
+@triton.jit(do_not_specialize=["max_blocks", "window"])
+def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
+                                  block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr,
+                                  window, part_max_ptr, part_sum_ptr, part_acc_ptr, qk_scale,
+                                  NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                                  GROUP_PAD: tl.constexpr, TILE: tl.constexpr,
+                                  SPLITS: tl.constexpr):
+    """`_paged_attention_kernel`'s loop over one split's tiles (program_id 2) of a row's
+    keys; writes that split's running max, sum and unnormalised output (float32)."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    group_ids = tl.arange(0, GROUP_PAD)
+    head_ok = group_ids < GROUP
+    heads = kv_head * GROUP + group_ids
+    dims = tl.arange(0, HEAD_DIM)
+    head_offsets = heads[:, None] * HEAD_DIM + dims[None, :]
+    q = tl.load(q_ptr + row * q_row_stride + head_offsets, mask=head_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * qk_scale
+
+    request = tl.load(row_request_ptr + row)
+    kv_len = tl.load(kv_lens_ptr + row).to(tl.int32)
+    table = block_table_ptr + request * max_blocks
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    first = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    # The row's tiles [lo, kv_len) in runs of `per_split` tiles, one run per split; the
+    # splits past the last run have no tiles and write (-inf, 0, 0).
+    lo = (first // TILE) * TILE
+    per_split = tl.cdiv(tl.cdiv(kv_len - lo, TILE), SPLITS)
+    begin = lo + split * per_split * TILE
+    end = tl.minimum(begin + per_split * TILE, kv_len)
+    for start in range(begin, end, TILE):
+        positions = start + tl.arange(0, TILE)
+        visible = (positions < kv_len) & (positions >= first)
+        block = tl.load(table + positions // BLOCK_SIZE, mask=visible, other=0)
+        slot = block * BLOCK_SIZE + positions % BLOCK_SIZE
+        kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :],
+                                              axis=1)
+        running_max = new_max
+    part = ((row * NUM_KV_HEADS + kv_head) * SPLITS + split) * GROUP_PAD + group_ids
+    tl.store(part_max_ptr + part, running_max)
+    tl.store(part_sum_ptr + part, running_sum)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
+
+
+@triton.jit
+def _combine_splits_kernel(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    """One (row, KV head): the splits' partial softmaxes rescaled to their common max."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    group_ids = tl.arange(0, GROUP_PAD)
+    head_ok = group_ids < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    base = (row * NUM_KV_HEADS + kv_head) * SPLITS
+    every = (base + tl.arange(0, SPLITS))[:, None] * GROUP_PAD + group_ids[None, :]
+    top = tl.max(tl.load(part_max_ptr + every), axis=0)           # [GROUP_PAD]
+    top = tl.where(top == float("-inf"), 0.0, top)               # kv_len 0: no split has keys
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    out = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for split in tl.static_range(SPLITS):
+        part = (base + split) * GROUP_PAD + group_ids
+        weight = tl.exp2(tl.load(part_max_ptr + part) - top)     # 0 for a split without keys
+        total += weight * tl.load(part_sum_ptr + part)
+        out += weight[:, None] * tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    heads = kv_head * GROUP + group_ids
+    out_row = out_ptr + row * (NUM_KV_HEADS * GROUP * HEAD_DIM)
+    tl.store(out_row + heads[:, None] * HEAD_DIM + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            row_request: torch.Tensor, kv_lens: torch.Tensor, window: int) -> None:
     name = "paged_attention"
@@ -136,13 +232,15 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                    window: int = 0, *, tile_tokens: int | None = None) -> torch.Tensor:
+                    window: int = 0, *, tile_tokens: int | None = None,
+                    splits: int | None = None) -> torch.Tensor:
     """Attend every row of q [rows, num_heads, head_dim] (one query token per row; any row
     stride, heads and dim contiguous) over the first kv_lens[row] positions of request
     row_request[row] in kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], through
     block_table [num_requests, max_blocks] (int64, contiguous); `window` > 0: only the last
     `window` of those positions. Returns [rows, num_heads * head_dim] in q's dtype.
-    `tile_tokens` (a power of two) overrides the positions per tile, for tests. Table entries
+    `tile_tokens` (a power of two) overrides the positions per tile, `splits` (a power of
+    two; 1: the single pass) the programs per (row, KV head), both for tests. Table entries
     and lengths are not range-checked (that would cost a sync)."""
     _check(q, kv_cache, block_table, row_request, kv_lens, window)
     check_device("paged_attention", q, kv_cache, block_table, row_request, kv_lens)
@@ -160,21 +258,43 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                          f"{tile_tokens}")
     else:
         tile = tile_tokens
-    _paged_attention_kernel[(rows, num_kv_heads)](
+    if splits is None:
+        splits = _SPLITS if rows <= _SPLIT_MAX_ROWS else 1
+    elif splits < 1 or splits != next_power_of_2(splits):
+        raise ValueError(f"paged_attention: splits must be a power of two, got {splits}")
+    qk_scale = scale * math.log2(math.e)
+    if splits == 1:
+        _paged_attention_kernel[(rows, num_kv_heads)](
+            q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
+            row_request, kv_lens, window, out, qk_scale, NUM_KV_HEADS=num_kv_heads,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
+            TILE=tile)
+        return out
+    part_max = torch.empty(rows, num_kv_heads, splits, group_pad, dtype=torch.float32,
+                           device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(rows, num_kv_heads, splits, group_pad, head_dim,
+                           dtype=torch.float32, device=q.device)
+    _paged_attention_split_kernel[(rows, num_kv_heads, splits)](
         q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
-        row_request, kv_lens, window, out, scale * math.log2(math.e), NUM_KV_HEADS=num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad, TILE=tile)
+        row_request, kv_lens, window, part_max, part_sum, part_acc, qk_scale,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
+        GROUP_PAD=group_pad, TILE=tile, SPLITS=splits)
+    _combine_splits_kernel[(rows, num_kv_heads)](
+        part_max, part_sum, part_acc, out, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=group_pad, SPLITS=splits)
     return out
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, row_request: torch.Tensor,
                               kv_lens: torch.Tensor, scale: float, window: int = 0, *,
-                              tile_tokens: int | None = None) -> torch.Tensor:
+                              tile_tokens: int | None = None, splits: int | None = None
+                              ) -> torch.Tensor:
     """Torch twin of `paged_attention` (the tests' oracle): gathers every row's keys and
     values into a padded [rows, max_kv_len, ...] copy, masks outside each row's keys (slots
-    there read as zeros), softmax in float32. `tile_tokens` is accepted and ignored (it only
-    changes the summation order)."""
+    there read as zeros), softmax in float32. `tile_tokens` and `splits` are accepted and
+    ignored (they only change the summation order)."""
     _check(q, kv_cache, block_table, row_request, kv_lens, window)
     rows, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape

@@ -178,9 +178,10 @@ def test_paged_attention_split_across_programs(splits: int, dtype: torch.dtype) 
 
 
 def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a launch of at most _SPLIT_MAX_ROWS rows splits each row's keys over
-    _SPLITS programs and a larger one runs the single pass; a row's result does not depend on
-    how many rows share its launch (a padded decode graph and the eager step agree)."""
+    """On a GPU a launch of at most _SPLIT_MAX_ROWS rows splits each row's keys over _SPLITS
+    programs and a larger one runs the single pass (the interpreter always runs the single
+    pass unless asked); a row's result does not depend on how many rows share its launch (a
+    padded decode graph and the eager step agree)."""
     import worker_svc.triton_kernels.paged_attention as module
 
     step = Step([1, 1, 3], [30, 5, 17], 6, 4, 2, 16, torch.float32, num_padding_rows=3, seed=7)
@@ -189,14 +190,18 @@ def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPa
     rows = step.q.shape[0]
     split = paged_attention(*args, splits=module._SPLITS)
     single = paged_attention(*args, splits=1)
+    monkeypatch.setattr(module, "interpreting", lambda: True)
+    assert module.default_splits(1) == 1
+    monkeypatch.setattr(module, "interpreting", lambda: False)
+    assert module.default_splits(module._SPLIT_MAX_ROWS) == module._SPLITS
+    assert module.default_splits(module._SPLIT_MAX_ROWS + 1) == 1
     monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows)
     assert torch.equal(paged_attention(*args), split)
-    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows - 1)
-    assert torch.equal(paged_attention(*args), single)
-    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows)
     fewer = paged_attention(step.q[:5], cache, step.block_table, step.row_request[:5],
                             step.kv_lens[:5], step.scale)
     assert torch.equal(fewer, split[:5])
+    monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows - 1)
+    assert torch.equal(paged_attention(*args), single)
     with pytest.raises(ValueError, match="splits"):
         paged_attention(*args, splits=3)
 

@@ -24,6 +24,7 @@ from tests.worker_svc.test_triton_kernels import (  # noqa: E402
 )
 from worker_svc.triton_kernels.kv_write import write_kv_reference  # noqa: E402
 from worker_svc.triton_kernels.paged_attention import (  # noqa: E402
+    paged_attention,
     paged_attention_reference,
     paged_attention_with_write,
 )
@@ -49,6 +50,19 @@ def test_real_shapes_reduced(shape: str, dtype: torch.dtype) -> None:
     heads, kv_heads, head_dim = SHAPES[shape]
     check(Step(*SMALL_STEP, BLOCK_SIZE, heads, kv_heads, head_dim, dtype, num_padding_rows=1,
                seed=len(shape)))
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "head128-gqa8"])    # groups of 3 and of 8
+def test_real_shapes_reduced_split(shape: str) -> None:
+    """The same step with each row's keys split over 16 programs (the GPU's default for a
+    launch this small, which the interpreter runs only when asked)."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    step = Step(*SMALL_STEP, BLOCK_SIZE, heads, kv_heads, head_dim, torch.float32,
+                num_padding_rows=1, seed=len(shape))
+    expected, cache = step.run_twin()
+    out = paged_attention(step.q, cache, step.block_table, step.row_request, step.kv_lens,
+                          step.scale, splits=16)
+    assert_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16,

@@ -25,6 +25,9 @@ running max, sum and unnormalised output (float32) to a scratch buffer; a second
 combines them per (row, KV head). A row's split depends only on its own length, never on the
 other rows, so a decode graph (padded rows) and the same step run eagerly agree. Larger
 launches (prefill chunks, big batches) fill the GPU with rows alone and keep the single pass.
+Under TRITON_INTERPRET=1 (the CPU tests) programs run one after another in Python, so 16x the
+programs made the model-level tests 3x slower: there the default is the single pass, and the
+tests of the split ask for it (`splits=`).
 
 Sliding window (`window` > 0): a row of kv_len keys attends [max(0, kv_len - window), kv_len);
 its key loop starts at the tile that holds that start, so no block wholly before it is read
@@ -46,6 +49,7 @@ from worker_svc.triton_kernels.checks import (
     check_float,
     check_index,
     check_row_view,
+    interpreting,
     next_power_of_2,
 )
 from worker_svc.triton_kernels.kv_write import write_kv
@@ -201,6 +205,11 @@ def _combine_splits_kernel(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
+def default_splits(rows: int) -> int:
+    """Programs per (row, KV head) for a launch of `rows` rows (see the module's doc)."""
+    return _SPLITS if rows <= _SPLIT_MAX_ROWS and not interpreting() else 1
+
+
 def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            row_request: torch.Tensor, kv_lens: torch.Tensor, window: int) -> None:
     name = "paged_attention"
@@ -259,7 +268,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     else:
         tile = tile_tokens
     if splits is None:
-        splits = _SPLITS if rows <= _SPLIT_MAX_ROWS else 1
+        splits = default_splits(rows)
     elif splits < 1 or splits != next_power_of_2(splits):
         raise ValueError(f"paged_attention: splits must be a power of two, got {splits}")
     qk_scale = scale * math.log2(math.e)

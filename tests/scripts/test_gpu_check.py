@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ["env", "models", "kernels", "logits", "services", "bench-smollm2", "bench-llama-1b",
-          "profile"]
+          "profile", "bench-interval4"]
 NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 

@@ -184,7 +184,7 @@ def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPa
     padded decode graph and the eager step agree)."""
     import worker_svc.triton_kernels.paged_attention as module
 
-    step = Step([1, 1, 3], [30, 5, 17], 6, 4, 2, 16, torch.float32, num_padding_rows=3, seed=7)
+    step = Step([1, 1, 2], [30, 5, 17], 6, 4, 2, 16, torch.float32, num_padding_rows=1, seed=7)
     _, cache = step.run_twin()
     args = (step.q, cache, step.block_table, step.row_request, step.kv_lens, step.scale)
     rows = step.q.shape[0]
@@ -197,9 +197,9 @@ def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPa
     assert module.default_splits(module._SPLIT_MAX_ROWS + 1) == 1
     monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows)
     assert torch.equal(paged_attention(*args), split)
-    fewer = paged_attention(step.q[:5], cache, step.block_table, step.row_request[:5],
-                            step.kv_lens[:5], step.scale)
-    assert torch.equal(fewer, split[:5])
+    fewer = paged_attention(step.q[:3], cache, step.block_table, step.row_request[:3],
+                            step.kv_lens[:3], step.scale)
+    assert torch.equal(fewer, split[:3])
     monkeypatch.setattr(module, "_SPLIT_MAX_ROWS", rows - 1)
     assert torch.equal(paged_attention(*args), single)
     with pytest.raises(ValueError, match="splits"):

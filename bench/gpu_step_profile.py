@@ -253,8 +253,10 @@ def main() -> int:
             results.append(profile_rows(model_dir, dtype, device, rows, a.context, a.steps,
                                         eager))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    from worker_svc.triton_kernels import paged_attention as triton_attention
+    dot = triton_attention._DOT
     print(f"\n{name}, {model_dir.name}, {a.dtype}, context {a.context}, {a.steps} steps "
-          "(medians; host parts are means)")
+          f"(medians; host parts are means); attention products: {'tl.dot' if dot else 'sums'}")
     print(f"{'rows':>5} {'graphs':>7} {'execute':>8} {'ahead':>7} {'fwd GPU':>8}  "
           + " ".join(f"{p:>9}" for p in HOST_PARTS))
     for r in results:
@@ -267,7 +269,7 @@ def main() -> int:
             print(f"\ntop kernels, eager, {r['rows']} rows (us per step, calls per step):")
             for k in r["top_kernels"]:  # type: ignore[attr-defined]
                 print(f"  {k['us_per_step']:9.1f} {k['calls_per_step']:6.1f}  {k['kernel']}")
-    write_result({"device": name, "model": model_dir.name, "dtype": a.dtype,
+    write_result({"device": name, "model": model_dir.name, "dtype": a.dtype, "dot_attention": dot,
                   "context": a.context, "steps": a.steps, "results": results},
                  a.out, f"gpu-step-profile-{a.dtype}")
     return 0

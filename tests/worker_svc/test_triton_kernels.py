@@ -177,6 +177,25 @@ def test_paged_attention_split_across_programs(splits: int, dtype: torch.dtype) 
     assert not out[-2:].any(), "kv_len 0 rows must output zeros"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 4, 128), (4, 2, 16)])
+def test_paged_attention_dot_variant(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The split kernel's experimental tl.dot products (SPLITSERVE_TRITON_DOT_ATTENTION):
+    query heads padded to 16 rows, tiles of at least 16 keys, several tiles per split,
+    padding rows zero."""
+    heads, kv_heads, head_dim = shape
+    step = Step([1, 1, 5], [70, 16, 40], 16, heads, kv_heads, head_dim, dtype,
+                num_padding_rows=1, seed=head_dim)
+    expected, cache = step.run_twin()
+    out = paged_attention(step.q, cache, step.block_table, step.row_request, step.kv_lens,
+                          step.scale, splits=2, dot=True)
+    assert_close(out, expected)
+    assert not out[-1].any()
+    with pytest.raises(ValueError, match="tile_tokens"):
+        paged_attention(step.q, cache, step.block_table, step.row_request, step.kv_lens,
+                        step.scale, splits=2, dot=True, tile_tokens=8)
+
+
 def test_paged_attention_splits_only_small_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU a launch of at most _SPLIT_MAX_ROWS rows splits each row's keys over _SPLITS
     programs and a larger one runs the single pass (the interpreter always runs the single

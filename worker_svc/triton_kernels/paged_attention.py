@@ -38,6 +38,7 @@ vectorised torch twin, the tests' oracle.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -64,6 +65,13 @@ _MIN_TILE, _MAX_TILE = 4, 64
 # 8 KV heads of 4 x 128; the smallest capture sizes and every single-stream step are below.
 _SPLIT_MAX_ROWS = 128
 _SPLITS = 16
+# Experimental, off by default until measured on a GPU: the split kernel's two products as
+# `tl.dot` (tensor cores; the query heads padded to 16 rows, probabilities rounded to the cache's
+# dtype for the second product, float32 in IEEE precision). The first H200 profile found ~5 us
+# per tile in the broadcast products; this is the variant to measure against them
+# (SPLITSERVE_TRITON_DOT_ATTENTION=1, or `dot=True`; `scripts/gpu-check --phase 3`).
+_DOT = os.environ.get("SPLITSERVE_TRITON_DOT_ATTENTION", "") == "1"
+_DOT_MIN_ROWS = 16      # tl.dot's smallest M, N and K
 
 
 # `max_blocks` (the block table's width) follows the longest request of each eager step: left
@@ -127,9 +135,11 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
                                   NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                                   GROUP_PAD: tl.constexpr, TILE: tl.constexpr,
-                                  SPLITS: tl.constexpr):
+                                  SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
+                                  DOT_PRECISION: tl.constexpr):
     """`_paged_attention_kernel`'s loop over one split's tiles (program_id 2) of a row's
-    keys; writes that split's running max, sum and unnormalised output (float32)."""
+    keys; writes that split's running max, sum and unnormalised output (float32). USE_DOT:
+    the products on `tl.dot` (GROUP_PAD >= 16, TILE >= 16)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,8 +148,8 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
     heads = kv_head * GROUP + group_ids
     dims = tl.arange(0, HEAD_DIM)
     head_offsets = heads[:, None] * HEAD_DIM + dims[None, :]
-    q = tl.load(q_ptr + row * q_row_stride + head_offsets, mask=head_ok[:, None], other=0.0)
-    q = q.to(tl.float32) * qk_scale
+    q_in = tl.load(q_ptr + row * q_row_stride + head_offsets, mask=head_ok[:, None], other=0.0)
+    q = q_in.to(tl.float32) * qk_scale
 
     request = tl.load(row_request_ptr + row)
     kv_len = tl.load(kv_lens_ptr + row).to(tl.int32)
@@ -162,14 +172,21 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
         kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        if USE_DOT:
+            scores = tl.dot(q_in, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(visible[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v.to(tl.float32)[None, :, :],
-                                              axis=1)
+        if USE_DOT:
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v,
+                                                  input_precision=DOT_PRECISION)
+        else:
+            acc = acc * rescale[:, None] + tl.sum(
+                probs[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         running_max = new_max
     part = ((row * NUM_KV_HEADS + kv_head) * SPLITS + split) * GROUP_PAD + group_ids
     tl.store(part_max_ptr + part, running_max)
@@ -242,14 +259,15 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                     window: int = 0, *, tile_tokens: int | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, dot: bool | None = None) -> torch.Tensor:
     """Attend every row of q [rows, num_heads, head_dim] (one query token per row; any row
     stride, heads and dim contiguous) over the first kv_lens[row] positions of request
     row_request[row] in kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], through
     block_table [num_requests, max_blocks] (int64, contiguous); `window` > 0: only the last
     `window` of those positions. Returns [rows, num_heads * head_dim] in q's dtype.
     `tile_tokens` (a power of two) overrides the positions per tile, `splits` (a power of
-    two; 1: the single pass) the programs per (row, KV head), both for tests. Table entries
+    two; 1: the single pass) the programs per (row, KV head), both for tests; `dot` the split
+    kernel's `tl.dot` variant (None: SPLITSERVE_TRITON_DOT_ATTENTION). Table entries
     and lengths are not range-checked (that would cost a sync)."""
     _check(q, kv_cache, block_table, row_request, kv_lens, window)
     check_device("paged_attention", q, kv_cache, block_table, row_request, kv_lens)
@@ -279,6 +297,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
             TILE=tile)
         return out
+    use_dot = _DOT if dot is None else dot
+    if use_dot:      # tl.dot's smallest shapes: 16 query rows (padding heads), 16 keys a tile
+        group_pad = max(group_pad, _DOT_MIN_ROWS)
+        tile = max(tile, _DOT_MIN_ROWS) if tile_tokens is None else tile
+        if tile < _DOT_MIN_ROWS:
+            raise ValueError(f"paged_attention: dot=True needs tile_tokens >= {_DOT_MIN_ROWS}")
     part_max = torch.empty(rows, num_kv_heads, splits, group_pad, dtype=torch.float32,
                            device=q.device)
     part_sum = torch.empty_like(part_max)
@@ -288,7 +312,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
         row_request, kv_lens, window, part_max, part_sum, part_acc, qk_scale,
         NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
-        GROUP_PAD=group_pad, TILE=tile, SPLITS=splits)
+        GROUP_PAD=group_pad, TILE=tile, SPLITS=splits, USE_DOT=use_dot,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     _combine_splits_kernel[(rows, num_kv_heads)](
         part_max, part_sum, part_acc, out, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=group_pad, SPLITS=splits)
@@ -298,12 +323,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, row_request: torch.Tensor,
                               kv_lens: torch.Tensor, scale: float, window: int = 0, *,
-                              tile_tokens: int | None = None, splits: int | None = None
-                              ) -> torch.Tensor:
+                              tile_tokens: int | None = None, splits: int | None = None,
+                              dot: bool | None = None) -> torch.Tensor:
     """Torch twin of `paged_attention` (the tests' oracle): gathers every row's keys and
     values into a padded [rows, max_kv_len, ...] copy, masks outside each row's keys (slots
-    there read as zeros), softmax in float32. `tile_tokens` and `splits` are accepted and
-    ignored (they only change the summation order)."""
+    there read as zeros), softmax in float32. `tile_tokens`, `splits` and `dot` are accepted
+    and ignored (they only change the summation order and rounding)."""
     _check(q, kv_cache, block_table, row_request, kv_lens, window)
     rows, num_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape

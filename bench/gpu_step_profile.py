@@ -39,9 +39,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 from bench_io import write_result  # noqa: E402
+from step_profile import hand_made_requests  # noqa: E402
 
 from services.model_config import load_model_config  # noqa: E402
-from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput  # noqa: E402
+from services.wire import RunningRequest, StepInput  # noqa: E402
 from worker_svc import runner as runner_module  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 
@@ -132,13 +133,7 @@ def profile_rows(model_dir: Path, dtype: torch.dtype, device: torch.device, rows
                          enforce_eager=eager)
     per_request = -(-(context + 3 * steps + 8) // BLOCK)
     runner.init_cache(rows * per_request + 1, BLOCK, max_num_seqs=max(rows, 1))
-    gen = torch.Generator().manual_seed(0)
-    greedy = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
-    blocks = {f"r{i}": list(range(1 + i * per_request, 1 + (i + 1) * per_request))
-              for i in range(rows)}
-    new = [NewRequest(rid, torch.randint(0, config.vocab_size, (context,), generator=gen)
-                      .tolist(), context, greedy, [ids], 0, context)
-           for rid, ids in blocks.items()]
+    blocks, new = hand_made_requests(config.vocab_size, rows, context, per_request)
     step_id = 0
     for start in range(0, rows, 16):
         runner.execute(StepInput(step_id, new[start:start + 16], [], []))

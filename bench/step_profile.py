@@ -95,6 +95,20 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
                 setattr(cls, name, timed)
 
 
+def hand_made_requests(vocab_size: int, rows: int, context: int, per_request: int
+                       ) -> tuple[dict[str, list[int]], list[NewRequest]]:
+    """`rows` greedy requests of `context` random prompt tokens: each request's blocks
+    (`per_request` of them, from block 1 on; block 0 is the null block) and its NewRequest."""
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
+    blocks = {f"r{i}": list(range(1 + i * per_request, 1 + (i + 1) * per_request))
+              for i in range(rows)}
+    new = [NewRequest(rid, torch.randint(0, vocab_size, (context,), generator=gen).tolist(),
+                      context, greedy, [ids], 0, context)
+           for rid, ids in blocks.items()]
+    return blocks, new
+
+
 def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps: int
             ) -> dict[str, object]:
     path = default_model_path()
@@ -102,14 +116,8 @@ def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps:
     runner = ModelRunner(config, path, dtype, "profile", cpu_level=level)
     per_request = -(-(context + steps + 1) // BLOCK)
     runner.init_cache(rows * per_request + 1, BLOCK, max_num_seqs=rows)
-    gen = torch.Generator().manual_seed(0)
-    greedy = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, seed=None, num_logprobs=None)
-    blocks = {f"r{i}": list(range(1 + i * per_request, 1 + (i + 1) * per_request))
-              for i in range(rows)}
+    blocks, new = hand_made_requests(config.vocab_size, rows, context, per_request)
     # Prefill in steps of 16 requests (the prompts are random ids: only the shapes matter).
-    new = [NewRequest(rid, torch.randint(0, config.vocab_size, (context,), generator=gen)
-                      .tolist(), context, greedy, [ids], 0, context)
-           for rid, ids in blocks.items()]
     timers = Timers()
     instrument(runner, timers)
     step_id = 0

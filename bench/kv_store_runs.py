@@ -152,13 +152,17 @@ def busy_replica(c: RunningCluster) -> Iterator[int]:
         thread.join(timeout=30)
 
 
-def ttft_cluster(store: bool, prompts: list[str], log_dir: Path) -> dict[str, object]:
-    """Phases (a), warm, (b), (c) on one fresh 2-replica cluster."""
+def ttft_cluster(store: bool, prompts: list[str], log_dir: Path, layerwise: bool = True,
+                 ) -> dict[str, object]:
+    """Phases (a), warm, (b), (c) on one fresh 2-replica cluster. `layerwise` False: a hit
+    loads whole before the rest of its prompt is computed (--no-layerwise-kv-loads)."""
     workload = workload_module()
     env = {} if store else STORE_OFF_ENV
     worker_args = ["--device", "cpu", "--kv-cache-memory-gib", "1",
                    *([] if store else STORE_OFF_WORKER_ARGS)]
-    with run_cluster(log_dir, scheduler_args=["--route-tokens-per-request", ROUTE_WEIGHT],
+    scheduler_args = ["--route-tokens-per-request", ROUTE_WEIGHT,
+                      *([] if layerwise else ["--no-layerwise-kv-loads"])]
+    with run_cluster(log_dir, scheduler_args=scheduler_args,
                      worker_args=worker_args, dtype=DTYPE, num_replicas=2, env=env,
                      ready_timeout_s=300) as c:
         assert wait_for(lambda: sum(r.state == "ready" for r in server_info(c).replicas) == 2,
@@ -166,7 +170,7 @@ def ttft_cluster(store: bool, prompts: list[str], log_dir: Path) -> dict[str, ob
         # Untimed warm-up of both replicas at once (the second goes to the idle replica).
         run_batch(c.procs.address, list(workload.PROMPTS[:2]), 8)
         assert all(q > 0 for q, _ in pool_counters(c).values()), pool_counters(c)
-        out: dict[str, object] = {"store": store}
+        out: dict[str, object] = {"store": store, "layerwise": layerwise}
         out["cold"] = [measure(c, prompts[0])]
         out["warm"] = [measure(c, p) for p in prompts[1:]]
         settle_store(c)

@@ -214,11 +214,16 @@ class ReplicaBlockManager:
         num_hit_blocks = self._num_hit_blocks(op)
         num_cached = num_hit_blocks * self.block_size
         num_load = self._num_store_tokens(op, num_hit_blocks)
-        num_new = 0 if num_load else op.num_tokens - num_cached
+        num_new = op.num_tokens - num_cached - num_load
+        if num_load and not op.compute_after_load:
+            num_new = 0                 # the load's step computes nothing
         if num_new > op.max_num_new_tokens:
-            if not op.allow_partial:
+            if num_load and not op.allow_partial:
+                num_new = 0             # load alone; the rest is computed after
+            elif not op.allow_partial:
                 return None
-            num_new = op.max_num_new_tokens
+            else:
+                num_new = op.max_num_new_tokens
         num_covered = num_cached + num_load + num_new
         tables = hit_tables(self.pool, self.windows, op.block_hashes, self.block_size,
                             num_hit_blocks)
@@ -227,10 +232,15 @@ class ReplicaBlockManager:
         # Touching an evictable hit takes it out of the free queue, so it cannot also be new.
         num_evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
         num_free = (self.pool.num_free_blocks - num_evictable_hits) // self.num_groups
+        if num_new_blocks > num_free and num_load and num_new:
+            num_new = 0                 # the load alone may fit: the rest is computed after
+            num_covered = num_cached + num_load
+            num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
         if num_new_blocks > num_free and num_load and op.allow_partial:
             # Memory pressure: load the whole chunks that fit; chunked prefill computes the
             # rest once the load is in (issue 24).
             num_load = self._num_load_within(num_hit_blocks + num_free, num_cached)
+            num_new = 0
             num_covered = num_cached + num_load
             num_new_blocks = cdiv(num_covered, self.block_size) - num_hit_blocks
         if num_load == 0 and num_new == 0 or num_new_blocks > num_free:
@@ -243,7 +253,8 @@ class ReplicaBlockManager:
             table.extend(self.pool.get_new_blocks(num_new_blocks))
         state = RequestBlocks(tables, num_freed, 0)
         if self.enable_prefix_caching:
-            # Blocks being loaded hold no KV yet: the grow after the load commits them.
+            # Blocks being loaded hold no KV yet, nor those computed after them before every
+            # rank reported its load: the grow after the load commits them.
             num_committed = num_hit_blocks if num_load else min(
                 len(op.block_hashes), num_covered // self.block_size)
             state.num_committed_blocks = num_hit_blocks

@@ -12,6 +12,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True          # off: a prompt is scheduled whole or not at all
     long_prefill_token_threshold: int = 0  # >0: cap one request's prefill chunk per step
     prefix_caching: bool = True
+    # A KV store hit's step computes the rest of the prompt as each layer's KV arrives (a
+    # layer-wise load, never with pipeline stages); off: the hit loads, then is computed.
+    layerwise_loads: bool = True
     block_size: int = 16                  # tokens per KV block
     max_model_len: int = 8192             # context length in tokens
     # The model's KV groups' windows (services.kv_groups `KvGroupLayout.windows`; 0 = full

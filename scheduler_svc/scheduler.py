@@ -35,6 +35,7 @@ from scheduler_svc.steps_in_flight import StepsInFlight
 from scheduler_svc.store_loads import StoreLoads
 from services.kv_wire import (
     AdmitOp,
+    AdmitResult,
     GrowOp,
     PlanReply,
     PlanRequest,
@@ -79,6 +80,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # requests whose worker state must be dropped
         self._new_token_ids: dict[str, list[int]] = {}  # sampled since last step (PP > 1)
         self.ship_sampled_tokens, self.num_batches = ship_sampled_tokens, num_batches
+        # Not with pipeline stages: the last could not tell another's load came back short.
+        self._layerwise_loads = config.layerwise_loads and not ship_sampled_tokens
         self.async_scheduling = async_scheduling
         self.in_flight = StepsInFlight()    # steps sent, output not back (steps_in_flight.py)
         self._draft: _Draft | None = None
@@ -243,7 +246,8 @@ class Scheduler:
                                   block_hashes=list(request.block_hashes),
                                   max_num_new_tokens=max_new,
                                   allow_partial=cfg.chunked_prefill,
-                                  tail_hash=request.tail_hash()))
+                                  tail_hash=request.tail_hash(),
+                                  compute_after_load=self._layerwise_loads))
 
         self._plan_id += 1
         plan = PlanRequest(replica_id=self.replica_id, plan_id=self._plan_id,
@@ -300,7 +304,7 @@ class Scheduler:
             request.num_computed_tokens += num_new
 
         new_requests: list[NewRequest] = []
-        loading: list[tuple[Request, int, bool]] = []
+        loading: list[tuple[Request, AdmitResult, bool]] = []
         for request, result in zip(draft.admit_reqs, reply.admitted):
             if result.request_id != request.request_id:
                 raise RuntimeError("plan reply admitted requests out of order")
@@ -331,7 +335,9 @@ class Scheduler:
                 num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
                 num_load_tokens=result.num_load_tokens))
             if result.num_load_tokens:
-                loading.append((request, result.num_load_tokens, first))
+                loading.append((request, result, first))
+                if result.num_new_tokens:     # a layer-wise load: computes on after it
+                    request.num_computed_tokens += result.num_load_tokens
             request.on_worker = True
             request.num_computed_tokens += result.num_new_tokens
 

@@ -1,21 +1,30 @@
-"""KV loads from the store, as the scheduler tracks them (issue 15, loading).
+"""KV loads from the store, as the scheduler tracks them (issue 15, loading; issue 24,
+layer-wise loads).
 
 When kvcache_svc admits a request with `num_load_tokens` (tokens past its prefix hit that the
-KV store holds for every rank), the request's step computes nothing for it: every rank fetches
-its slice of those tokens into the request's fresh blocks in the background, and answers
-`KvLoaded` when done, while this and later steps run the other requests (their outputs do not
-wait for the load). The request stays in flight meanwhile (one count of `num_in_flight` held
-here), so nothing schedules it. Once every rank's `KvLoaded` is in, `StoreLoads.finish` moves
-its `num_computed_tokens` past what every rank loaded (the smallest count: a chunk one rank
-could not get is recomputed by all, from its first token), and the request is scheduled on
-from there as if it had computed them. A load that came back short is a fallback, counted; the
-client never sees it.
+KV store holds for every rank), every rank fetches its slice of those tokens into the
+request's fresh blocks and answers `KvLoaded`. The request stays in flight until every rank
+has (one count of `num_in_flight` held here), so nothing schedules it meanwhile. A load that
+came back short is a fallback, counted; the client never sees it. Two kinds:
+- layer-wise (the admission's `num_new_tokens` > 0): the load's step also computes the rest of
+  the prompt, its forward waiting for each layer's KV, and samples the first token. The
+  request's `num_computed_tokens` moves past the load and the computed tokens at once; the
+  ranks agree on what they loaded before sampling, so the step's output has a token for the
+  request only when every rank got all of it. A short one samples nothing: `finish` moves the
+  request back to what every rank loaded, to be computed on from there. The output and the
+  reports may come in either order;
+- in the background (`num_new_tokens` 0: pipeline stages, or only part of a hit fitted): the
+  step computes nothing for the request while this and later steps run the others. Once every
+  rank's report is in, `finish` moves its `num_computed_tokens` past what every rank loaded
+  (the smallest count: a chunk one rank could not get is recomputed by all, from its first
+  token), and the request is scheduled on from there as if it had computed them.
 """
 
 import time
 from dataclasses import dataclass, field
 
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import FinishReason, Request, RequestStatus
+from services.kv_wire import AdmitResult
 from services.wire import KvLoaded
 
 
@@ -24,7 +33,13 @@ class _Load:
     request: Request
     start: int              # num_computed_tokens before the load (the prefix hit)
     num_tokens: int         # tokens asked of each rank
+    num_new: int            # tokens its step computes after them (0: a background load)
     first: bool             # the request's first admission (its cached tokens count it)
+
+    @property
+    def computed(self) -> int:
+        """The request's num_computed_tokens while the load is in flight."""
+        return self.start + (self.num_tokens + self.num_new if self.num_new else 0)
 
 
 @dataclass(slots=True)
@@ -48,14 +63,20 @@ class StoreLoads:
         self.num_hit_tokens += num_load
         self.num_miss_tokens += max(0, request.num_prompt_tokens - num_cached - num_load)
 
-    def add(self, step_id: int, loads: list[tuple[Request, int, bool]]) -> None:
-        """The loads of step `step_id`: (request, tokens to load after its computed ones,
-        whether this is its first admission)."""
-        if loads:
-            self._by_step[step_id] = _StepLoads([_Load(r, r.num_computed_tokens, n, first)
-                                                 for r, n, first in loads])
-            for request, _, _ in loads:
-                request.num_in_flight += 1      # until every rank reported (finish / forget)
+    def add(self, step_id: int, loads: list[tuple[Request, AdmitResult, bool]]) -> None:
+        """The loads of step `step_id`: (request, its admission, whether this is its first).
+        A layer-wise load counts as the client's cached tokens at once: its first token,
+        which may also be its last, comes only if every rank loaded it all."""
+        if not loads:
+            return
+        self._by_step[step_id] = _StepLoads([
+            _Load(r, a.num_cached_tokens, a.num_load_tokens, a.num_new_tokens, first)
+            for r, a, first in loads])
+        for request, admitted, first in loads:
+            request.num_in_flight += 1      # until every rank reported (finish / forget)
+            if admitted.num_new_tokens and first and request.num_cached_tokens is not None:
+                request.num_cached_tokens += admitted.num_load_tokens
+                request.num_store_loaded_tokens += admitted.num_load_tokens
 
     @property
     def steps(self) -> list[int]:
@@ -87,19 +108,29 @@ class StoreLoads:
         for load in step.loads if step is not None else []:
             request = load.request
             request.num_in_flight -= 1
-            if (live.get(request.request_id) is not request
-                    or request.status is not RequestStatus.RUNNING
-                    or request.num_computed_tokens != load.start):
-                continue      # aborted or finished while loading
             num_loaded = min((_loaded(report, request.request_id) for report in reports),
                              default=0)
             num_loaded = max(0, min(num_loaded, load.num_tokens))
-            request.num_computed_tokens += num_loaded
+            alive = (live.get(request.request_id) is request
+                     and request.status is RequestStatus.RUNNING
+                     and request.num_computed_tokens == load.computed)
+            # A layer-wise load's request may have ended on the token its step sampled.
+            if alive or (load.num_new and request.status is RequestStatus.FINISHED
+                         and request.finish_reason is not FinishReason.ABORT):
+                self.num_loaded_tokens += num_loaded
+                self.num_fallbacks += num_loaded < load.num_tokens
+            if not alive:
+                continue      # aborted or finished while loading
+            counted = num_loaded
+            if load.num_new:        # layer-wise: counted at add, computed on already
+                counted -= load.num_tokens
+                if num_loaded < load.num_tokens:   # it sampled nothing: on from what loaded
+                    request.num_computed_tokens = load.start + num_loaded
+            else:
+                request.num_computed_tokens += num_loaded
             if load.first and request.num_cached_tokens is not None:
-                request.num_cached_tokens += num_loaded   # what the client's usage reports
-                request.num_store_loaded_tokens += num_loaded
-            self.num_loaded_tokens += num_loaded
-            self.num_fallbacks += num_loaded < load.num_tokens
+                request.num_cached_tokens += counted    # what the client's usage reports
+                request.num_store_loaded_tokens += counted
 
     def forget(self, step_id: int | None = None) -> None:
         """The step failed (its requests end), or (None) every request goes back to waiting:

@@ -80,6 +80,19 @@ def make_chunk(key: ChunkKey, shape: Sequence[int], data: bytes | memoryview,
     return KvChunk(header, data)
 
 
+def layer_range(chunk: KvChunk, start: int, end: int) -> KvChunk | None:
+    """Layers [start, end) of `chunk` (its data is layer-major), with a checksum of their
+    own; None when the chunk has fewer layers."""
+    shape = chunk.header.shape
+    if not 0 <= start < end <= shape[0]:
+        return None
+    if (start, end) == (0, shape[0]):
+        return chunk
+    layer_bytes = chunk.num_bytes // shape[0]
+    data = memoryview(chunk.data)[start * layer_bytes:end * layer_bytes]
+    return make_chunk(chunk.key, (end - start, *shape[1:]), data)
+
+
 def chunk_problem(header: ChunkHeader, data: bytes | memoryview) -> str | None:
     """Why `data` is not the chunk `header` describes, or None. Sizes first (cheap, and what a
     truncated frame or file fails), then the checksum."""

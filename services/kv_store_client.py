@@ -146,21 +146,24 @@ class KvStoreClient:
             start = end
         return SaveResult(num_stored, num_held, len(chunks) - num_stored - num_held)
 
-    def load(self, keys: Sequence[ChunkKey]) -> list[KvChunk | None]:
+    def load(self, keys: Sequence[ChunkKey], layers: tuple[int, int] | None = None
+             ) -> list[KvChunk | None]:
         """Per key, its chunk or None (a miss: not held, damaged, or no answer). Only the
-        leading run of chunks is useful to a request; later ones are returned as found."""
+        leading run of chunks is useful to a request; later ones are returned as found.
+        `layers`: only layers [start, end) of each chunk (counted from its first layer)."""
         loaded: list[KvChunk | None] = []
         while len(loaded) < len(keys):
             batch = list(keys[len(loaded):len(loaded) + MAX_CHUNKS_PER_MESSAGE])
-            answer = self._call(LoadChunks(batch))
-            chunks = None if answer is None else self._checked_load(batch, *answer)
+            answer = self._call(LoadChunks(batch, layers))
+            chunks = None if answer is None else self._checked_load(batch, *answer, layers)
             if not chunks:
                 break
             loaded += chunks
         return loaded + [None] * (len(keys) - len(loaded))
 
     def _checked_load(self, keys: list[ChunkKey], reply: FromKvStore,
-                      frames: list[memoryview]) -> list[KvChunk | None] | None:
+                      frames: list[memoryview], layers: tuple[int, int] | None = None
+                      ) -> list[KvChunk | None] | None:
         """The chunks of one LoadReply; None when the reply is not one, or is malformed."""
         if not isinstance(reply, LoadReply):
             return None
@@ -178,7 +181,10 @@ class KvStoreClient:
                 chunks.append(None)
                 continue
             frame = next(data)
-            problem = "another key's chunk" if header.key != key else chunk_problem(header, frame)
+            problem = ("another key's chunk" if header.key != key
+                       else f"layers {header.shape[0]}, asked for {list(layers)}"
+                       if layers is not None and header.shape[0] != layers[1] - layers[0]
+                       else chunk_problem(header, frame))
             if problem is not None:
                 log.warning("dropping a chunk loaded from %s: %s", self.address, problem)
                 chunks.append(None)

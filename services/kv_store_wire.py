@@ -125,12 +125,21 @@ class LookupReply(_Wire):
 
 class LoadChunks(_Wire):
     keys: ChunkKeys                     # the chunks to send
+    # Only layers [start, end) of each chunk, counted from its first layer (a layer-wise
+    # load, worker_svc.kv_loader); None: whole chunks. A chunk with fewer layers is a miss.
+    layers: "tuple[SliceIndex, SliceIndex] | None" = None
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and not self.layers[0] < self.layers[1]:
+            raise ValueError(f"empty layer range {list(self.layers)}")
 
 
 class LoadReply(_Wire):
     """Per key, in order: its header, or None for a miss (not held, or dropped as corrupt); one
-    data frame follows per header. Answers a prefix of the keys (at least one) when all would
-    pass MAX_STORE_DATA_BYTES: the caller asks again for the rest."""
+    data frame follows per header. For a layer range, the header describes the range's data
+    (its shape's first dimension is the range's layers, its checksum the range's). Answers a
+    prefix of the keys (at least one) when all would pass MAX_STORE_DATA_BYTES: the caller asks
+    again for the rest."""
 
     chunks: Annotated[list[ChunkHeader | None], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]
 

@@ -80,6 +80,9 @@ class AdmitOp(_Wire):
     # Chained hash of all num_tokens tokens when the last block is partial (the KV store's key
     # of a partial last chunk, services.kv_chunks.prefix_hash); None otherwise.
     tail_hash: BlockHash | None = None
+    # A store hit's step also computes the tokens after it (a layer-wise load, whose forward
+    # waits for each layer's KV: worker_svc.load_ticket); False: the hit loads alone.
+    compute_after_load: bool = False
 
 
 class PlanRequest(_Wire):
@@ -99,12 +102,13 @@ class PlanRequest(_Wire):
 class AdmitResult(_Wire):
     request_id: RequestId
     num_cached_tokens: Count            # prefix served from cache (at most num_tokens - 1)
-    num_new_tokens: Count               # tokens to compute this step (0 when loading)
+    num_new_tokens: Count               # tokens to compute this step (after any load)
     block_ids: GroupBlockIds            # per KV group, the request's table (null 0: not held)
     num_committed_blocks: Count         # of block_hashes, how many the index now holds
     # Tokens after the cached prefix that the KV store holds for every rank's slice: the
-    # request loads them this step instead of computing anything (its blocks cover them; they
-    # enter the prefix index only with the step after the load, once their KV is there).
+    # request loads them this step, and computes num_new_tokens after them (AdmitOp.
+    # compute_after_load) or nothing (its blocks cover them; loaded and computed blocks enter
+    # the prefix index only with the step after the load, once every rank reported it).
     num_load_tokens: Count = 0
 
 

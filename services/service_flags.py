@@ -77,6 +77,10 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--no-chunked-prefill", env="NO_CHUNKED_PREFILL", action="store_true",
                help="schedule a prompt whole or not at all")
     p.add_flag("--no-prefix-caching", env="NO_PREFIX_CACHING", action="store_true")
+    p.add_flag("--no-layerwise-kv-loads", env="NO_LAYERWISE_KV_LOADS", action="store_true",
+               help="load a KV store hit whole before computing the rest of its prompt "
+                    "(default: the hit's step computes on as each layer's KV arrives; "
+                    "always off with pipeline stages)")
     p.add_flag("--max-batches-in-flight", env="MAX_BATCHES_IN_FLIGHT", type=int, default=0,
                help="pipeline batch queue depth (default: --pp; 1 = one batch at a time)")
     p.add_flag("--async-scheduling", env="ASYNC_SCHEDULING",

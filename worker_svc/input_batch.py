@@ -112,12 +112,15 @@ class InputBatch:
         scheduled = []
         for request, state in zip(step.new_requests, new_states, strict=True):
             self.requests[request.request_id] = state
-            if request.num_load_tokens:      # computes nothing this step: its KV loads
-                state.load_start = request.num_computed_tokens
-                state.num_computed_tokens += request.num_load_tokens
-                continue
-            scheduled.append(self._schedule(state, request.num_computed_tokens,
-                                            request.num_new_tokens))
+            start = request.num_computed_tokens
+            if request.num_load_tokens:      # its KV past `start` loads (worker_svc.kv_loader)
+                state.load_start = start
+                start += request.num_load_tokens
+                state.num_computed_tokens = start
+                if not request.num_new_tokens:
+                    continue                 # a background load: computes nothing this step
+            # Else a layer-wise load: this step computes on from the loaded tokens.
+            scheduled.append(self._schedule(state, start, request.num_new_tokens))
         for update in updates:
             state, request = update.state, update.request
             if any(request.new_block_ids):
@@ -158,10 +161,9 @@ class InputBatch:
                              f"not in [1, {num_tokens}]")
         self._check_token_ids(rid, request.token_ids)
         self._check_block_ids(rid, request.block_ids, new=True)
-        if (request.num_new_tokens == 0) == (request.num_load_tokens == 0):
-            raise ValueError(f"request {rid!r}: a new request either computes tokens or loads "
-                             f"them (num_new_tokens {request.num_new_tokens}, num_load_tokens "
-                             f"{request.num_load_tokens})")
+        if request.num_new_tokens == 0 and request.num_load_tokens == 0:
+            raise ValueError(f"request {rid!r}: a new request computes tokens or loads them "
+                             f"(num_new_tokens and num_load_tokens are both 0)")
         self._check_span(rid, request.num_computed_tokens,
                          request.num_new_tokens + request.num_load_tokens, num_tokens,
                          len(request.block_ids[0]))

@@ -1,42 +1,52 @@
 """`KvLoader`: fetches KV chunks from kvcache_svc's KV store into a request's blocks (issue 15,
-loading).
+loading; issue 24, layer-wise loads).
 
 A step may carry requests with `NewRequest.num_load_tokens`: kvcache_svc found those tokens
-(past the request's prefix hit) in the store for every rank. Such a request computes nothing
-in that step; instead `start` keys its chunks on the step's thread (the same chained hashes
-and cache salt the saver uses, `kv_saver.extend_block_hashes`) and the loader's thread fetches
-them while the step's forward runs the other requests, a chunk per message a few chunks
-ahead (worker_svc.kv_fetcher), so copying one into the cache overlaps the next one's
-transfer. Each chunk in the leading run that arrived intact (the client checks key, sizes and
-checksum) is copied into the request's own blocks past its prefix hit; a chunk that is gone,
-damaged or late ends the run there. The ticket's `wait` gives, per request, how many of its
-load tokens are now in the cache: the worker reports that in a `KvLoaded`, and the scheduler
-recomputes from the smallest count any rank reported. Nothing here raises into the step: a
-failure is a short count.
+(past the request's prefix hit) in the store for every rank. `start` keys their chunks on the
+step's thread (the same chained hashes and cache salt the saver uses,
+`kv_saver.extend_block_hashes`) and the loader's thread fetches them through
+worker_svc.kv_fetcher, a message or two ahead, so copying one into the cache overlaps the next
+one's transfer. Each chunk in the leading run that arrived intact (the client checks key, sizes
+and checksum) is copied into the request's own blocks past its prefix hit; a chunk that is
+gone, damaged or late ends the run there. The ticket (worker_svc.load_ticket) gives, per
+request, how many of its load tokens are now in the cache: the worker reports that in a
+`KvLoaded`, and the scheduler resumes from the smallest count any rank reported. Nothing here
+raises into the step: a failure is a short count.
 
-Loads run in the background across steps: the worker sends a step's output without waiting
-for them, and each rank sends its `KvLoaded` once the ticket completes (worker_svc.step_loop).
-The scheduler holds the request meanwhile, so only a step that names it in `finished_ids`
-(aborted, or every request preempted) can come first, and the blocks it frees may be handed
-out by that very step: `wait_for` holds such a step until the loads naming those requests are
-done.
+A load is one of two kinds (the ticket's doc has both):
+- layer-wise, when the request also has `num_new_tokens`: its step computes the rest of its
+  prompt, the forward waiting before each layer for that layer's KV. The loader fetches a
+  range of layers of every chunk per message, group by group (`LAYER_GROUPS`), so the forward
+  runs on the first layers while the last are on their way. After the forward,
+  `settle_inline_loads` agrees on the counts over the TP group and rolls a short one back;
+- in the background otherwise (kvcache_svc loads only part of a hit under memory pressure, and
+  the scheduler asks for no layer-wise load with pipeline stages): a chunk per message; the
+  request computes nothing in that step, whose forward runs the other requests meanwhile.
+
+The worker sends a step's output without waiting for background loads, and each rank sends its
+`KvLoaded` once the ticket completes (worker_svc.step_loop). The scheduler holds the request
+meanwhile, so only a step that names it in `finished_ids` (aborted, or every request
+preempted) can come first, and the blocks it frees may be handed out by that very step:
+`wait_for` holds such a step until the loads naming those requests are done.
 
 On a GPU the copies go through a stream of the loader's own, ordered against the compute
 stream by CUDA events both ways (`StreamOrder`): the loader's stream waits for everything
 queued on the compute stream when the load started (a step still in flight may touch blocks
 freed before it and handed to the loading request), and the compute stream waits for the
 loader's last copy before the next step that can read the blocks (`join_loads`, called at
-every launch). The host also synchronizes the loader's stream before the ticket completes,
-so a KvLoaded is sent only once the KV is in place.
+every launch), or for a layer group's copies before that group's layers (`wait_layer`). The
+host also synchronizes the loader's stream before the ticket completes, so a KvLoaded is sent
+only once the KV is in place.
 """
 
 import logging
 import queue
 import threading
+import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import closing, contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import closing, nullcontext
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,12 +55,16 @@ from services.kv_chunks import KvChunk, prefix_chunk_keys
 from services.kv_store_client import KvStoreClient
 from services.kv_store_wire import ChunkKey, FromKvStore
 from services.kv_tensors import TORCH_DTYPES
-from services.wire import KvLoaded, StepInput
-from worker_svc.input_batch import InputBatch, RequestState
+from services.wire import StepInput
+from worker_svc.input_batch import InputBatch, RequestState, ScheduledRequest
 from worker_svc.kv_fetcher import ChunkFetcher
 from worker_svc.kv_saver import KvSaver, extend_block_hashes, token_slots
+from worker_svc.load_ticket import LoadTicket, StreamOrder, layer_group_ends
+from worker_svc.model.tensor_parallel import TpGroup
 
 log = logging.getLogger(__name__)
+
+LAYER_GROUPS = 6        # a layer-wise load fetches its chunks in this many ranges of layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,73 +75,6 @@ class _Job:
     start: int                  # first token to write (the prefix hit's end: whole blocks)
     end: int                    # one past the last token to load
     block_ids: list[list[int]]  # the request's blocks, per KV group
-
-
-class LoadTicket:
-    """One step's loads; `wait` returns request id -> tokens loaded (after `start`)."""
-
-    def __init__(self, step_id: int, request_ids: list[str]) -> None:
-        self.step_id = step_id
-        self.request_ids = request_ids
-        self.loaded: dict[str, int] = dict.fromkeys(request_ids, 0)
-        self.ready: object | None = None    # compute-stream event recorded at start (GPU)
-        self.copied: object | None = None   # loader-stream event after the last copy (GPU)
-        self._done = threading.Event()
-
-    def complete(self) -> None:
-        self._done.set()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def report(self, worker_id: str) -> KvLoaded:
-        """This rank's KvLoaded for the step (call once `done`)."""
-        return KvLoaded(worker_id=worker_id, step_id=self.step_id,
-                        request_ids=list(self.loaded),
-                        num_loaded_tokens=list(self.loaded.values()))
-
-    def wait(self) -> dict[str, int]:
-        self._done.wait()
-        return self.loaded
-
-
-class StreamOrder:
-    """CUDA events between the compute stream (the step's thread) and the loader's own stream
-    (its thread), so that a load never races a step on the GPU: `mark_ready` and `join` run on
-    the step's thread, `copying` and `mark_copied` on the loader's. Tests give a recording
-    twin with the same methods."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream: torch.cuda.Stream | None = None     # made on the loader's thread
-
-    def mark_ready(self) -> torch.cuda.Event:
-        """An event after all the work queued so far on the compute stream."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    @contextmanager
-    def copying(self, ready: object) -> Iterator[None]:
-        """Copies inside run on the loader's stream, after `ready` (mark_ready's event)."""
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=self.device)
-        self.stream.wait_event(ready)            # type: ignore[arg-type]
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def mark_copied(self) -> torch.cuda.Event:
-        """An event after the loader's copies, waited for on the host too."""
-        event = torch.cuda.Event()
-        if self.stream is not None:
-            event.record(self.stream)
-            event.synchronize()
-        return event
-
-    def join(self, copied: object) -> None:
-        """The compute stream waits for the loader's copies before anything queued later."""
-        torch.cuda.current_stream(self.device).wait_event(copied)  # type: ignore[arg-type]
 
 
 class KvLoader:
@@ -168,7 +115,11 @@ class KvLoader:
         loads = [r for r in step.new_requests if r.num_load_tokens and r.request_id in requests]
         if not loads:
             return None
-        ticket = LoadTicket(step.step_id, [r.request_id for r in loads])
+        # Layer-wise ("inline") loads first: the step's forward waits for them.
+        loads.sort(key=lambda r: r.num_new_tokens == 0)
+        inline = [r.request_id for r in loads if r.num_new_tokens]
+        ticket = LoadTicket(step.step_id, [r.request_id for r in loads], inline,
+                            layer_group_ends(len(kv_caches), LAYER_GROUPS) if inline else ())
         self._pending = [t for t in self._pending if not t.done] + [ticket]
         chunk_tokens = self.saver.chunk_tokens
         if (chunk_tokens is None or chunk_tokens % block_size or not kv_caches
@@ -179,6 +130,7 @@ class KvLoader:
         if order is not None:
             # After every step queued so far: those may still read or write these blocks.
             ticket.ready = order.mark_ready()
+            ticket.order = order
             self._unjoined.append(ticket)
         jobs = []
         for request in loads:
@@ -243,11 +195,24 @@ class KvLoader:
         while (work := self._jobs.get()) is not None:
             ticket, jobs, kv_caches, layer_groups = work
             order = self._order if ticket.ready is not None else None
+            inline = set(ticket.inline_ids)
+            started = time.perf_counter()
             try:
                 with order.copying(ticket.ready) if order is not None else nullcontext():
+                    if inline:
+                        self._load_layerwise(ticket, [j for j in jobs if j.request_id in inline],
+                                             kv_caches, layer_groups, order)
+                        log.info("loaded KV of %d of %d tokens layer by layer (%d groups of "
+                                 "layers) for %d request(s) in %.0f ms",
+                                 sum(ticket.loaded[rid] for rid in inline),
+                                 sum(j.end - j.start for j in jobs if j.request_id in inline),
+                                 len(ticket.layer_ends), len(inline),
+                                 (time.perf_counter() - started) * 1e3)
+                    ticket.inline_done()
                     for job in jobs:
-                        ticket.loaded[job.request_id] = self._load(job, kv_caches,
-                                                                   layer_groups)
+                        if job.request_id not in inline:
+                            ticket.loaded[job.request_id] = self._load(job, kv_caches,
+                                                                       layer_groups)
             except Exception:   # a bug: the rest fall back to recompute, the step goes on
                 log.exception("KV load failed")
             finally:
@@ -258,24 +223,71 @@ class KvLoader:
                 ticket.complete()
 
     def _load(self, job: _Job, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> int:
-        """Tokens of the job now in its blocks: the leading run of chunks that arrived."""
+        """Tokens of the job now in its blocks: the leading run of chunks that arrived (one
+        message per chunk, each copied while the next is on its way)."""
+        num_chunks = 0
+        with closing(self._fetcher.fetch(job.keys)) as chunks:   # stops the fetch on a break
+            for chunk in chunks:
+                if not self._copy(job, num_chunks, chunk, kv_caches, layer_groups, None):
+                    break
+                num_chunks += 1
+        return self._count(job, num_chunks)
+
+    def _load_layerwise(self, ticket: LoadTicket, jobs: list[_Job], kv_caches: list[torch.Tensor],
+                        layer_groups: list[int], order: StreamOrder | None) -> None:
+        """The inline loads, one group of layers at a time (one message per group and job, a
+        group or two ahead): group g of every job is copied, then `group_done(g)` lets the
+        forward past those layers. A job's count is the shortest run of chunks any group got
+        (a later group asks only for that many)."""
+        runs = {job.request_id: len(job.keys) for job in jobs}
+        begin = 0
+        batches = [(job.keys, (lo, hi)) for lo, hi in zip([0, *ticket.layer_ends],
+                                                          ticket.layer_ends) for job in jobs]
+        with closing(self._fetcher.fetch_batches(batches)) as arriving:
+            for group, end in enumerate(ticket.layer_ends):
+                for job in jobs:
+                    chunks = next(arriving, [])
+                    run = 0
+                    while run < min(runs[job.request_id], len(chunks)) and self._copy(
+                            job, run, chunks[run], kv_caches, layer_groups, (begin, end)):
+                        run += 1
+                    runs[job.request_id] = run
+                if order is not None:
+                    ticket.group_copied[group] = order.mark_group()
+                ticket.group_done(group)
+                begin = end
+        for job in jobs:
+            ticket.loaded[job.request_id] = self._count(job, runs[job.request_id])
+
+    def _copy(self, job: _Job, index: int, chunk: KvChunk | None, kv_caches: list[torch.Tensor],
+              layer_groups: list[int], layers: tuple[int, int] | None) -> bool:
+        """Copies chunk `index` of the job (its layers `layers`; None: all) into its blocks;
+        False when it is missing or not the job's shape (the run ends there)."""
         chunk_tokens = self.saver.chunk_tokens
         assert chunk_tokens is not None
         cache = kv_caches[0]                 # [2, num_blocks, block_size, heads, head_dim]
+        lo, hi = layers if layers is not None else (0, len(kv_caches))
+        if chunk is None or tuple(chunk.header.shape) != (
+                hi - lo, 2, chunk.key.num_tokens, *cache.shape[3:]) or (
+                TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
+            return False
+        window = (job.first_chunk + index) * chunk_tokens
+        first = max(window, job.start)
+        end = min(window + chunk.key.num_tokens, job.end)   # never the request's last token
+        scatter_tokens(kv_caches, chunk, job.block_ids, first - window, first, end - first,
+                       layer_groups, lo)
+        if hi == len(kv_caches):
+            self.num_chunks_loaded += 1
+        return True
+
+    def _count(self, job: _Job, num_chunks: int) -> int:
+        """Tokens of the job in its blocks once its first `num_chunks` chunks are."""
+        chunk_tokens = self.saver.chunk_tokens
+        assert chunk_tokens is not None
         loaded_end = job.start
-        with closing(self._fetcher.fetch(job.keys)) as chunks:   # stops the fetch on a break
-            for offset, chunk in enumerate(chunks):
-                if chunk is None or tuple(chunk.header.shape) != (
-                        len(kv_caches), 2, chunk.key.num_tokens, *cache.shape[3:]) or (
-                        TORCH_DTYPES[chunk.key.dtype] != cache.dtype):
-                    break
-                window = (job.first_chunk + offset) * chunk_tokens
-                first = max(window, job.start)
-                end = min(window + chunk.key.num_tokens, job.end)   # never the request's last
-                scatter_tokens(kv_caches, chunk, job.block_ids, first - window, first,
-                               end - first, layer_groups)
-                self.num_chunks_loaded += 1
-                loaded_end = window + chunk.key.num_tokens
+        if num_chunks:
+            loaded_end = ((job.first_chunk + num_chunks - 1) * chunk_tokens
+                          + job.keys[num_chunks - 1].num_tokens)
         num_loaded = max(0, min(loaded_end, job.end) - job.start)
         self.num_tokens_loaded += num_loaded
         return num_loaded
@@ -283,13 +295,13 @@ class KvLoader:
 
 def scatter_tokens(kv_caches: list[torch.Tensor], chunk: KvChunk,
                    group_block_ids: list[list[int]], first: int, position: int, num_tokens: int,
-                   layer_groups: Sequence[int] | None = None) -> None:
+                   layer_groups: Sequence[int] | None = None, first_layer: int = 0) -> None:
     """Copies `num_tokens` tokens of the chunk, from its token `first`, into each layer's slots
     of the request's tokens from `position` on (`group_block_ids[g]` for a layer of KV group g,
     from `layer_groups`; None: every layer in group 0), on the current stream (the loader's,
     inside `StreamOrder.copying`). A partial last block is written token by token: the slots
     past it stay as they are. The chunk's layout is the saver's: [layers, 2, tokens, heads,
-    head_dim]."""
+    head_dim]; its layers are the stage's from `first_layer` on (a layer range's chunk)."""
     if num_tokens <= 0:
         return
     cache = kv_caches[0]
@@ -298,13 +310,16 @@ def scatter_tokens(kv_caches: list[torch.Tensor], chunk: KvChunk,
     with warnings.catch_warnings():      # a received frame is read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(chunk.data, dtype=cache.dtype)
-    tokens = flat.view(len(kv_caches), 2, -1, *cache.shape[3:])[:, :, first:first + num_tokens]
+    num_layers = chunk.header.shape[0]
+    tokens = flat.view(num_layers, 2, -1, *cache.shape[3:])[:, :, first:first + num_tokens]
     slots = [token_slots(ids, position, num_tokens, block_size) for ids in group_block_ids]
     if cache.device.type != "cpu":
         tokens = tokens.to(cache.device)
         slots = [index.to(cache.device) for index in slots]
-    for layer, (layer_cache, group) in enumerate(zip(kv_caches, groups, strict=True)):
-        layer_cache.view(2, -1, *cache.shape[3:]).index_copy_(1, slots[group], tokens[layer])
+    for offset in range(num_layers):
+        layer = first_layer + offset
+        kv_caches[layer].view(2, -1, *cache.shape[3:]).index_copy_(
+            1, slots[groups[layer]], tokens[offset])
 
 
 def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,
@@ -319,6 +334,39 @@ def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatc
     ids = [r.request_id for r in step.new_requests if r.num_load_tokens]
     if not ids:
         return None
-    ticket = LoadTicket(step.step_id, ids)
+    ticket = LoadTicket(step.step_id, ids, [r.request_id for r in step.new_requests
+                                            if r.num_load_tokens and r.num_new_tokens])
     ticket.complete()
     return ticket
+
+
+def settle_inline_loads(loads: LoadTicket, scheduled: list[ScheduledRequest],
+                        tp: TpGroup | None, device: torch.device) -> set[str]:
+    """After a forward that computed on layer-wise loads: what every rank's loads got, agreed
+    over the TP group (a rank without its KV slice poisons every rank's rows through the
+    all-reduces). A request whose load came back short computed on missing KV: it rolls back
+    to what was loaded, and the runner samples and saves nothing of it; the scheduler, told
+    the same count (every rank reports it), recomputes the rest. Returns their ids."""
+    counts = loads.inline_loaded()
+    ids = list(counts)
+    agreed = [counts[rid] for rid in ids]
+    if tp is not None:
+        agreed = tp.agree_min(agreed, device)
+    by_id = {s.state.request_id: s for s in scheduled}
+    short: set[str] = set()
+    for rid, num in zip(ids, agreed, strict=True):
+        loads.loaded[rid] = num
+        s = by_id.get(rid)
+        if s is None or s.state.load_start is None:
+            continue
+        if num < s.num_computed_tokens - s.state.load_start:
+            short.add(rid)
+            s.state.num_computed_tokens = s.state.load_start + num
+    return short
+
+
+def not_sampling(requests: list[ScheduledRequest], ids: set[str]) -> list[ScheduledRequest]:
+    """`requests` with those of `ids` sampling nothing."""
+    if not ids:
+        return requests
+    return [replace(s, samples=False) if s.state.request_id in ids else s for s in requests]

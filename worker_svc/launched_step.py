@@ -20,8 +20,8 @@ import torch
 
 from services.wire import PromptLogprobs, StepInput, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
-from worker_svc.kv_loader import LoadTicket
 from worker_svc.kv_saver import PendingSave
+from worker_svc.load_ticket import LoadTicket
 from worker_svc.step_clock import GpuSpan, StepClock
 
 

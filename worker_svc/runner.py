@@ -50,7 +50,7 @@ from worker_svc.kv_cache import (
     bytes_per_block,
     layer_caches,
 )
-from worker_svc.kv_loader import KvLoader, start_loads
+from worker_svc.kv_loader import KvLoader, not_sampling, settle_inline_loads, start_loads
 from worker_svc.kv_saver import KvSaver, KvStoreOptions
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.memory import return_freed_memory
@@ -326,13 +326,21 @@ class ModelRunner:
                 hidden_in, residual_in = stage_input.hidden_states, stage_input.residual
             prepared = time.perf_counter()
             launched.gpu = self._timer.forward_starts(launched.clock, start, prepared)
-            if (self.graphs is not None and input_ids is not None
+            loads = launched.loads
+            inline = loads if loads is not None and loads.inline_ids else None
+            if (self.graphs is not None and input_ids is not None and inline is None
                     and meta.num_decodes == len(layout) and self.graphs.fits(len(layout))):
                 hidden, residual = self.graphs.run(input_ids, metas)
-            else:
-                hidden, residual = self.model.forward(input_ids, hidden_in, residual_in,
-                                                      meta.positions, metas, self.kv_caches)
+            else:       # a layer-wise load's layers are waited for one by one
+                hidden, residual = self.model.forward(
+                    input_ids, hidden_in, residual_in, meta.positions, metas, self.kv_caches,
+                    None if inline is None else inline.wait_layer)
             self._kv_written = True
+            short: set[str] = set()
+            if inline is not None:
+                short = settle_inline_loads(inline, scheduled, self.model.tp, self.device)
+                layout, scheduled = not_sampling(layout, short), not_sampling(scheduled, short)
+                launched.scheduled = scheduled
             forwarded = time.perf_counter()
             launched.clock.num_tokens = int(meta.positions.shape[0])
             if not self.is_last_stage:
@@ -341,7 +349,8 @@ class ModelRunner:
                 sample_step(self.model, launched, layout, hidden, residual,
                             self._pending_tokens, self.device)
             if self.kv_saver is not None:     # last to raise: copied before any later step
-                launched.saves = self.kv_saver.copy_out(scheduled, self.kv_caches,
+                launched.saves = self.kv_saver.copy_out(
+                    [s for s in scheduled if s.state.request_id not in short], self.kv_caches,
                                                         input_batch.block_size,
                                                         self.model.layer_groups)
             self._timer.launched(launched.clock, launched.gpu, start, prepared, forwarded)
@@ -357,3 +366,4 @@ class ModelRunner:
              for group in range(self.model.kv_layout.num_groups)],
             input_batch.block_size, input_batch.num_blocks, self.device,
             torch_path=self.model.kernels.attention is None)
+

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from services.channels import Receiver, Sender
 from services.rpc.splitserve.v1 import control_pb2
 from services.wire import InitCache, StepInput, ToWorker, WorkerFailure
-from worker_svc.kv_loader import LoadTicket
 from worker_svc.launched_step import LaunchedStep
+from worker_svc.load_ticket import LoadTicket
 from worker_svc.parallel import ParallelGroups, PeerLost
 from worker_svc.runner import ModelRunner
 from worker_svc.stage_step import launch_stage

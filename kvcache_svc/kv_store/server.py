@@ -130,7 +130,7 @@ class StoreRequestHandler:
         return Reply(SaveReply(num_stored, num_held))
 
     def _load(self, message: LoadChunks) -> "Reply":
-        chunks = self.store.load(message.keys, MAX_STORE_DATA_BYTES)
+        chunks = self.store.load(message.keys, MAX_STORE_DATA_BYTES, message.layers)
         headers = [None if chunk is None else chunk.header for chunk in chunks]
         return Reply(LoadReply(headers), [chunk.data for chunk in chunks if chunk is not None])
 

@@ -30,6 +30,7 @@ from services.kv_chunks import (
     chunk_problem,
     extend_chunk,
     extension_problem,
+    layer_range,
 )
 from services.kv_store_wire import ChunkHeader, ChunkKey, StoreStats
 
@@ -195,13 +196,19 @@ class KvStore:
         found lower); None when no tier holds it, or the one that did found it damaged."""
         return self.load([key], max_bytes=0)[0]
 
-    def load(self, keys: Sequence[ChunkKey], max_bytes: int) -> list[KvChunk | None]:
+    def load(self, keys: Sequence[ChunkKey], max_bytes: int,
+             layers: tuple[int, int] | None = None) -> list[KvChunk | None]:
         """`get` for each of a prefix of `keys`: every key, or those before the one whose
-        chunk would take the total past `max_bytes` (the first key is always answered)."""
+        chunk would take the total past `max_bytes` (the first key is always answered).
+        `layers`: only that range of each chunk's layers (`layer_range`; a chunk with fewer
+        is a miss); a layer-wise load asks for every range, so its chunks and tokens count
+        with its first range only."""
         answered: list[KvChunk | None] = []
         num_bytes = 0
         for key in keys:
             chunk = self._get(key)
+            if chunk is not None and layers is not None:
+                chunk = layer_range(chunk, *layers)     # checksummed here, outside the lock
             if chunk is not None and answered and num_bytes + chunk.num_bytes > max_bytes:
                 break
             answered.append(chunk)
@@ -210,8 +217,9 @@ class KvStore:
                     self._num_load_miss_tokens += key.num_tokens
                     continue
                 num_bytes += chunk.num_bytes
-                self._num_loaded_chunks += 1
-                self._num_loaded_tokens += key.num_tokens
+                if layers is None or layers[0] == 0:
+                    self._num_loaded_chunks += 1
+                    self._num_loaded_tokens += key.num_tokens
                 self._num_loaded_bytes += chunk.num_bytes
         return answered
 

@@ -122,6 +122,8 @@ def test_evicted_prefix_is_loaded_from_the_store(tmp_path: Path, tokenizer, orac
         assert replica.num_store_loaded_tokens >= 512, replica
         assert replica.num_store_hit_tokens == replica.num_store_loaded_tokens
         assert replica.num_store_load_fallbacks == 0
+        # The hit's step computed the rest of the prompt as each layer's KV landed.
+        assert " layer by layer " in worker_logs(cluster)
         assert cluster.kv_stats().store.num_loaded_chunks >= 2
         if chunked:   # once: the store's counters in ServerInfo and /metrics
             def probed() -> generation_pb2.ServerInfoResponse:
@@ -142,6 +144,10 @@ def test_evicted_prefix_is_loaded_from_the_store(tmp_path: Path, tokenizer, orac
                           if line.startswith("splitserve:kv_store_loaded_tokens_total"))
             assert float(loaded.split()[-1]) >= 512
             assert 'splitserve:kv_store_tier_chunks{model_name=' in text
+
+
+def worker_logs(cluster: RunningCluster) -> str:
+    return "\n".join(p.read_text() for p in cluster.log_dir.glob("worker*"))
 
 
 def test_second_replica_loads_what_the_first_computed(tmp_path: Path, tokenizer, oracle,  # type: ignore[no-untyped-def]
@@ -203,6 +209,10 @@ def test_parallel_ranks_load_their_own_slices(tmp_path: Path, tokenizer, oracle,
         assert warm == cold
         [replica] = replica_info(cluster)
         assert replica.num_store_loaded_tokens >= 512 and replica.num_store_load_fallbacks == 0
+        # TP ranks load layer by layer (and agree on the counts); pipeline stages load first.
+        layerwise = [" layer by layer " in p.read_text()
+                     for p in sorted(cluster.log_dir.glob("worker*"))]
+        assert layerwise == [pp == 1] * 2, layerwise
 
 
 def test_damaged_chunks_are_recomputed_not_loaded(tmp_path: Path, tokenizer, oracle) -> None:  # type: ignore[no-untyped-def]

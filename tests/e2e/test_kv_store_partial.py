@@ -55,6 +55,9 @@ def test_the_seeds_32_tokens_store_24_then_8_and_a_hit_computes_one(
         [replica] = replica_info(cluster)
         assert replica.num_store_loaded_tokens == 31, replica
         assert replica.num_store_load_fallbacks == 0
+        # One step loaded the 31 tokens layer by layer and computed the last (issue 24).
+        worker_log = "\n".join(p.read_text() for p in cluster.log_dir.glob("worker*"))
+        assert "loaded KV of 31 of 31 tokens layer by layer (6 groups of layers)" in worker_log
 
 
 def _held(cluster: RunningCluster, model: str, prompt: list[int]) -> int:

@@ -50,14 +50,16 @@ def make_request(request_id: str = "a", prompt: list[int] = PROMPT,
                    BLOCK_SIZE, hash_blocks=True)
 
 
-def with_store(num_chunks: int = 2, add: bool = True,
+def with_store(num_chunks: int = 2, add: bool = True, layerwise: bool = False,
                ) -> tuple[Scheduler, ReplicaBlockManager, Request]:
     """A scheduler, its pool over a store holding PROMPT's first chunks, and request "a" of
-    PROMPT (queued unless `add` is False)."""
+    PROMPT (queued unless `add` is False). Loads in the background unless `layerwise`
+    (test_store_loads_layerwise.py)."""
     store = KvStore([MemoryTier(1 << 20)], chunk_tokens=CHUNK_TOKENS)
     put_chunks(store, PROMPT, BLOCK_SIZE, num_chunks)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048,
-                                      block_size=BLOCK_SIZE, max_model_len=4096))
+                                      block_size=BLOCK_SIZE, max_model_len=4096,
+                                      layerwise_loads=layerwise))
     sched.set_capacity(NUM_BLOCKS)
     request = make_request()
     if add:

@@ -20,7 +20,16 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig, ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
-from services.wire import CacheReady, FromWorker, InitCache, KvLoaded, StepInput, ToWorker
+from services.wire import (
+    CacheReady,
+    FromWorker,
+    InitCache,
+    KvLoaded,
+    StepInput,
+    StepOutput,
+    ToWorker,
+    WorkerFailure,
+)
 from tests.scheduler_svc import test_engine as engine_tests
 from tests.scheduler_svc.test_engine import (
     EOS,
@@ -49,6 +58,22 @@ class LoadingWorker(FakeWorker):
         self.per_rank = per_rank
         self.load_steps: list[int] = []
 
+    def _step(self, step: StepInput) -> StepOutput | WorkerFailure:
+        """A layer-wise load (one that also computes) as the runner settles it: the ranks
+        agree on the smallest count; a short one samples nothing and rolls back."""
+        out = super()._step(step)
+        agreed = min(self.per_rank)
+        for r in step.new_requests:
+            if not (r.num_load_tokens and r.num_new_tokens and agreed < r.num_load_tokens):
+                continue
+            assert self.batch is not None and isinstance(out, StepOutput)
+            state = self.batch.requests[r.request_id]
+            i = out.request_ids.index(r.request_id)
+            del out.request_ids[i], out.sampled_token_ids[i], out.logprobs[i]
+            state.token_ids.pop()
+            state.num_computed_tokens = r.num_computed_tokens + agreed
+        return out
+
     def answer_all(self, message: ToWorker) -> list[FromWorker]:
         if isinstance(message, InitCache):
             self.answer(message)
@@ -57,12 +82,15 @@ class LoadingWorker(FakeWorker):
         assert isinstance(message, StepInput)
         loads = {r.request_id: r.num_load_tokens for r in message.new_requests
                  if r.num_load_tokens}
+        layerwise = any(r.num_new_tokens for r in message.new_requests if r.num_load_tokens)
         out = self.answer(message)
         if not loads:
             return [out]
         self.load_steps.append(message.step_id)
+        # Layer-wise loads: every rank reports the count the ranks agreed on.
+        per_rank = [min(self.per_rank)] * 2 if layerwise else self.per_rank
         reports = [KvLoaded(f"rank-{rank}", message.step_id, list(loads),
-                            [min(num, self.per_rank[rank]) for num in loads.values()])
+                            [min(num, per_rank[rank]) for num in loads.values()])
                    for rank in range(2)]
         return [reports[0], out, reports[1]]      # the output between the two ranks' reports
 
@@ -119,7 +147,8 @@ class LoadingReplica:
 
 
 @contextmanager
-def loading_replica(per_rank: tuple[int, int]) -> Iterator[LoadingReplica]:
+def loading_replica(per_rank: tuple[int, int], layerwise: bool = False
+                    ) -> Iterator[LoadingReplica]:
     worker = LoadingWorker(per_rank)
     transport = LoadingTransport(worker)
     store = KvStore([MemoryTier(1 << 20)], chunk_tokens=E_CHUNK)
@@ -130,7 +159,8 @@ def loading_replica(per_rank: tuple[int, int]) -> Iterator[LoadingReplica]:
     config = EngineConfig(
         replica_id=0, scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                                 block_size=E_BLOCK,
-                                                max_model_len=MAX_MODEL_LEN),
+                                                max_model_len=MAX_MODEL_LEN,
+                                                layerwise_loads=layerwise),
         num_kv_blocks=64, kv_timeout_s=2.0, step_timeout_s=10.0, ship_sampled_tokens=False,
         store_slices=SLICES)
     live = LiveRequests()
@@ -191,3 +221,33 @@ def test_a_short_load_recomputes_and_the_outputs_are_right(per_rank: tuple[int, 
         assert tokens == expected_tokens(E_PROMPT, 2) and last.num_cached_tokens == 36
         assert len(r.worker.load_steps) == 1
         assert r.worker.batch is not None and not r.worker.batch.discarded_ids
+
+
+@pytest.mark.parametrize("per_rank, num_loaded", [((32, 32), 32), ((32, 16), 16)],
+                         ids=["full", "rank-1-short"])
+def test_a_layerwise_load_samples_in_its_own_step(per_rank: tuple[int, int],
+                                                  num_loaded: int) -> None:
+    """The load's step computes the rest of the prompt: a full load's first token comes from
+    it (one step fewer than a background load); a short one's step samples nothing, and the
+    request is computed on from what every rank loaded. Outputs are right either way, with
+    rank 1's report held back past the step's output."""
+    with loading_replica(per_rank, layerwise=True) as r:
+        r.transport.release.clear()
+        outputs = r.submit("a", E_PROMPT, max_tokens=6)
+        assert wait_until(lambda: r.worker.load_steps)
+        time.sleep(0.2)
+        assert r.worker.num_steps == 1
+        if num_loaded == 32:
+            first = outputs.get(timeout=5)             # before rank 1 reported
+            assert first.new_token_ids == expected_tokens(E_PROMPT, 1)
+        else:
+            assert outputs.empty()
+        r.transport.release.set()
+        tokens, last = final(outputs)
+        if num_loaded == 32:
+            tokens = expected_tokens(E_PROMPT, 1) + tokens
+        assert last.error is None and tokens == expected_tokens(E_PROMPT, 6)
+        assert last.num_cached_tokens == num_loaded
+        assert r.worker.num_steps == 6 + (num_loaded < 32)
+        assert wait_until(lambda: r.engine.stats().num_store_loaded_tokens == num_loaded)
+        assert r.engine.stats().num_store_load_fallbacks == (num_loaded < 32)

@@ -47,7 +47,8 @@ def test_a_prompt_held_to_its_end_loads_all_but_its_last_token(num_tokens: int) 
     store = KvStore([MemoryTier(1 << 20)], chunk_tokens=CHUNK_TOKENS)
     store_all(store, prompt)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048,
-                                      block_size=BLOCK_SIZE, max_model_len=4096))
+                                      block_size=BLOCK_SIZE, max_model_len=4096,
+                                      layerwise_loads=False))
     sched.set_capacity(NUM_BLOCKS)
     kv = new_kv(store)
     request = make_request(prompt=prompt)

@@ -306,17 +306,24 @@ def test_a_step_without_loads_has_no_ticket(loader: KvLoader) -> None:
 # --------------------------------------------------------------------------- input batch
 
 
-def test_a_new_request_computes_or_loads_never_both_nor_neither() -> None:
+def test_a_new_request_computes_or_loads_or_both_never_neither() -> None:
     batch = new_batch()
-    for num_new, num_load in ((0, 0), (88, 512), (1, 1)):
-        with pytest.raises(ValueError, match="either computes tokens or loads them"):
-            batch.apply(StepInput(0, [loading("c", 0, num_load, C_BLOCKS, num_new=num_new)],
-                                  [], []))
+    with pytest.raises(ValueError, match="computes tokens or loads them"):
+        batch.apply(StepInput(0, [loading("c", 0, 0, C_BLOCKS, num_new=0)], [], []))
+    with pytest.raises(ValueError, match="only 600 are known"):     # the rest is too long
+        batch.apply(StepInput(0, [loading("c", 0, 512, C_BLOCKS, num_new=89)], [], []))
     with pytest.raises(ValueError, match="cannot hold"):      # blocks cover the load
         batch.apply(StepInput(0, [loading("c", 0, 512, C_BLOCKS[:31])], [], []))
     with pytest.raises(ValueError, match="only 600 are known"):
         batch.apply(StepInput(0, [loading("c", 256, 512, C_BLOCKS)], [], []))
     assert not batch.requests
+    # A layer-wise load: the step computes the rest after the loaded tokens, and samples.
+    [scheduled] = batch.apply(StepInput(0, [loading("c", 128, 384, C_BLOCKS, num_new=88)],
+                                        [], []))
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens, scheduled.samples) == (
+        512, 88, True)
+    state = batch.requests["c"]
+    assert (state.load_start, state.num_computed_tokens) == (128, 600)
 
 
 def resume(num_computed: int) -> StepInput:

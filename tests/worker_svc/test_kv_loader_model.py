@@ -14,7 +14,7 @@ from services.model_config import ModelConfig
 from services.wire import NewRequest, RunningRequest, StepInput, StepOutput
 from tests.kvcache_svc.kv_store.serving import client_codec, serving
 from tests.worker_svc.common import GREEDY
-from tests.worker_svc.test_kv_loader import drain, tokens_of
+from tests.worker_svc.test_kv_loader import drain, keys, tokens_of
 from tests.worker_svc.test_runner import MiniScheduler
 from worker_svc.kv_saver import KvStoreOptions
 from worker_svc.runner import ModelRunner
@@ -79,6 +79,76 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
                 tokens += out.sampled_token_ids
                 num_blocks = max(num_blocks, end_blocks)
                 num_computed, num_new = num_computed + num_new, 1
+            assert tokens == expected
+        finally:
+            runner.close()
+
+
+@pytest.mark.parametrize("num_load, lost_chunk", [(E2E_LOAD, None), (E2E_PROMPT_LEN - 1, None),
+                                                  (E2E_PROMPT_LEN - 1, 1)],
+                         ids=["whole-chunks", "all-but-the-last-token", "second-chunk-lost"])
+def test_a_layerwise_load_computes_the_rest_in_its_own_step(
+        ctx: zmq.Context, model_path: Path, model_config: ModelConfig, num_load: int,
+        lost_chunk: int | None) -> None:
+    """C loads B's KV and computes the rest of its prompt in the same step, its forward
+    waiting for each layer's KV (issue 24, point 2): its first token comes from that step and
+    its tokens are B's. A chunk lost since the admission makes the load short: that step
+    samples nothing for C, C rolls back to what was loaded, and resuming from there gives B's
+    tokens all the same."""
+    generator = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, model_config.vocab_size, (E2E_PROMPT_LEN,),
+                           generator=generator).tolist()
+    store = KvStore([MemoryTier(256 << 20)], chunk_tokens=E2E_CHUNK)
+    with serving(ctx, store) as loop:
+        runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
+                             kv_store=KvStoreOptions(loop.address, codec=client_codec()))
+        saver = runner.kv_saver
+        try:
+            assert saver is not None and saver.ready.wait(10)
+            runner.init_cache(128, E2E_BLOCK)
+            scheduler = MiniScheduler(token_budget=E2E_LOAD, send_tokens=False)
+            scheduler.add("b", prompt, MAX_TOKENS)
+            while scheduler.has_work:
+                out = runner.execute(scheduler.schedule())
+                assert isinstance(out, StepOutput)
+                scheduler.update(out)
+            drain(saver)
+            expected = scheduler.outputs("b")
+            if lost_chunk is not None:
+                lost = keys(prompt, saver.kv_slice, E2E_BLOCK, E2E_CHUNK)[lost_chunk]
+                assert store.tiers[0].remove(lost)      # evicted since the admission
+
+            c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
+            prompt_blocks = -(-E2E_PROMPT_LEN // E2E_BLOCK)
+            launched = runner.launch(StepInput(100, [NewRequest(
+                "c", prompt, len(prompt), GREEDY, [c_blocks[:prompt_blocks]], 0,
+                E2E_PROMPT_LEN - num_load, num_load_tokens=num_load)], [], []))
+            out = runner.finish(launched)
+            assert launched.loads is not None and launched.loads.inline_ids == ["c"]
+            state = runner.input_batch.requests["c"]
+            if lost_chunk is None:
+                assert launched.loads.wait() == {"c": num_load}
+                assert isinstance(out, StepOutput) and out.request_ids == ["c"]
+                tokens = list(out.sampled_token_ids)
+                num_computed = E2E_PROMPT_LEN
+            else:
+                num_loaded = lost_chunk * E2E_CHUNK
+                assert launched.loads.wait() == {"c": num_loaded}
+                assert isinstance(out, StepOutput) and out.request_ids == []
+                assert state.num_computed_tokens == num_loaded      # rolled back
+                tokens, num_computed = [], num_loaded
+            num_new = E2E_PROMPT_LEN - num_computed if num_computed < E2E_PROMPT_LEN else 1
+            num_blocks = prompt_blocks
+            step_id = 101
+            while len(tokens) < MAX_TOKENS:
+                end_blocks = -(-(num_computed + num_new) // E2E_BLOCK)
+                out = runner.execute(StepInput(step_id, [], [RunningRequest(
+                    "c", num_computed, num_new, [c_blocks[num_blocks:end_blocks]], [])], []))
+                assert isinstance(out, StepOutput) and out.request_ids == ["c"]
+                tokens += out.sampled_token_ids
+                num_blocks = max(num_blocks, end_blocks)
+                num_computed, num_new = num_computed + num_new, 1
+                step_id += 1
             assert tokens == expected
         finally:
             runner.close()

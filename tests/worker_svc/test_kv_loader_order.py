@@ -63,6 +63,11 @@ class RecordingOrder:
         self._record("copied", event)
         return event
 
+    def mark_group(self) -> object:
+        event = object()
+        self._record("group" if self.inside else "group outside the loader's stream", event)
+        return event
+
     def join(self, copied: object) -> None:
         self._record("join", copied)
 
@@ -109,6 +114,41 @@ def test_loads_wait_for_the_compute_stream_and_the_compute_stream_for_them(
     assert joined is copied_event and order.calls[-1][1] == step_thread
     for layer in kv_caches:                     # the copies were real
         assert torch.equal(layer[:, C_BLOCKS[:32]], layer[:, A_BLOCKS[:32]])
+
+
+def test_each_layer_waits_for_its_groups_copies_on_the_compute_stream(
+        saver: KvSaver, store: KvStore, order: RecordingOrder) -> None:  # noqa: F811
+    """A layer-wise load: the loader records an event after each layer group's copies, and
+    the step's thread makes the compute stream join that event before the group's layers."""
+    kv_caches = caches()
+    save_a(saver, kv_caches, store)
+    loader = KvLoader(saver, codec=client_codec(), order=order)  # type: ignore[arg-type]
+    try:
+        batch = new_batch()
+        step = StepInput(1, [loading("c", 0, 599, C_BLOCKS, num_new=1)], [], [])
+        batch.apply(step)
+        ticket = loader.start(step, batch.requests, kv_caches, BLOCK_SIZE)
+        assert ticket is not None and ticket.layer_ends == [1, 2, 3]
+        for layer in range(len(kv_caches)):
+            ticket.wait_layer(layer)
+        assert ticket.inline_loaded() == {"c": 599}
+        ticket.wait()
+    finally:
+        loader.close()
+    names = [name for name, _, _ in order.calls]
+    assert names[:2] == ["ready", "wait"] and names.count("copied") == 1, names
+    groups = [(i, event) for i, (name, _, event) in enumerate(order.calls) if name == "group"]
+    joins = [(i, event, thread) for i, (name, thread, event) in enumerate(order.calls)
+             if name == "join"]
+    assert len(groups) == len(joins) == 3, names
+    step_thread = threading.current_thread().name
+    previous = 0
+    for (made, event), (joined, waited, thread) in zip(groups, joins, strict=True):
+        assert waited is event and made < joined and thread == step_thread
+        # Every copy of the group (3 chunks) came before its event, after the last group's.
+        assert names[previous:made].count("copy") == 3, names
+        previous = made
+    assert "copy outside the loader's stream" not in names
 
 
 def test_a_cpu_cache_needs_no_stream_order(saver: KvSaver, store: KvStore) -> None:  # noqa: F811

@@ -25,7 +25,7 @@ tokens multiply on those (a fifth of float32's bytes; see worker_svc.kernels.gem
 """
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -335,12 +335,16 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
                 residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata | Sequence[AttentionMetadata],
-                kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_caches: list[torch.Tensor],
+                wait_layer: Callable[[int], None] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """First stage: input_ids [num_tokens]; later stages: hidden_states and residual
         [num_tokens, hidden_size] from the previous stage. meta: one per KV group (a layer
         takes its group's, `layer_groups`), or one for every layer. kv_caches: one per layer
-        of this stage (layers of one tensor position share one). Returns (hidden_states,
-        residual), both [num_tokens, hidden_size]."""
+        of this stage (layers of one tensor position share one). `wait_layer(i)` is called
+        before layer i (of this stage) runs: a layer-wise KV load's wait for that layer's KV
+        (worker_svc.load_ticket). Returns (hidden_states, residual), both [num_tokens,
+        hidden_size]."""
         if self.is_first_stage:
             assert input_ids is not None
             hidden_states = self.embed(input_ids)                       # [num_tokens, hidden]
@@ -348,7 +352,10 @@ class LlamaModel:
         assert hidden_states is not None
         metas = ([meta] * len(self.layers) if isinstance(meta, AttentionMetadata)
                  else [meta[group] for group in self.layer_groups])
-        for layer, layer_meta, kv_cache in zip(self.layers, metas, kv_caches, strict=True):
+        for i, (layer, layer_meta, kv_cache) in enumerate(
+                zip(self.layers, metas, kv_caches, strict=True)):
+            if wait_layer is not None:
+                wait_layer(i)
             hidden_states, residual = layer.forward(hidden_states, residual, positions,
                                                     layer_meta, kv_cache)
         assert residual is not None

@@ -146,6 +146,16 @@ class TpGroup:
             raise peer_lost(exc, "TP all-reduce") from exc
         return t
 
+    def agree_min(self, values: list[int], device: torch.device) -> list[int]:
+        """The smallest of each value over the ranks (every rank passes as many, in the same
+        order): what all of them hold, e.g. the tokens every rank's KV load got."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as exc:
+            raise peer_lost(exc, "TP all-reduce (min)") from exc
+        return [int(v) for v in t.tolist()]
+
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, local vocab] on every rank -> [rows, vocab], rank order. Slices may differ
         by one row in size, so each is padded to the largest and trimmed after the gather."""

@@ -7,7 +7,8 @@ Computed KV kept by kvcache_svc in chunks (a rank's slice of the KV of `num_toke
 services.kv_chunks cuts and keys them). A message is a ZMQ multipart: one header frame through
 the Codec (so the cluster-token HMAC covers it), then one raw data frame per ChunkHeader, in
 order. The header's checksum (BLAKE3-256 of the data frame) is verified before data is stored
-or taken, so the authenticated header vouches for the data. Data frames are never msgpack.
+or taken, so the authenticated header vouches for the data; it covers each layer's slice on
+its own, so a range of layers is checked as a chunk of its own. Data frames are never msgpack.
 """
 
 from typing import Annotated, Literal
@@ -37,6 +38,7 @@ MAX_KEY_LISTS = 1 << 10             # key lists in one LookupChunks
 MAX_STORE_DATA_BYTES = 1 << 30      # data frames of one message together (senders split above)
 MAX_STORE_HEADER_BYTES = 16 << 20   # one header frame (before its HMAC tag)
 CHUNK_CHECKSUM_BYTES = 32           # BLAKE3-256 (services.kv_chunks.chunk_checksum)
+MAX_CHUNK_SLICES = 1024             # a chunk's first dimension (its layers), checksummed each
 SliceIndex = Annotated[int, Meta(ge=0, le=1 << 16)]
 
 
@@ -83,6 +85,9 @@ class ChunkKey(_Wire, frozen=True):
         _check_slice(self.layer_start, self.layer_end, self.head_start, self.head_end)
 
 
+Checksum = Annotated[bytes, Meta(min_length=CHUNK_CHECKSUM_BYTES, max_length=CHUNK_CHECKSUM_BYTES)]
+
+
 class ChunkHeader(_Wire, frozen=True):
     """One chunk's data frame, described; the frame itself follows the message's header."""
 
@@ -90,11 +95,14 @@ class ChunkHeader(_Wire, frozen=True):
     shape: Annotated[tuple[Annotated[int, Meta(ge=1, lt=1 << 31)], ...],
                      Meta(min_length=1, max_length=8)]   # elements per dimension (layout: caller's)
     num_bytes: Annotated[int, Meta(ge=1, le=MAX_CHUNK_BYTES)]  # of the data frame
-    checksum: Annotated[bytes, Meta(min_length=CHUNK_CHECKSUM_BYTES,
-                                    max_length=CHUNK_CHECKSUM_BYTES)]  # BLAKE3-256 of the data
+    checksum: Checksum                  # BLAKE3-256 of `slice_checksums`, concatenated
     # Set on a save that continues a stored partial chunk (services.kv_chunks): the data holds
     # only the tokens past `base`, which the store appends to it; None: the data is the chunk.
     base: "ChunkKey | None" = None
+    # BLAKE3-256 of each slice of the data along its first dimension (one per layer of KV), so
+    # a range of layers is checked on its own: the store serves a layer-wise load's ranges
+    # without hashing them again (services.kv_chunks.layer_range).
+    slice_checksums: Annotated[tuple[Checksum, ...], Meta(max_length=MAX_CHUNK_SLICES)] = ()
 
 
 ChunkKeys = Annotated[list[ChunkKey], Meta(max_length=MAX_CHUNKS_PER_MESSAGE)]

@@ -238,24 +238,22 @@ class KvLoader:
         """The inline loads, one group of layers at a time (one message per group and job, a
         group or two ahead): group g of every job is copied, then `group_done(g)` lets the
         forward past those layers. A job's count is the shortest run of chunks any group got
-        (a later group asks only for that many)."""
+        (a later group copies only that many)."""
         runs = {job.request_id: len(job.keys) for job in jobs}
-        begin = 0
-        batches = [(job.keys, (lo, hi)) for lo, hi in zip([0, *ticket.layer_ends],
-                                                          ticket.layer_ends) for job in jobs]
+        ranges = list(zip([0, *ticket.layer_ends], ticket.layer_ends))
+        batches = [(job.keys, layers) for layers in ranges for job in jobs]
         with closing(self._fetcher.fetch_batches(batches)) as arriving:
-            for group, end in enumerate(ticket.layer_ends):
+            for group, layers in enumerate(ranges):
                 for job in jobs:
                     chunks = next(arriving, [])
                     run = 0
                     while run < min(runs[job.request_id], len(chunks)) and self._copy(
-                            job, run, chunks[run], kv_caches, layer_groups, (begin, end)):
+                            job, run, chunks[run], kv_caches, layer_groups, layers):
                         run += 1
                     runs[job.request_id] = run
                 if order is not None:
                     ticket.group_copied[group] = order.mark_group()
                 ticket.group_done(group)
-                begin = end
         for job in jobs:
             ticket.loaded[job.request_id] = self._count(job, runs[job.request_id])
 

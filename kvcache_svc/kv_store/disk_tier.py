@@ -38,8 +38,9 @@ from services.kv_store_wire import ChunkHeader, ChunkKey
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SSKVCH02"       # 02: BLAKE3 checksums (services.kv_chunks)
-OLD_MAGICS = {b"SSKVCH01": "BLAKE2b checksums"}     # earlier formats: dropped at start
+MAGIC = b"SSKVCH03"       # 03: BLAKE3 checksums per layer (services.kv_chunks)
+OLD_MAGICS = {b"SSKVCH01": "BLAKE2b checksums",     # earlier formats: dropped at start
+              b"SSKVCH02": "whole-chunk checksums"}
 PREFIX = struct.Struct("<8sI")          # magic, header length
 MAX_HEADER_BYTES = 64 << 10
 SUFFIX = ".kvchunk"

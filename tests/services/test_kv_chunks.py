@@ -10,11 +10,13 @@ from services.block_hash import hash_block, hash_full_blocks
 from services.codec import Codec, DecodeError
 from services.kv_chunks import (
     KvSlice,
+    chunk_checksum,
     chunk_keys,
     chunk_problem,
     chunk_token_ends,
     extend_chunk,
     extension_problem,
+    layer_range,
     log_stored,
     make_chunk,
     prefix_chunk_keys,
@@ -70,6 +72,31 @@ def test_make_chunk_and_chunk_problem() -> None:
         make_chunk(key, (), b"")
     with pytest.raises(ValueError, match="at least one dimension"):
         make_chunk(key, (0, 3), b"")
+
+
+def test_each_layer_is_checked_on_its_own_and_a_range_is_a_chunk() -> None:
+    """Checksums per slice of the first dimension (a layer): a range of layers is served with
+    its own checksums, nothing hashed again, and checks as a chunk of its own."""
+    key = SLICE.key(bytes(32), 16)
+    data = bytes(range(24))
+    chunk = make_chunk(key, (3, 2, 2), data)                 # 3 layers of 8 bytes
+    assert chunk.header.slice_checksums == tuple(
+        chunk_checksum(data[i * 8:(i + 1) * 8]) for i in range(3))
+    part = layer_range(chunk, 1, 3)
+    assert part is not None and part.header.shape == (2, 2, 2) and part.key == key
+    assert bytes(part.data) == data[8:] and chunk_problem(part.header, part.data) is None
+    assert layer_range(chunk, 0, 3) is chunk and layer_range(chunk, 2, 4) is None
+    flipped = bytearray(part.data)
+    flipped[9] ^= 1                                          # in the range's second layer
+    assert chunk_problem(part.header, bytes(flipped)) == "checksum mismatch"
+    sums = part.header.slice_checksums
+    swapped = msgspec.structs.replace(part.header, slice_checksums=sums[::-1])
+    assert chunk_problem(swapped, part.data) == "checksum mismatch"     # the root no longer fits
+    short = msgspec.structs.replace(part.header, slice_checksums=sums[:1])
+    assert "1 slice checksums for a first dimension of 2" in (
+        chunk_problem(short, part.data) or "")
+    with pytest.raises(ValueError, match="at most 1024"):
+        make_chunk(key, (1025, 1), bytes(2050))
 
 
 def test_the_dtype_list_and_its_sizes_agree() -> None:

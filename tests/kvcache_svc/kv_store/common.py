@@ -20,5 +20,5 @@ def key(i: int, num_tokens: int = CHUNK_TOKENS, kv_slice: KvSlice = SLICE) -> Ch
 def chunk(i: int, num_elements: int = 512, num_tokens: int = CHUNK_TOKENS) -> KvChunk:
     """Chunk i: `num_elements` float16 values (2 bytes each) whose bytes depend on i."""
     data = hashlib.shake_256(b"data %d" % i).digest(num_elements * 2)
-    return make_chunk(key(i, num_tokens), (num_elements,), data)
+    return make_chunk(key(i, num_tokens), (1, num_elements), data)
 

@@ -93,22 +93,25 @@ def test_a_truncated_file_is_dropped_at_start(tmp_path: Path, keep: int) -> None
     tier.close()
 
 
-def test_files_of_the_earlier_format_are_dropped_at_start_in_one_line(
+def test_files_of_earlier_formats_are_dropped_at_start_in_a_line_each(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Format 01 checksummed with BLAKE2b: its files would fail every read's check."""
+    """Format 01 checksummed with BLAKE2b, 02 whole chunks: their files would fail every
+    read's check."""
     tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
     for i in range(3):
         tier.put(chunk(i), want_evicted=False)
     tier.close()
-    for i in range(2):          # two files as the earlier version wrote them
+    for i, magic in enumerate((b"SSKVCH01", b"SSKVCH02")):   # as earlier versions wrote them
         path = tmp_path / tier.file_name(key(i))
-        path.write_bytes(b"SSKVCH01" + path.read_bytes()[len(MAGIC):])
+        path.write_bytes(magic + path.read_bytes()[len(MAGIC):])
     with caplog.at_level(logging.WARNING):
         tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
     assert tier.stats().num_chunks == 1 and tier.get(key(2)) is not None
     assert len(files(tmp_path)) == 1
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "dropped 2 chunk files of an earlier format" in lines[0], lines
+    assert sorted(lines) == sorted(  # one line per earlier format
+        f"KV store disk tier {tmp_path}: dropped 1 chunk files of an earlier format ({why})"
+        for why in ("BLAKE2b checksums", "whole-chunk checksums")), lines
     tier.close()
 
 

@@ -105,7 +105,7 @@ def test_loads_are_served_while_big_saves_are_in_flight(ctx: zmq.Context,
                     chunk_tokens=CHUNK_TOKENS)
     wanted = chunk(7)
     save(store, wanted)
-    big = [make_chunk(key(1000 + i), (16 << 20,), bytes(32 << 20)) for i in range(8)]
+    big = [make_chunk(key(1000 + i), (1, 16 << 20), bytes(32 << 20)) for i in range(8)]
     with serving(ctx, store) as loop:
         results: list[object] = []
 

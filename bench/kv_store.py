@@ -64,6 +64,7 @@ from kv_store_runs import (  # noqa: E402
     ttft_cluster,
     workload_module,
 )
+from kv_store_scenarios import SEEDS_TOKENS, report_scenarios, run_scenarios  # noqa: E402
 from throughput import CPU_FLAGS, cpu_info  # noqa: E402
 
 from scheduler_svc.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-whole-loads", action="store_true",
                    help="no cluster loading hits whole before computing (the comparison "
                         "for layer-wise loads, --no-layerwise-kv-loads)")
+    p.add_argument("--skip-scenarios", action="store_true",
+                   help="no seeds' prompt, chat or disk tier clusters (kv_store_scenarios.py)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
@@ -216,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         results[f"ttft_store_{name}"] = side
         print(f"TTFT, store {name}: done in {time.perf_counter() - start:.0f} s "
               f"(logs in {log_root / f'store-{name}'})", flush=True)
+    if not a.skip_scenarios:
+        tok = load_tokenizer(default_model_path())
+        results["scenarios"] = run_scenarios(texts, tok.encode(texts[0])[:SEEDS_TOKENS],
+                                             log_root)
     levels = {r["cpu_level"] for r in results["ttft_store_on"]["replicas"]}  # type: ignore[index]
     results["cpu_level"] = sorted(levels)
     print(f"workers' kernel level: {', '.join(sorted(levels))}", flush=True)
@@ -236,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         results["throughput_store_on"] = medians(runs[True])
         results["throughput_store_off"] = medians(runs[False])
     report_ttft(results)
+    if not a.skip_scenarios:
+        results["scenario_ratios"] = report_scenarios(
+            results["scenarios"],  # type: ignore[arg-type]
+            median_ttft(results["ttft_store_on"]["evicted"]),  # type: ignore[index]
+            median_ttft(results["ttft_store_off"]["evicted"]))  # type: ignore[index]
     if not a.skip_throughput:
         report_throughput(results)
     write_result(results, a.out, "kv_store")

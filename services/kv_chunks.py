@@ -98,19 +98,28 @@ def make_chunk(key: ChunkKey, shape: Sequence[int], data: bytes | memoryview,
                                checksums), data)
 
 
-def layer_range(chunk: KvChunk, start: int, end: int) -> KvChunk | None:
-    """Layers [start, end) of `chunk` (its data is layer-major), a chunk of its own whose
-    checksums are the range's (nothing is hashed); None when the chunk has fewer layers."""
-    shape = chunk.header.shape
-    if not 0 <= start < end <= shape[0]:
+def range_header(header: ChunkHeader, start: int, end: int) -> ChunkHeader | None:
+    """The header of layers [start, end) of the chunk `header` describes (its data is
+    layer-major): the range's own checksums, nothing hashed; None when it has fewer layers."""
+    shape = header.shape
+    if not 0 <= start < end <= shape[0] or len(header.slice_checksums) != shape[0]:
         return None
-    if (start, end) == (0, shape[0]):
+    checksums = header.slice_checksums[start:end]
+    return ChunkHeader(header.key, (end - start, *shape[1:]),
+                       (end - start) * (header.num_bytes // shape[0]), root_checksum(checksums),
+                       None, checksums)
+
+
+def layer_range(chunk: KvChunk, start: int, end: int) -> KvChunk | None:
+    """Layers [start, end) of `chunk`, a chunk of its own (`range_header`); None when the
+    chunk has fewer layers."""
+    if (start, end) == (0, chunk.header.shape[0]):
         return chunk
-    layer_bytes = chunk.num_bytes // shape[0]
-    checksums = chunk.header.slice_checksums[start:end]
-    header = ChunkHeader(chunk.key, (end - start, *shape[1:]), (end - start) * layer_bytes,
-                         root_checksum(checksums), None, checksums)
-    return KvChunk(header, memoryview(chunk.data)[start * layer_bytes:end * layer_bytes])
+    header = range_header(chunk.header, start, end)
+    if header is None:
+        return None
+    offset = start * (chunk.num_bytes // chunk.header.shape[0])
+    return KvChunk(header, memoryview(chunk.data)[offset:offset + header.num_bytes])
 
 
 def chunk_problem(header: ChunkHeader, data: bytes | memoryview) -> str | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import msgspec
 
 from kvcache_svc.kv_store.tier import StoreTier, TierStats
-from services.kv_chunks import KvChunk, chunk_problem
+from services.kv_chunks import KvChunk, chunk_problem, range_header, root_checksum
 from services.kv_store_wire import ChunkHeader, ChunkKey
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,35 @@ class DiskTier(StoreTier):
             return None
         return KvChunk(header, data)
 
+    def _read_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
+        """Layers [start, end) of the file's chunk: its header, then only the range's bytes,
+        checked against the range's checksums (a layer-wise load reads each byte once). A
+        damaged file is deleted and counted, as by `_read`."""
+        path = self._path(key)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        try:
+            with path.open("rb") as file:
+                header, offset = self._parse_header(file.read(PREFIX.size + MAX_HEADER_BYTES))
+                if header.key != key:
+                    raise ChunkFileError("holds another key")
+                if not 0 <= start < end <= header.shape[0]:
+                    return None
+                part = range_header(header, start, end)
+                if part is None or root_checksum(header.slice_checksums) != header.checksum:
+                    raise ChunkFileError("checksum mismatch")
+                file.seek(offset + start * (header.num_bytes // header.shape[0]))
+                data = file.read(part.num_bytes)
+            if (problem := chunk_problem(part, data)) is not None:
+                raise ChunkFileError(problem)
+        except (OSError, ChunkFileError) as exc:
+            with self._index_lock:
+                held = self._forget(key)
+            if held:
+                self._drop(path, str(exc))
+            return None
+        return KvChunk(part, data)
+
     def _drop(self, path: Path, why: str) -> None:
         log.warning("dropping KV chunk file %s: %s", path.name, why)
         with self._index_lock:
@@ -198,6 +227,16 @@ class DiskTier(StoreTier):
                 if key in self._files:
                     self._files.move_to_end(key)
             self._touch(key)
+        return chunk
+
+    def get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
+        if not self.contains(key):
+            return None
+        chunk = self._read_layers(key, start, end)
+        if chunk is not None:
+            with self._index_lock:
+                if key in self._files:
+                    self._files.move_to_end(key)
         return chunk
 
     def _touch(self, key: ChunkKey) -> None:

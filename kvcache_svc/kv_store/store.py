@@ -206,9 +206,7 @@ class KvStore:
         answered: list[KvChunk | None] = []
         num_bytes = 0
         for key in keys:
-            chunk = self._get(key)
-            if chunk is not None and layers is not None:
-                chunk = layer_range(chunk, *layers)     # checksummed here, outside the lock
+            chunk = self._get(key) if layers is None else self._get_layers(key, *layers)
             if chunk is not None and answered and num_bytes + chunk.num_bytes > max_bytes:
                 break
             answered.append(chunk)
@@ -241,6 +239,28 @@ class KvStore:
                 if self._num_locked:
                     self._place(chunk)
                 return chunk
+        return None
+
+    def _get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
+        """Layers [start, end) of the chunk (`layer_range`: nothing hashed). A layer-wise
+        load's first range takes the whole chunk as `_get` does (copied up into memory when
+        found lower); a later range found only below the memory tiers (pushed out since, the
+        memory tier smaller than the hit) is read alone from there."""
+        if start == 0:
+            chunk = self._get(key)
+            return None if chunk is None else layer_range(chunk, start, end)
+        with self._lock:
+            for index in range(self._num_locked):
+                chunk = self.tiers[index].get(key)
+                if chunk is not None:
+                    return layer_range(chunk, start, end)
+            chunk = self._spilling.get(key)
+            if chunk is not None:
+                return layer_range(chunk, start, end)
+        for tier in self.tiers[self._num_locked:]:
+            part = tier.get_layers(key, start, end)
+            if part is not None:
+                return part
         return None
 
     def _place_locked_up(self, chunk: KvChunk) -> None:

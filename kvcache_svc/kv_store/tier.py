@@ -9,7 +9,7 @@ index updates, never across a read or write, so the store calls it outside its l
 
 from abc import ABC, abstractmethod
 
-from services.kv_chunks import KvChunk
+from services.kv_chunks import KvChunk, layer_range
 from services.kv_store_wire import ChunkKey, TierStats
 
 
@@ -32,6 +32,13 @@ class StoreTier(ABC):
         """The chunk, made most recently used; None when not held. A tier that can find a
         chunk damaged (a file) checks it first, and deletes and counts one that fails: a
         damaged chunk is a miss, never returned."""
+
+    def get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
+        """Layers [start, end) of the chunk (`services.kv_chunks.layer_range`), made most
+        recently used; None when not held, or it has fewer layers. A tier that reads from
+        storage reads (and checks) only the range."""
+        chunk = self.get(key)
+        return None if chunk is None else layer_range(chunk, start, end)
 
     @abstractmethod
     def put(self, chunk: KvChunk, want_evicted: bool) -> list[KvChunk]:

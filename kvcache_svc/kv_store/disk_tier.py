@@ -229,6 +229,10 @@ class DiskTier(StoreTier):
             self._touch(key)
         return chunk
 
+    def held_bytes(self, key: ChunkKey) -> int | None:
+        with self._index_lock:
+            return self._files.get(key)        # the file's bytes, header included
+
     def get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
         if not self.contains(key):
             return None

@@ -244,9 +244,10 @@ class KvStore:
     def _get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
         """Layers [start, end) of the chunk (`layer_range`: nothing hashed). A layer-wise
         load's first range takes the whole chunk as `_get` does (copied up into memory when
-        found lower); a later range found only below the memory tiers (pushed out since, the
-        memory tier smaller than the hit) is read alone from there."""
-        if start == 0:
+        found lower), unless the first memory tier could not hold it; any other range found
+        only below the memory tiers (pushed out since, or too large for them) is read alone
+        from there, so a hit on disk reads each byte once."""
+        if start == 0 and self._may_come_up(key):
             chunk = self._get(key)
             return None if chunk is None else layer_range(chunk, start, end)
         with self._lock:
@@ -262,6 +263,15 @@ class KvStore:
             if part is not None:
                 return part
         return None
+
+    def _may_come_up(self, key: ChunkKey) -> bool:
+        """Whether the first memory tier could hold the chunk, as far as a lower tier says."""
+        if not self._num_locked:
+            return False
+        capacity = getattr(self.tiers[0], "capacity_bytes", None)
+        sizes = [tier.held_bytes(key) for tier in self.tiers[self._num_locked:]]
+        size = next((n for n in sizes if n is not None), None)
+        return capacity is None or size is None or size <= capacity
 
     def _place_locked_up(self, chunk: KvChunk) -> None:
         """A memory tier's hit below the first: into the first (under the lock; what it

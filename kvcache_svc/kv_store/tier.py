@@ -33,6 +33,10 @@ class StoreTier(ABC):
         chunk damaged (a file) checks it first, and deletes and counts one that fails: a
         damaged chunk is a miss, never returned."""
 
+    def held_bytes(self, key: ChunkKey) -> int | None:
+        """What the chunk takes here (None: not held, or this tier cannot say cheaply)."""
+        return None
+
     def get_layers(self, key: ChunkKey, start: int, end: int) -> KvChunk | None:
         """Layers [start, end) of the chunk (`services.kv_chunks.layer_range`), made most
         recently used; None when not held, or it has fewer layers. A tier that reads from

@@ -6,6 +6,8 @@ chunk found on disk with the first range, or from disk alone when memory cannot 
 import hashlib
 from pathlib import Path
 
+import pytest
+
 from kvcache_svc.kv_store.disk_tier import DiskTier
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
@@ -59,12 +61,19 @@ def test_a_range_of_a_chunk_on_disk_promotes_it_with_the_first_range(tmp_path: P
     store.close()
 
 
-def test_memory_too_small_for_a_chunk_serves_later_ranges_from_disk(tmp_path: Path) -> None:
+def test_memory_too_small_for_a_chunk_serves_every_range_from_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even the first range is read alone: the whole chunk could not come up anyway."""
     memory = MemoryTier(capacity_bytes=1024)                # less than one chunk
     disk = DiskTier(tmp_path, capacity_bytes=1 << 20)
     store = KvStore([memory, disk], chunk_tokens=CHUNK_TOKENS)
     store.put(layered(0).header, layered(0).data)
     assert disk.contains(key(0)) and not memory.contains(key(0))
+
+    def whole_read(*_: object) -> None:
+        raise AssertionError("read the whole chunk")
+
+    monkeypatch.setattr(disk, "get", whole_read)
     parts = [store.load([key(0)], 1 << 30, (lo, lo + 2))[0] for lo in (0, 2, 4)]
     assert all(p is not None for p in parts)
     assert b"".join(bytes(p.data) for p in parts if p is not None) == bytes(layered(0).data)

@@ -3,10 +3,10 @@ instead of recomputed, and what the store costs on the shared workload; one invo
 
     .venv/bin/python bench/kv_store.py [--quick] [--questions 3] [--doc-tokens 2000]
                                        [--repeats 2] [--skip-throughput]
-                                       [--skip-whole-loads] [--out FILE]
+                                       [--skip-whole-loads] [--skip-scenarios] [--out FILE]
 
-About 8 minutes on 2 cores (AMD EPYC Zen 2, AVX2): 3 clusters of ~1 minute of TTFT each,
-40 s per workload run.
+About 10 minutes on 2 cores (Intel Xeon, family 6 model 207): 3 clusters of ~1 minute of
+TTFT each, 1.5 minutes of further scenarios (3 below), 40 s per workload run.
 
 1. TTFT. A document prompt of about --doc-tokens tokens (real text: the shared workload's
    sentences as numbered notes, in the system message of the model's chat template), then
@@ -32,12 +32,14 @@ About 8 minutes on 2 cores (AMD EPYC Zen 2, AVX2): 3 clusters of ~1 minute of TT
    that says how close a hit comes to its transfer time (issue 24, point 2). Which replica
    served a question is read from kvcache_svc's per-pool counters (admitted prompt tokens), its
    store hits, loads and load fallbacks from ServerInfo.
-2. Throughput on the shared workload (../shared/bench, as bench/throughput.py runs it: 64
+2. The seeds' 32-token prompt, a 10-turn chat re-sending its history, and hits read from the
+   disk tier, each on fresh one-replica clusters (bench/kv_store_scenarios.py has the detail).
+3. Throughput on the shared workload (../shared/bench, as bench/throughput.py runs it: 64
    prompts x 128 tokens all at once, float32, a fresh cluster per run), store on and off in
-   alternation, --repeats runs each; ratio of the medians (target: within 3 %). Its prompts are
-   shorter than a 256-token chunk, so the store can hold none of them: this is the store's
-   overhead alone. --quick: the first 16 prompts only (said so in the output), for slower
-   machines; the full workload fits in a minute per run here.
+   alternation, --repeats runs each; ratio of the medians (target: within 3 %). Its prompts
+   all differ, so the store serves no hit: this is the store's overhead alone (saving each
+   prompt's KV as a partial chunk). --quick: the first 16 prompts only (said so in the
+   output), for slower machines; the full workload fits in a minute per run here.
 
 Prints the CPU (model, vector flags, the workers' kernel level) and a table; writes JSON to
 bench/results/kv_store-<time>.json (or --out). This file builds the prompts and reports; the

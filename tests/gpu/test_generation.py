@@ -1,7 +1,8 @@
 """The services with their worker on the GPU give HF transformers' greedy outputs (fp32, TF32
 off, same GPU, same random weights), token for token up to a reference near-tie: 16 prompts at
 once with chunked prefill on (CUDA graphs and eager), many small chunks, chunked prefill off,
-a prefix-cache hit, and preemption forced by a tiny KV pool.
+a prefix-cache hit, a KV store hit loaded layer by layer, and preemption forced by a tiny KV
+pool.
 
 The workers are other processes: they must keep TF32 off in fp32 themselves (torch's default),
 which a mismatch well above TIE_MARGIN here would show."""
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from services.rpc.splitserve.v1 import generation_pb2
+from services.rpc.splitserve.v1 import generation_pb2, kvcache_pb2
 from tests.e2e.harness import (
     RunningCluster,
     assert_matches_reference,
     greedy_request,
     stream_tokens,
+    wait_for,
 )
 from tests.gpu.cluster import gpu_cluster, replica_info, run_concurrently
 from tests.gpu.conftest import MAX_TOKENS
@@ -63,6 +65,25 @@ class TestDefaultFlags:
             "the repeat should hit the cache"
         assert second[0] == first[0]
         assert_matches_reference(second[0], *references[3], label="cached prompt 3")
+
+
+    def test_kv_store_hit_loaded_layer_by_layer_matches_hf(
+            self, cluster: RunningCluster, prompts: list[list[int]],
+            references: References) -> None:
+        """After the replica's blocks are cleared, a prompt seen before loads from the KV
+        store, layer by layer: its step computes the last token as each layer group's KV
+        lands (the loader's stream and CUDA events on a GPU; that step runs eagerly)."""
+        prompt = prompts[5]
+        first = stream_tokens(cluster.stub, greedy_request(prompt, MAX_TOKENS))
+        assert wait_for(lambda: cluster.kv_stats().store.num_stored_tokens >= len(prompt), 20)
+        cluster.kv_admin.Clear(kvcache_pb2.ClearRequest(), timeout=10,
+                               metadata=cluster.metadata)
+        again = stream_tokens(cluster.stub, greedy_request(prompt, MAX_TOKENS))
+        assert again[2].usage.store_hit_tokens == len(prompt) - 1, again[2].usage
+        assert again[0] == first[0]
+        assert_matches_reference(again[0], *references[5], label="store hit, prompt 5")
+        logs = "\n".join(p.read_text() for p in cluster.log_dir.glob("worker*"))
+        assert " layer by layer " in logs
 
 
 def test_enforce_eager_matches_hf(tmp_path: Path, model_path: Path, prompts: list[list[int]],

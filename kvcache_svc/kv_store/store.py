@@ -202,7 +202,7 @@ class KvStore:
         chunk would take the total past `max_bytes` (the first key is always answered).
         `layers`: only that range of each chunk's layers (`layer_range`; a chunk with fewer
         is a miss); a layer-wise load asks for every range, so its chunks and tokens count
-        with its first range only."""
+        with the last range only (served whole, then)."""
         answered: list[KvChunk | None] = []
         num_bytes = 0
         for key in keys:
@@ -215,7 +215,7 @@ class KvStore:
                     self._num_load_miss_tokens += key.num_tokens
                     continue
                 num_bytes += chunk.num_bytes
-                if layers is None or layers[0] == 0:
+                if layers is None or layers[1] >= key.layer_end - key.layer_start:
                     self._num_loaded_chunks += 1
                     self._num_loaded_tokens += key.num_tokens
                 self._num_loaded_bytes += chunk.num_bytes

@@ -12,10 +12,18 @@ from kvcache_svc.kv_store.disk_tier import DiskTier
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
 from services.kv_chunks import KvChunk, layer_range, make_chunk
-from tests.kvcache_svc.kv_store.common import CHUNK_TOKENS, key
+from services.kv_store_wire import ChunkKey, KvSlice
+from tests.kvcache_svc.kv_store.common import CHUNK_TOKENS, block_hash
 
 NUM_LAYERS = 6
 LAYER_ELEMENTS = 256              # float16: 512 bytes per layer
+
+
+SLICE = KvSlice("test-model", "float16", 0, NUM_LAYERS, 0, 4)
+
+
+def key(i: int) -> ChunkKey:
+    return SLICE.key(block_hash(i), CHUNK_TOKENS)
 
 
 def layered(i: int) -> KvChunk:
@@ -53,6 +61,7 @@ def test_a_range_of_a_chunk_on_disk_promotes_it_with_the_first_range(tmp_path: P
     [first] = store.load([key(0)], 1 << 30, (0, 2))
     assert first is not None and first.header.shape == (2, LAYER_ELEMENTS)
     assert memory.contains(key(0))                          # read whole, copied up
+    assert store.stats().num_loaded_chunks == 0             # counted with its last range
     [later] = store.load([key(0)], 1 << 30, (2, 6))
     assert later is not None and bytes(later.data) == bytes(layered(0).data)[2 * 512:]
     stats = store.stats()

@@ -121,6 +121,16 @@ def measure(c: RunningCluster, prompt: str) -> dict[str, object]:
     return row
 
 
+def measure_evicted(c: RunningCluster, prompts: list[str]) -> list[dict[str, object]]:
+    """(b): each question after an admin Clear of replica 0's blocks (saves settled after)."""
+    rows = []
+    for p in prompts:
+        evict(c, 0)
+        rows.append(measure(c, p))
+        settle_store(c)
+    return rows
+
+
 @contextmanager
 def busy_replica(c: RunningCluster) -> Iterator[int]:
     """A long decode running for the duration: yields the replica it runs on."""
@@ -174,12 +184,7 @@ def ttft_cluster(store: bool, prompts: list[str], log_dir: Path, layerwise: bool
         out["cold"] = [measure(c, prompts[0])]
         out["warm"] = [measure(c, p) for p in prompts[1:]]
         settle_store(c)
-        evicted = []
-        for p in prompts:
-            evict(c, 0)
-            evicted.append(measure(c, p))
-            settle_store(c)
-        out["evicted"] = evicted
+        out["evicted"] = evicted = measure_evicted(c, prompts)
         with busy_replica(c) as busy:
             other = 1 - busy
             second = []

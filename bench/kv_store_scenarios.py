@@ -34,6 +34,7 @@ from kv_store_runs import (  # noqa: E402
     STORE_OFF_WORKER_ARGS,
     evict,
     measure,
+    measure_evicted,
     settle_store,
     workload_module,
 )
@@ -156,11 +157,7 @@ def disk_run(prompts: list[str], log_dir: Path) -> dict[str, object]:
         for p in prompts[1:]:       # untimed: every question's own tail is stored too
             measure(c, p)
         settle_store(c)
-        evicted = []
-        for p in prompts:
-            evict(c, 0)
-            evicted.append(measure(c, p))
-            settle_store(c)
+        evicted = measure_evicted(c, prompts)
         store = c.kv_stats().store
         tiers = {t.name: (t.num_chunks, t.num_bytes) for t in store.tiers}
     return {"cold": cold, "evicted": evicted, "tiers": tiers,

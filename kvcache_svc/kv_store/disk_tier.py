@@ -160,10 +160,7 @@ class DiskTier(StoreTier):
             if (problem := chunk_problem(header, data)) is not None:
                 raise ChunkFileError(problem)
         except (OSError, ChunkFileError) as exc:
-            with self._index_lock:
-                held = self._forget(key)
-            if held:
-                self._drop(path, str(exc))
+            self._damaged(key, path, exc)
             return None
         return KvChunk(header, data)
 
@@ -189,12 +186,17 @@ class DiskTier(StoreTier):
             if (problem := chunk_problem(part, data)) is not None:
                 raise ChunkFileError(problem)
         except (OSError, ChunkFileError) as exc:
-            with self._index_lock:
-                held = self._forget(key)
-            if held:
-                self._drop(path, str(exc))
+            self._damaged(key, path, exc)
             return None
         return KvChunk(part, data)
+
+    def _damaged(self, key: ChunkKey, path: Path, exc: Exception) -> None:
+        """A read failed: the file is deleted and counted, unless it already left the index
+        (evicted or removed meanwhile: just a miss)."""
+        with self._index_lock:
+            held = self._forget(key)
+        if held:
+            self._drop(path, str(exc))
 
     def _drop(self, path: Path, why: str) -> None:
         log.warning("dropping KV chunk file %s: %s", path.name, why)

@@ -1,6 +1,9 @@
-"""Scheduler configuration: parsed once in `__main__` into frozen objects and passed down."""
+"""Scheduler configuration: parsed once in `__main__` into frozen objects and passed down;
+a replica's engine gets an `EngineConfig` from membership."""
 
 from dataclasses import dataclass
+
+from services.kv_store_wire import KvSlice
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,23 @@ class SchedulerConfig:
         if self.chunked_prefill:
             return self.max_num_batched_tokens
         return max(self.max_num_batched_tokens, self.max_model_len)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One replica's engine (scheduler_svc.engine), as membership builds it."""
+
+    replica_id: int
+    scheduler: SchedulerConfig
+    num_kv_blocks: int                 # including the null block 0
+    kv_timeout_s: float
+    step_timeout_s: float
+    ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
+    max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
+    async_scheduling: bool = False     # PP = 1: plan step N+1 while step N runs
+    scheduler_epoch: int = 0           # this scheduler instance (kvcache_svc drops older pools)
+    # Every rank's part of the KV in kvcache_svc's store, in rank order; empty: no loads.
+    store_slices: tuple[KvSlice, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

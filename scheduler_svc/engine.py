@@ -34,16 +34,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.config import EngineConfig
 from scheduler_svc.engine_inbox import Abort, Add, Command, EngineInbox
 from scheduler_svc.engine_transport import Connect, EngineTransport
 from scheduler_svc.request import FinishReason, Request, RequestOutput
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.stats import EngineStats
-from scheduler_svc.step_window import STEP_LOG_INTERVAL, StepWindow
-from services.kv_store_wire import KvSlice
+from scheduler_svc.step_window import StepTimes
 from services.kv_wire import (
     ConfigurePool,
     DropPool,
@@ -71,21 +69,6 @@ POLL_S = 0.2              # how often blocking waits look for a fail-over
 
 class EngineError(RuntimeError):
     """The replica cannot continue (a worker or kvcache_svc stopped answering)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    replica_id: int
-    scheduler: SchedulerConfig
-    num_kv_blocks: int                 # including the null block 0
-    kv_timeout_s: float
-    step_timeout_s: float
-    ship_sampled_tokens: bool          # pipeline parallel: non-last ranks need sampled tokens
-    max_batches_in_flight: int = 1     # the PP batch queue: pp_size keeps every stage busy
-    async_scheduling: bool = False     # PP = 1: plan step N+1 while step N runs
-    scheduler_epoch: int = 0           # this scheduler instance (kvcache_svc drops older pools)
-    # Every rank's part of the KV in kvcache_svc's store, in rank order; empty: no loads.
-    store_slices: tuple[KvSlice, ...] = ()
 
 
 class ReplicaEngine:
@@ -116,10 +99,8 @@ class ReplicaEngine:
         self.num_kv_recoveries = 0
         self.ready = threading.Event()
         self.num_steps = 0
-        self.forward_gap_ms_total = 0.0   # sum of StepTimings.gap_ms (ServerInfo)
-        self.num_forward_gaps = 0
+        self._times = StepTimes(config.replica_id)   # the log's windows, ServerInfo's gaps
         self._stats = self._snapshot()
-        self._window = StepWindow()
 
     # ---------------------------------------------------------------- called from other threads
 
@@ -185,8 +166,7 @@ class ReplicaEngine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_kv_recoveries=self.num_kv_recoveries, kv_ok=self.kv_ok,
-            forward_gap_ms_total=self.forward_gap_ms_total,
-            num_forward_gaps=self.num_forward_gaps,
+            forward_gap_ms_total=self._times.gap_ms_total, num_forward_gaps=self._times.num_gaps,
             num_prompt_tokens_admitted=sched.num_prompt_tokens_admitted,
             num_cached_tokens_admitted=sched.num_cached_tokens_admitted,
             num_store_hit_tokens=sched.loads.num_hit_tokens,
@@ -219,13 +199,17 @@ class ReplicaEngine:
                              store_slices=list(cfg.store_slices),
                              group_windows=list(cfg.scheduler.kv_group_windows))
 
+    def _pool_made(self, ack: KvAck) -> None:
+        """kvcache_svc (instance `ack.epoch`) holds our pool, saving chunks of this size."""
+        self.kv_epoch = ack.epoch
+        self.scheduler.kv_blocks.save_chunk_tokens = ack.save_chunk_tokens
+
     def _bring_up(self, io: EngineTransport) -> None:
         cfg = self.config
         ack = io.call_kv(self._configure_pool(), timeout_ms=int(cfg.kv_timeout_s * 1000))
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
-        self.kv_epoch = ack.epoch
-        self.scheduler.kv_blocks.save_chunk_tokens = ack.save_chunk_tokens
+        self._pool_made(ack)
         io.send_to_ranks(InitCache(num_blocks=cfg.num_kv_blocks,
                                    block_size=cfg.scheduler.block_size))
         ready = 0
@@ -309,20 +293,9 @@ class ReplicaEngine:
         if output.error is not None:
             self._fail_step(output.step_id, output.error)
             return
-        if output.timings.gap_ms > 0:
-            self.forward_gap_ms_total += output.timings.gap_ms
-            self.num_forward_gaps += 1
         self._on_outputs(self.scheduler.update(output))
         self._finish_loads(io.num_ranks)
-        self._window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
-                         update_ms=(time.perf_counter() - received) * 1000,
-                         forward_ms=output.timings.forward_ms + output.timings.sample_ms,
-                         num_tokens=output.timings.num_tokens,
-                         gap_ms=output.timings.gap_ms)
-        cfg = self.config
-        if self._window.num_steps == STEP_LOG_INTERVAL:
-            log.info("replica %d, last %s", cfg.replica_id, self._window.summary())
-            self._window = StepWindow()
+        self._times.record(started, sent, received, time.perf_counter(), output.timings)
 
     def _fail_step(self, step_id: int, error: StepError) -> None:
         failed, poisoned = self.scheduler.fail_step(step_id, error)
@@ -403,8 +376,7 @@ class ReplicaEngine:
             self._check_down()
             ack = io.call_kv(configure, timeout_ms=int(KV_RETRY_S * 1000))
             if isinstance(ack, KvAck) and ack.error is None:
-                self.kv_epoch = ack.epoch
-                self.scheduler.kv_blocks.save_chunk_tokens = ack.save_chunk_tokens
+                self._pool_made(ack)
                 self.num_kv_recoveries += 1
                 self._reset_pool = False
                 log.info("replica %d: pool re-created in kvcache_svc (epoch %d); %d requests "

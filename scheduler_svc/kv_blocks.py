@@ -1,4 +1,5 @@
-"""The scheduler's side of KV groups (services.kv_groups): how many blocks a step takes.
+"""The scheduler's side of KV groups (services.kv_groups): how many blocks a step takes, and
+which of them it enters into the prefix index.
 
 `Scheduler` (scheduler.py) drafts each plan from an estimate of the replica's free blocks;
 `KvBlocks` works out what a grow or an admission takes from it over every group (a sliding
@@ -18,9 +19,18 @@ class KvBlocks:
         self.num_groups = len(self.windows)
         self.block_size = config.block_size
         self.has_sliding = any(self.windows)
+        self.prefix_caching = config.prefix_caching
         # Chunks of the KV store whose blocks sliding groups keep until complete (kvcache_svc
         # says so when the pool is configured, `KvAck.save_chunk_tokens`); 0: none.
         self.save_chunk_tokens = 0
+
+    def hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[bytes]:
+        """Hashes of the blocks a step that ends at `num_tokens_after` fills and kvcache_svc
+        has not entered into the prefix index yet (none without prefix caching)."""
+        if not self.prefix_caching:
+            return []
+        num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
+        return request.block_hashes[request.num_committed_blocks:num_full]
 
     def first_kept(self, num_computed_tokens: int) -> list[int]:
         """Per group, the first table entry a request still holds once a step starts at

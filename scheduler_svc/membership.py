@@ -25,8 +25,8 @@ from typing import Protocol
 
 import zmq
 
-from scheduler_svc.config import SchedulerConfig, ServerConfig
-from scheduler_svc.engine import EngineConfig, OnOutputs, ReplicaEngine
+from scheduler_svc.config import EngineConfig, SchedulerConfig, ServerConfig
+from scheduler_svc.engine import OnOutputs, ReplicaEngine
 from scheduler_svc.engine_transport import ZmqTransport
 from scheduler_svc.placement import (
     GONE_STATES,

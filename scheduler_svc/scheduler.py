@@ -5,8 +5,8 @@ A step has three phases, and the scheduler owns the state between them (no netwo
 1. `schedule()` drafts a `PlanRequest` for kvcache_svc: frees, grows of running requests (in
    arrival order, each capped by the token budget; when the free-block estimate runs out the
    latest running request is preempted by recompute), then admissions of waiting requests.
-2. `apply_plan(reply)` takes what kvcache_svc granted and returns the `StepInput` diff for the
-   workers (or None when nothing runs). `num_computed_tokens` advances here.
+2. `apply_plan(reply)` takes what kvcache_svc granted (scheduler_svc.granted, per request) and
+   returns the workers' `StepInput` diff (None: nothing runs). `num_computed_tokens` advances.
 3. `update(output)` appends sampled tokens, checks stop conditions, detokenizes, and returns
    one `RequestOutput` per request that produced something; `fail_step(step_id, error)`
    instead when the worker could not run the step (its requests end with an error).
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from scheduler_svc.chunking import Chunking
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.detokenizer import final_output, stop_check, token_output
+from scheduler_svc.granted import apply_admission, apply_grow
 from scheduler_svc.kv_blocks import KvBlocks
 from scheduler_svc.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.steps_in_flight import StepsInFlight
@@ -119,11 +120,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
-        self._finish(request, FinishReason.ABORT, None)
+        self._end(request)
         return final_output(request, [], [])
 
     # Pending finished ids count for neither: they ride on the next step that runs a request
@@ -220,7 +217,7 @@ class Scheduler:
             grow_reqs.append((request, num_new))
             grows.append(GrowOp(request_id=request.request_id,
                                 num_tokens=request.num_computed_tokens + num_new,
-                                new_block_hashes=self._hashes_to_commit(
+                                new_block_hashes=self.kv_blocks.hashes_to_commit(
                                     request, request.num_computed_tokens + num_new),
                                 num_computed_tokens=request.num_computed_tokens))
             i += 1
@@ -256,13 +253,6 @@ class Scheduler:
         self._draft = _Draft(plan, grow_reqs, admit_reqs)
         return plan
 
-    def _hashes_to_commit(self, request: Request, num_tokens_after: int) -> list[bytes]:
-        """Hashes of blocks that this step fills and kvcache_svc has not indexed yet."""
-        if not self.config.prefix_caching:
-            return []
-        num_full = min(num_tokens_after // self.config.block_size, len(request.block_hashes))
-        return request.block_hashes[request.num_committed_blocks:num_full]
-
     def _preempt(self, request: Request, release_blocks: bool) -> None:
         if release_blocks:
             self._free_ids.append(request.request_id)
@@ -290,18 +280,13 @@ class Scheduler:
             if new_blocks is None or request.status is not RequestStatus.RUNNING:
                 continue  # did not fit this step; it keeps its place and retries
             self.kv_blocks.grown(request, new_blocks)
-            num_commits = len(self._hashes_to_commit(request,
+            num_commits = len(self.kv_blocks.hashes_to_commit(request,
                                                      request.num_computed_tokens + num_new))
             request.num_committed_blocks += num_commits
             if num_commits:
                 committing.add(request.request_id)
-            running.append(RunningRequest(
-                request_id=request.request_id,
-                num_computed_tokens=request.num_computed_tokens,
-                num_new_tokens=num_new,
-                new_block_ids=new_blocks,
-                new_token_ids=self._new_token_ids.pop(request.request_id, [])))
-            request.num_computed_tokens += num_new
+            running.append(apply_grow(request, num_new, new_blocks,
+                                      self._new_token_ids.pop(request.request_id, [])))
 
         new_requests: list[NewRequest] = []
         loading: list[tuple[Request, AdmitResult, bool]] = []
@@ -313,13 +298,10 @@ class Scheduler:
             if self.waiting[0] is not request:
                 raise RuntimeError("admitted request is not at the head of the waiting queue")
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
             self.kv_blocks.check(result.block_ids)
-            request.set_blocks(result.block_ids)
-            request.num_committed_blocks = result.num_committed_blocks
+            new_requests.append(apply_admission(request, result))
             if result.num_committed_blocks * self.config.block_size > result.num_cached_tokens:
                 committing.add(request.request_id)
-            request.num_computed_tokens = result.num_cached_tokens
             first = request.num_cached_tokens is None
             if first:
                 request.num_cached_tokens = result.num_cached_tokens
@@ -327,19 +309,8 @@ class Scheduler:
                 self.num_cached_tokens_admitted += result.num_cached_tokens
                 self.loads.admitted(request, result.num_cached_tokens, result.num_load_tokens)
             self.running.append(request)
-            new_requests.append(NewRequest(
-                request_id=request.request_id, token_ids=list(request.token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling=request.sampling.to_spec(), block_ids=result.block_ids,
-                num_computed_tokens=result.num_cached_tokens,
-                num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
-                num_load_tokens=result.num_load_tokens))
             if result.num_load_tokens:
                 loading.append((request, result, first))
-                if result.num_new_tokens:     # a layer-wise load: computes on after it
-                    request.num_computed_tokens += result.num_load_tokens
-            request.on_worker = True
-            request.num_computed_tokens += result.num_new_tokens
 
         if not running and not new_requests:
             return None
@@ -392,11 +363,7 @@ class Scheduler:
             request = e.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished or aborted while the step ran
-            if request.status is RequestStatus.WAITING:
-                self.waiting.remove(request)
-            else:
-                self.running.remove(request)
-            self._finish(request, FinishReason.ABORT, None)
+            self._end(request)
             final = final_output(request, [], [])
             final.error = f"the worker failed a step of this request: {error.message}"
             final.server_fault = True
@@ -413,6 +380,12 @@ class Scheduler:
             self._finish(request, reason, stop_reason)
             return final_output(request, [token_id], [logprobs])
         return token_output(request, token_id, logprobs)
+
+    def _end(self, request: Request) -> None:
+        """A live request leaves its queue and finishes with reason ABORT."""
+        (self.waiting if request.status is RequestStatus.WAITING else self.running).remove(
+            request)
+        self._finish(request, FinishReason.ABORT, None)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None,
                 ) -> None:

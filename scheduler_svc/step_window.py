@@ -1,7 +1,13 @@
-"""Where a replica's step time goes: the engine sums each step's phases over a window and
-logs one line per window (`STEP_LOG_INTERVAL` steps)."""
+"""Where a replica's step time goes: the engine records each step's phases (`StepTimes`),
+which sums them over a window and logs one line per window (`STEP_LOG_INTERVAL` steps), and
+keeps the last stage's idle time between forwards since start (ServerInfo)."""
 
+import logging
 from dataclasses import dataclass
+
+from services.wire import StepTimings
+
+log = logging.getLogger(__name__)
 
 STEP_LOG_INTERVAL = 200  # steps between timing summaries in the log
 
@@ -38,3 +44,28 @@ class StepWindow:
                 f"(forward+sample {self.forward_ms / n:.1f} ms), update "
                 f"{self.update_ms / n:.2f} ms, gap between forwards "
                 f"{self.gap_ms / max(1, self.num_gaps):.2f} ms")
+
+
+class StepTimes:
+    """One replica's step timings, recorded by its engine thread."""
+
+    def __init__(self, replica_id: int) -> None:
+        self.replica_id = replica_id
+        self.window = StepWindow()
+        self.gap_ms_total = 0.0       # sum of StepTimings.gap_ms since start (ServerInfo)
+        self.num_gaps = 0
+
+    def record(self, started: float, sent: float, received: float, updated: float,
+               timings: StepTimings) -> None:
+        """A step's phases (perf_counter seconds: planning began, StepInput sent, StepOutput
+        received, outputs published) and the worker's own timings."""
+        if timings.gap_ms > 0:
+            self.gap_ms_total += timings.gap_ms
+            self.num_gaps += 1
+        self.window.add(plan_ms=(sent - started) * 1000, step_ms=(received - sent) * 1000,
+                        update_ms=(updated - received) * 1000,
+                        forward_ms=timings.forward_ms + timings.sample_ms,
+                        num_tokens=timings.num_tokens, gap_ms=timings.gap_ms)
+        if self.window.num_steps == STEP_LOG_INTERVAL:
+            log.info("replica %d, last %s", self.replica_id, self.window.summary())
+            self.window = StepWindow()

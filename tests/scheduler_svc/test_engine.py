@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvcache_svc.pools import KvCachePools
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.config import EngineConfig, SchedulerConfig
+from scheduler_svc.engine import ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
 from services.kv_wire import (

@@ -16,8 +16,8 @@ import pytest
 
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineConfig, ReplicaEngine
+from scheduler_svc.config import EngineConfig, SchedulerConfig
+from scheduler_svc.engine import ReplicaEngine
 from scheduler_svc.live_requests import LiveRequests
 from scheduler_svc.request import FinishReason, Request, RequestOutput, SamplingParams
 from services.wire import (

@@ -4,6 +4,7 @@ instead of recomputed, and what the store costs on the shared workload; one invo
     .venv/bin/python bench/kv_store.py [--quick] [--questions 3] [--doc-tokens 2000]
                                        [--repeats 2] [--skip-throughput]
                                        [--skip-whole-loads] [--skip-scenarios] [--out FILE]
+                                       [--skip-ttft] [--throughput-dtype bfloat16]
 
 About 10 minutes on 2 cores (Intel Xeon, family 6 model 207): 3 clusters of ~1 minute of
 TTFT each, 1.5 minutes of further scenarios (3 below), 40 s per workload run.
@@ -174,12 +175,13 @@ def report_throughput(results: dict[str, object]) -> None:
     ratio = tp_on["batch_tok_s"] / tp_off["batch_tok_s"]
     results["throughput_ratio_on_off"] = ratio
     print(f"\nshared workload{' (--quick: a subset)' if results['quick'] else ''}: "
-          f"{results['num_prompts']} prompts x {results['max_tokens']} tokens, {DTYPE}, "
+          f"{results['num_prompts']} prompts x {results['max_tokens']} tokens, "
+          f"{results['throughput_dtype']}, "
           f"median of {results['repeats']} run(s) each, alternating")
-    print(f"{'store':<12}{'all at once tok/s':>18}{'runs':>24}")
+    print(f"{'store':<12}{'all at once tok/s':>18}  runs")
     for name, side in (("on", tp_on), ("off", tp_off)):
         runs = ", ".join(f"{r['batch_tok_s']:.1f}" for r in side["runs"])
-        print(f"{name:<12}{side['batch_tok_s']:>18.1f}{runs:>24}")
+        print(f"{name:<12}{side['batch_tok_s']:>18.1f}  {runs}")
     print(f"ratio on/off: {ratio:.3f} (target within 3 %: "
           f"{'met' if abs(ratio - 1) <= 0.03 else 'NOT met'})")
 
@@ -194,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="document prompt length in tokens (at least)")
     p.add_argument("--repeats", type=int, default=2, help="throughput runs per store setting")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--throughput-dtype", choices=["float32", "bfloat16"], default=DTYPE,
+                   help="the workload runs' dtype (the TTFT clusters run float32)")
+    p.add_argument("--skip-ttft", action="store_true",
+                   help="the throughput runs only (no TTFT clusters, no scenarios)")
     p.add_argument("--skip-whole-loads", action="store_true",
                    help="no cluster loading hits whole before computing (the comparison "
                         "for layer-wise loads, --no-layerwise-kv-loads)")
@@ -201,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="no seeds' prompt, chat or disk tier clusters (kv_store_scenarios.py)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    a.skip_scenarios = a.skip_scenarios or a.skip_ttft     # their ratios need the TTFT runs
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
 
     cpu = cpu_info()
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     log_root = Path(tempfile.mkdtemp(prefix="splitserve-kvstore-bench-"))
     for store, layerwise, name in ((True, True, "on"), (True, False, "on_whole"),
                                    (False, True, "off")):
-        if name == "on_whole" and a.skip_whole_loads:
+        if a.skip_ttft or (name == "on_whole" and a.skip_whole_loads):
             continue
         start = time.perf_counter()
         side = ttft_cluster(store, texts, log_root / f"store-{name}", layerwise)
@@ -225,26 +232,30 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(default_model_path())
         results["scenarios"] = run_scenarios(texts, tok.encode(texts[0])[:SEEDS_TOKENS],
                                              log_root)
-    levels = {r["cpu_level"] for r in results["ttft_store_on"]["replicas"]}  # type: ignore[index]
-    results["cpu_level"] = sorted(levels)
-    print(f"workers' kernel level: {', '.join(sorted(levels))}", flush=True)
+    if not a.skip_ttft:
+        levels = {r["cpu_level"]
+                  for r in results["ttft_store_on"]["replicas"]}  # type: ignore[index]
+        results["cpu_level"] = sorted(levels)
+        print(f"workers' kernel level: {', '.join(sorted(levels))}", flush=True)
 
     if not a.skip_throughput:
         prompts, single, max_tokens = load_workload()
         prompts = prompts[:16] if a.quick else prompts
         results.update({"num_prompts": len(prompts), "max_tokens": max_tokens,
-                        "repeats": a.repeats})
+                        "repeats": a.repeats, "throughput_dtype": a.throughput_dtype})
         runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for i in range(a.repeats):
             for store in ((True, False) if i % 2 == 0 else (False, True)):
                 start = time.perf_counter()
-                runs[store].append(throughput_run(store, prompts, single, max_tokens))
+                runs[store].append(throughput_run(store, prompts, single, max_tokens,
+                                                  a.throughput_dtype))
                 print(f"throughput run {i + 1}/{a.repeats} store {'on' if store else 'off'}: "
                       f"{runs[store][-1]['batch_tok_s']:.1f} tok/s "
                       f"({time.perf_counter() - start:.0f} s with start-up)", flush=True)
         results["throughput_store_on"] = medians(runs[True])
         results["throughput_store_off"] = medians(runs[False])
-    report_ttft(results)
+    if not a.skip_ttft:
+        report_ttft(results)
     if not a.skip_scenarios:
         results["scenario_ratios"] = report_scenarios(
             results["scenarios"],  # type: ignore[arg-type]

@@ -304,8 +304,8 @@ def environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def throughput_run(store: bool, prompts: list[str], single: str,
-                   max_tokens: int) -> dict[str, float]:
+def throughput_run(store: bool, prompts: list[str], single: str, max_tokens: int,
+                   dtype: str = DTYPE) -> dict[str, float]:
     worker_args = ["--device", "cpu", *([] if store else STORE_OFF_WORKER_ARGS)]
     with environment({} if store else STORE_OFF_ENV):
-        return bench_splitserve(prompts, single, max_tokens, DTYPE, [], worker_args)
+        return bench_splitserve(prompts, single, max_tokens, dtype, [], worker_args)

@@ -32,6 +32,7 @@ from services.kv_wire import (
 from services.launcher import INTERNAL_HOST, REPO_ROOT, ClusterSpec, ServiceProcesses
 from services.zmq_gate import present_credentials
 from tests.e2e.harness import free_ports, wait_for
+from tests.services.refused_peer import queue_while_refused
 
 pytestmark = pytest.mark.e2e
 
@@ -97,16 +98,7 @@ def test_an_anonymous_gigabyte_is_refused_before_it_is_buffered(
             # Queued at once on the pipe connect() made (NOBLOCK: it is accepted, not
             # waiting for a connection). Each frame is under the socket's per-frame limit
             # (512 MiB at the store, 64 MiB at the plan socket); together 1 GiB and 128 MiB.
-            # On a loaded machine libzmq's I/O thread may have refused the handshake first:
-            # the pipe is gone until it reconnects, and the send finds none (Again).
-            for _ in range(100):
-                try:
-                    sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    time.sleep(0.02)
-            else:
-                raise AssertionError("no pipe to queue the message on for 2 s")
+            queue_while_refused(sock, frames, copy=False)
         time.sleep(3)
         after = rss_mib(pid)
         assert after - before < 64, f"kvcache_svc grew from {before:.0f} to {after:.0f} MiB"

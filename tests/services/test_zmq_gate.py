@@ -21,6 +21,7 @@ from services.wire import (
     ToWorker,
 )
 from services.zmq_gate import guard_listener, present_credentials
+from tests.services.refused_peer import queue_while_refused
 
 KEY = frame_key("zmq-gate-test-token-0123456789")
 OTHER = frame_key("some-other-cluster-token-9876")
@@ -43,7 +44,7 @@ def test_only_members_get_through_the_handshake(caplog: pytest.LogCaptureFixture
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(receiver.address)
             # Queued on the sender's side: the handshake never completes, nothing is sent.
-            sock.send_multipart([b"x" * 1024] * 4, flags=zmq.NOBLOCK)
+            queue_while_refused(sock, [b"x" * 1024] * 4)
         assert receiver.recv(timeout_ms=500) is None
         member = Sender(outside, Codec(ToWorker, key=KEY), receiver.address)
         member.send(step())
@@ -72,7 +73,7 @@ def test_a_strangers_multipart_request_is_never_read() -> None:
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.connect(server.address)
         # Queued on the stranger's side for good: the handshake never completes.
-        stranger.send_multipart([b"h", b"x" * 4096, b"y" * 4096], flags=zmq.NOBLOCK)
+        queue_while_refused(stranger, [b"h", b"x" * 4096, b"y" * 4096])
         assert server.recv(timeout_ms=300) is None
         assert not server.socket.poll(0)         # not even a malformed message to drop
         member: RequestClient[FromKvCache] = RequestClient(ctx, Codec(FromKvCache, key=KEY),

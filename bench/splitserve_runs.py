@@ -139,18 +139,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 class CpuUse:
-    """CPU seconds each service process (and, with `client`, this process as the client) used
-    over an interval: what the split's own parts (scheduler, kvcache_svc, the client) take
-    from the workers' cores. Robust to a noisy machine, unlike wall times."""
+    """CPU seconds each service process used over an interval: what the split's own parts
+    (scheduler, kvcache_svc) take from the workers' cores (`batch_client_process` reports the
+    client's). Robust to a noisy machine, unlike wall times."""
 
-    def __init__(self, procs: ServiceProcesses, client: bool = True) -> None:
+    def __init__(self, procs: ServiceProcesses) -> None:
         self.pids = {name: p.pid for name, p in procs.procs.items()}
-        self.client = client
         self.start = self._read()
 
     def _read(self) -> dict[str, float]:
-        client = {"client": time.process_time()} if self.client else {}
-        return {**{name: cpu_seconds(pid) for name, pid in self.pids.items()}, **client}
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
 
     def since_start(self) -> dict[str, float]:
         end = self._read()
@@ -226,7 +224,7 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             n, ttft, total = run_stream(stub, single, max_tokens)
             single_decode = (n - 1) / (total - ttft)
             single_gap = gaps.mean_since_last()
-            cpu = CpuUse(procs, client=False)
+            cpu = CpuUse(procs)
             counts, arrivals, wall, client_cpu = batch_client_process(procs.address, prompts,
                                                                       max_tokens)
             batch_cpu = {**cpu.since_start(), "client": client_cpu}

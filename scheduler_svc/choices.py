@@ -63,13 +63,14 @@ def _aborted_output(choice: PreparedRequest) -> RequestOutput:
 
 async def generate_choices(frontend: Frontend, prepared: PreparedRequest,
                            time_remaining: float | None = None,
-                           aborted: asyncio.Event | None = None,
+                           aborted: asyncio.Event | None = None, whole: bool = False,
                            ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) for every choice of `prepared`; raises what `Frontend.generate`
-    raises for any choice (the others are cancelled)."""
+    raises for any choice (the others are cancelled). `whole`: one output per choice (n 1
+    only)."""
     choices = split_choices(prepared)
     if len(choices) == 1:
-        async for out in frontend.generate(choices[0], time_remaining):
+        async for out in frontend.generate(choices[0], time_remaining, whole):
             yield 0, out
         return
     first_output = asyncio.Event()

@@ -119,9 +119,11 @@ class OutputStream:
     behind (its event loop busy with many streams, or a slow client) sends one message for
     several steps instead of falling further behind. With `interval` > 1 the stream also waits
     for that many tokens before it wakes (as vLLM's --stream-interval): the first tokens and
-    the end go out at once. An error is never merged: the tokens before it go first."""
+    the end go out at once. With `interval` None it wakes only at the end: a client that takes
+    the whole output at once (GenerateOnce) costs the event loop nothing per token. An error
+    is never merged: the tokens before it go first."""
 
-    def __init__(self, interval: int = 1) -> None:
+    def __init__(self, interval: int | None = 1) -> None:
         self.interval = interval
         self._waiting: list[RequestOutput] = []
         self._num_waiting_tokens = 0
@@ -132,8 +134,9 @@ class OutputStream:
     def put(self, out: RequestOutput) -> None:
         self._waiting.append(out)
         self._num_waiting_tokens += len(out.new_token_ids)
-        if (self._num_waiting_tokens >= self.interval or not self._sent_tokens
-                or out.finish_reason is not None or out.error is not None):
+        if (out.finish_reason is not None or out.error is not None
+                or self.interval is not None and (self._num_waiting_tokens >= self.interval
+                                                  or not self._sent_tokens)):
             self._ready.set()
 
     async def get(self) -> RequestOutput:
@@ -263,12 +266,12 @@ class Frontend:
         except StructuredOutputError as exc:
             raise InvalidRequest(str(exc)) from None
 
-    async def generate(self, prepared: PreparedRequest,
-                       time_remaining: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields one RequestOutput per step that produced tokens; the last one has a
-        finish_reason. Aborts the request if the consumer stops early (client cancelled).
-        `time_remaining`: seconds to the client's deadline, if it set one. Raises
-        InvalidRequest if the replica refuses it (it can never run there)."""
+    async def generate(self, prepared: PreparedRequest, time_remaining: float | None = None,
+                       whole: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per step that produced tokens (`whole`: one for them all);
+        the last one has a finish_reason. Aborts the request if the consumer stops early
+        (client cancelled). `time_remaining`: seconds to the client's deadline, if it set one.
+        Raises InvalidRequest if the replica refuses it (it can never run there)."""
         if self.draining:
             raise Draining("the server is draining; send new requests elsewhere")
         if len(self.live) >= self.max_live_requests:
@@ -277,7 +280,7 @@ class Frontend:
         if self._poster is None or self._poster.loop is not loop:
             self._poster = LoopPoster(loop)
         poster = self._poster
-        outputs = OutputStream(self.stream_interval)
+        outputs = OutputStream(None if whole else self.stream_interval)
 
         def sink(out: RequestOutput) -> None:
             poster.post(outputs.put, out)

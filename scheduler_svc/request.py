@@ -91,15 +91,18 @@ class RequestOutput:
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: their tokens, text and logprobs in order,
-    the last one's ending and counts. For a stream that fell behind its engine: one message
-    for what several steps made (none may carry an error)."""
+    the last one's ending and counts, the first's prompt logprobs. For a stream that fell
+    behind its engine, or a client that takes the whole output at once: one message for what
+    several steps made (none may carry an error)."""
     if len(outputs) == 1:
         return outputs[0]
     last = outputs[-1]
     return dataclasses.replace(
         last, new_token_ids=[t for out in outputs for t in out.new_token_ids],
         text="".join(out.text for out in outputs),
-        logprobs=[lp for out in outputs for lp in out.logprobs])
+        logprobs=[lp for out in outputs for lp in out.logprobs],
+        prompt_logprobs=next((out.prompt_logprobs for out in outputs
+                              if out.prompt_logprobs is not None), None))
 
 
 class Request:

@@ -160,7 +160,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "n > 1 is only served by the streaming Generate")
         merged = generation_pb2.GenerateResponse()
-        async for _, _, out in self._run(request, context):
+        async for _, _, out in self._run(request, context, whole=True):
             part = output_to_pb(out)
             merged.request_id = part.request_id
             merged.token_ids.extend(part.token_ids)
@@ -175,9 +175,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return merged
 
     async def _run(self, request: generation_pb2.GenerateRequest,
-                   context: grpc.aio.ServicerContext,
+                   context: grpc.aio.ServicerContext, whole: bool = False,
                    ) -> AsyncIterator[tuple[str, int, RequestOutput]]:
-        """(the request's id, choice index, output) until every choice has finished."""
+        """(the request's id, choice index, output) until every choice has finished; `whole`:
+        one output for all of a choice's tokens (the client takes them at once)."""
         try:
             prepared = await self.frontend.prepare(request.request_id, request.model,
                                                    prompt_from_pb(request),
@@ -194,7 +195,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._choices[request_id] = (n, aborted)
         try:
             async for index, out in generate_choices(self.frontend, prepared,
-                                                     context.time_remaining(), aborted):
+                                                     context.time_remaining(), aborted,
+                                                     whole):
                 yield request_id, index, out
         except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

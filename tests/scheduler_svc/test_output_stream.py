@@ -1,6 +1,7 @@
 """A request's outputs on their way to its client stream (scheduler_svc.frontend.OutputStream):
 what waits is sent as one message, in order; --stream-interval holds tokens back until there
-are that many, but never the first tokens nor the end; an error is never merged into tokens."""
+are that many, but never the first tokens nor the end; a whole-output stream (GenerateOnce)
+wakes only at the end; an error is never merged into tokens."""
 
 import asyncio
 
@@ -34,6 +35,43 @@ def test_merge_keeps_order_and_takes_the_last_ending() -> None:
     assert merged.text == "<1><2><3><4>"
     assert [lp.logprob for lp in merged.logprobs] == [-1.0, -2.0, -3.0, -4.0]
     assert merged.finish_reason is FinishReason.LENGTH and merged.num_output_tokens == 4
+
+
+def test_merge_keeps_the_first_outputs_prompt_logprobs() -> None:
+    first = out(1)
+    first.prompt_logprobs = [(7, TokenLogprobs(-0.5, [7], [-0.5]), 1)]
+    merged = merge_outputs([first, out(2), out(3, finish=FinishReason.LENGTH)])
+    assert merged.prompt_logprobs == first.prompt_logprobs
+    assert merged.new_token_ids == [1, 2, 3]
+
+
+def test_a_whole_output_stream_wakes_only_at_the_end() -> None:
+    async def run() -> None:
+        stream = OutputStream(interval=None)
+        for t in range(1, 6):
+            stream.put(out(t))
+        assert await ready_now(stream) is None                 # not even the first token
+        stream.put(out(6, finish=FinishReason.LENGTH, num_output_tokens=6))
+        whole = await stream.get()
+        assert whole.new_token_ids == [1, 2, 3, 4, 5, 6]
+        assert whole.finish_reason is FinishReason.LENGTH and whole.num_output_tokens == 6
+        assert await ready_now(stream) is None
+
+    asyncio.run(run())
+
+
+def test_a_whole_output_stream_hands_over_its_tokens_then_the_error() -> None:
+    async def run() -> None:
+        stream = OutputStream(interval=None)
+        stream.put(out(1))
+        stream.put(out(2))
+        stream.put(out(error="replica lost"))
+        tokens = await stream.get()
+        assert tokens.new_token_ids == [1, 2] and tokens.error is None
+        failed = await stream.get()
+        assert failed.error == "replica lost" and failed.new_token_ids == []
+
+    asyncio.run(run())
 
 
 def test_outputs_that_waited_go_as_one_message() -> None:

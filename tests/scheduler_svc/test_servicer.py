@@ -93,7 +93,7 @@ class RefusingFrontend:
         return PreparedRequest("r", [1, 2], SamplingParams())
 
     async def generate(self, prepared: PreparedRequest, time_remaining: float | None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       whole: bool = False) -> AsyncIterator[RequestOutput]:
         raise InvalidRequest("the pool holds 16 tokens")
         yield  # an async generator, like Frontend.generate
 

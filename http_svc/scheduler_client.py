@@ -163,11 +163,12 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
 
 
 class GenerationCall:
-    """One running Generate stream: `next()` or iterate for its chunks (one iterator, so
-    iterating after `next()` goes on from there). `cancel()` ends the gRPC call, and the
-    scheduler then aborts the request (its stream's consumer went away)."""
+    """One running Generate stream, or GenerateOnce call (its one reply as the only chunk):
+    `next()` or iterate for its chunks (one iterator, so iterating after `next()` goes on from
+    there). `cancel()` ends the gRPC call, and the scheduler then aborts the request (its
+    consumer went away)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall | grpc.aio.UnaryUnaryCall) -> None:
         self._call = call
         self._chunks = self._read()
 
@@ -182,6 +183,9 @@ class GenerationCall:
 
     async def _read(self) -> AsyncIterator[Chunk]:
         try:
+            if isinstance(self._call, grpc.aio.UnaryUnaryCall):
+                yield chunk_from_pb(await self._call)
+                return
             async for msg in self._call:
                 yield chunk_from_pb(msg)
         except grpc.aio.AioRpcError as exc:
@@ -228,7 +232,11 @@ class SchedulerClient:
             self._capacity = (now, tokens)
         return self._capacity[1]
 
-    def generate(self, spec: GenerateSpec) -> GenerationCall:
+    def generate(self, spec: GenerateSpec, whole: bool = False) -> GenerationCall:
+        """`whole`: the client wants the completion only when it is done (a non-streaming
+        request with one choice): GenerateOnce, so that no message is sent per token."""
+        if whole:
+            return GenerationCall(self._stub.GenerateOnce(spec_to_pb(spec)))
         return GenerationCall(self._stub.Generate(spec_to_pb(spec)))
 
     async def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True,

@@ -167,7 +167,8 @@ class OpenAIServing:
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
                               await self._fill(sampling, len(p.token_ids or ()), card),
                               body.cache_salt or "") for i, p in enumerate(prompts)]
-        calls = [self.client.generate(spec) for spec in specs]
+        whole = not body.stream and sampling.n == 1     # one reply per prompt, no stream
+        calls = [self.client.generate(spec, whole) for spec in specs]
         head = StreamHead(response_id, "text_completion", int(time.time()), card.name)
         if body.stream:
             started = await _start(calls)
@@ -236,7 +237,8 @@ class OpenAIServing:
         vocab = await self._vocabulary(sampling)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
-                                                 body.cache_salt or ""))
+                                                 body.cache_salt or ""),
+                                    whole=not body.stream and sampling.n == 1)
         head = StreamHead(response_id, "chat.completion.chunk", int(time.time()), card.name)
         if body.stream:
             (started,) = await _start([call])

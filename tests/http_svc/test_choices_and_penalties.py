@@ -77,8 +77,10 @@ class ChoicesClient(FakeClient):
     with prompt logprobs, choice 0's first chunk has PROMPT_LP for each prompt token but the
     first (text prompts tokenize to one token per character)."""
 
-    def generate(self, spec: GenerateSpec) -> FakeCall:
+    def generate(self, spec: GenerateSpec, whole: bool = False) -> FakeCall:
+        assert not whole or spec.sampling.n == 1    # GenerateOnce takes one choice only
         self.specs.append(spec)
+        self.wholes.append(whole)
         n = spec.sampling.n
         prompt = spec.prompt.token_ids or spec.prompt.text or ""
         prompt_lps = ((PROMPT_LP,) * (len(prompt) - 1)
@@ -114,6 +116,7 @@ def events_json(events: list[bytes]) -> list[dict[str, Any]]:
 def test_n_choices_come_from_one_request_and_count_the_prompt_once() -> None:
     body, client = serve("completions", completion(prompt=["ab", "cd"], n=2, max_tokens=4))
     assert [s.sampling.n for s in client.specs] == [2, 2]           # one call per prompt
+    assert client.wholes == [False, False]          # n > 1: streamed (choices interleave)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "o0k"), (1, "o1k"), (2, "o0k"), (3, "o1k")]
     assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18,

@@ -25,10 +25,11 @@ CARD = ModelCard(name="smol", max_model_len=100, vocab_size=50, max_prompt_bytes
 
 class FakeClient:
     """Answers like the scheduler: every prompt tokenizes to one id per character, every
-    generation is "ok" in two chunks."""
+    generation is "ok" in two chunks (streamed) or one (asked for whole: GenerateOnce)."""
 
     def __init__(self, kv_capacity: int | None = None) -> None:
         self.specs: list[GenerateSpec] = []
+        self.wholes: list[bool] = []
         self.calls: list[FakeCall] = []
         self.tokenized: list[tuple[Prompt, bool]] = []
         self.capacity = kv_capacity
@@ -54,13 +55,15 @@ class FakeClient:
     async def vocabulary(self) -> list[str]:
         return [f"t{i}" for i in range(CARD.vocab_size)]
 
-    def generate(self, spec: GenerateSpec) -> FakeCall:
+    def generate(self, spec: GenerateSpec, whole: bool = False) -> FakeCall:
         self.specs.append(spec)
+        self.wholes.append(whole)
         prompt = spec.prompt
         num_prompt = len(prompt.token_ids or prompt.text
                          or "".join(c for _, c in prompt.chat or ()))
-        call = FakeCall([Chunk((1,), "o", ()),
-                         Chunk((2,), "k", (), "stop", None, Usage(num_prompt, 2, 0))])
+        usage = Usage(num_prompt, 2, 0)
+        call = FakeCall([Chunk((1, 2), "ok", (), "stop", None, usage)] if whole else
+                        [Chunk((1,), "o", ()), Chunk((2,), "k", (), "stop", None, usage)])
         self.calls.append(call)
         return call
 
@@ -98,6 +101,25 @@ def test_a_chat_with_a_limit_goes_as_messages() -> None:
                                     "stop_reason": None}]
     assert response["usage"]["total_tokens"] == 5 + 2
     assert client.calls[0].cancelled        # the call is closed once collected
+
+
+@pytest.mark.parametrize("method, body", [
+    ("chat", chat(max_tokens=5)), ("completions", completion(prompt=["a", "b"], max_tokens=5))])
+def test_a_reply_without_a_stream_asks_for_each_completion_whole(method: str,
+                                                                 body: Any) -> None:
+    """One choice and no stream: GenerateOnce (no message per token on the way; n > 1 takes
+    the stream, where the choices come interleaved: test_choices_and_penalties.py)."""
+    response, client = serve(method, body)
+    assert client.wholes == [True] * len(client.specs) and client.specs
+    assert [c.get("text", c.get("message", {}).get("content")) for c in response["choices"]] \
+        == ["ok"] * len(client.specs)
+
+
+def test_a_streamed_reply_streams() -> None:
+    for method, body in (("chat", chat(max_tokens=5, stream=True)),
+                         ("completions", completion(max_tokens=5, stream=True))):
+        response, client = serve(method, body)
+        assert client.wholes == [False]
 
 
 def test_without_a_limit_the_rest_of_the_context_after_the_tokenized_prompt() -> None:

@@ -1,7 +1,7 @@
 """The scheduler's own CPU per generated token: what bounds a large batch's tokens/s once the
 workers are fast (on a GPU, issue 20), measured where the model costs nothing.
 
-    python bench/scheduler_cpu.py [--stream-interval 1 4] [--rounds 3]
+    python bench/scheduler_cpu.py [--stream-interval 1 4] [--once] [--rounds 3]
 
 A tiny random Llama (hidden 64, two layers, SmolLM2's tokenizer and vocabulary; built on the
 fly by scripts/random_family.py) runs the shared workload's 64 prompts at once through the real
@@ -10,7 +10,9 @@ process's CPU time per thread from /proc and prints microseconds per generated t
 event loop (the main thread: the client streams over gRPC), and every other thread together
 (the replicas' engine threads, tokenizing, ZMQ). CPU time, not wall time: robust on a noisy
 machine. The event loop and the engine threads share one GIL, so their sum bounds the
-scheduler at about 1e6 / (sum) tokens per second, whatever the workers' speed.
+scheduler at about 1e6 / (sum) tokens per second, whatever the workers' speed. `--once` adds a
+cluster whose client takes each completion whole (GenerateOnce; one prompt streams as
+splitserve_runs.run_batch's probe).
 """
 
 import argparse
@@ -45,7 +47,8 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def measure(model: Path, stream_interval: int, rounds: int) -> list[dict[str, float]]:
+def measure(model: Path, stream_interval: int, rounds: int, api: str = "stream",
+            ) -> list[dict[str, float]]:
     prompts, _, max_tokens = load_workload()
     spec = ClusterSpec(model=str(model), port=free_port(), control_port=free_port(),
                        kv_plan_port=free_port(), kv_admin_port=free_port(),
@@ -62,7 +65,7 @@ def measure(model: Path, stream_interval: int, rounds: int) -> list[dict[str, fl
         for _ in range(rounds):
             before = thread_cpu(pid)
             start = time.perf_counter()
-            tokens = sum(run_batch(procs.address, prompts, max_tokens))
+            tokens = sum(run_batch(procs.address, prompts, max_tokens, api=api))
             wall = time.perf_counter() - start
             after = thread_cpu(pid)
             per = {k: (after[k] - before[k]) * 1e6 / tokens for k in after}
@@ -76,15 +79,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stream-interval", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--once", action="store_true",
+                   help="also a client that takes whole replies (GenerateOnce)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     model = Path(tempfile.mkdtemp(prefix="tiny-llama-")) / "model"
     build_family_model(model, "llama", vocab_size=49152, tokenizer=True)
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; scheduler CPU in us per generated token")
-    for interval in args.stream_interval:
-        rounds = measure(model, interval, args.rounds)
+    runs = [(f"--stream-interval {n}", n, "stream") for n in args.stream_interval]
+    runs += [("GenerateOnce", 1, "once")] if args.once else []
+    for name, interval, api in runs:
+        rounds = measure(model, interval, args.rounds, api)
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        print(f"--stream-interval {interval}: event loop {med['loop']:.1f}, other threads "
+        print(f"{name}: event loop {med['loop']:.1f}, other threads "
               f"{med['other']:.1f}, total {med['total']:.1f} us/token (bound ~"
               f"{1e6 / med['total']:,.0f} tok/s); {med['tok_s']:.0f} tok/s here "
               f"(medians of {len(rounds)} rounds)", flush=True)

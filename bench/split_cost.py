@@ -2,7 +2,7 @@
 worker's step alone on the same work, measured in alternation in one invocation.
 
     .venv/bin/python bench/split_cost.py [--dtype bfloat16] [--rounds 3] [--level amx]
-                                         [--out FILE]
+                                         [--batch-api stream|once] [--out FILE]
 
 This machine's speed drifts by tens of percent within minutes (the same worker-alone step has
 measured 49 and 77 ms an hour apart), so a service figure from one run and a worker figure from
@@ -10,7 +10,8 @@ another say little about the split. Here every round runs both, back to back:
 
 1. service: a fresh cluster (bench/splitserve_runs.bench_splitserve, as bench/throughput.py)
    runs the shared workload's 64 prompts at once; its decode step is the mean interval while
-   all 64 decode, from the client's token arrival times (`full_batch_step_ms`). The CPU
+   all 64 decode, from the client's token arrival times (`full_batch_step_ms`; with
+   `--batch-api once` the client takes whole replies but for one streamed probe). The CPU
    seconds of the scheduler, kvcache_svc and the client over the batch run are the split's
    own share of the machine.
 2. alone: a `ModelRunner` in a fresh process (same model, dtype, CPU level and threads as the
@@ -41,7 +42,7 @@ apply_worker_env()      # as a worker process runs (before torch loads)
 
 import torch  # noqa: E402
 from bench_io import load_workload, write_result  # noqa: E402
-from splitserve_runs import bench_splitserve  # noqa: E402
+from splitserve_runs import BATCH_APIS, bench_splitserve  # noqa: E402
 
 from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
 from services.model_config import default_model_path, load_model_config  # noqa: E402
@@ -118,6 +119,9 @@ def main() -> int:
     p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)   # the child
     p.add_argument("--prompt-lens", default="", help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--batch-api", choices=BATCH_APIS, default="stream",
+                   help="the service's batch client: streams (Generate) or takes whole replies "
+                   "(GenerateOnce) but for one streamed probe of the step times")
     a = p.parse_args()
     level = CpuLevel.parse(a.level or "") or detect_level()
     path = default_model_path()
@@ -143,7 +147,7 @@ def main() -> int:
         if r % 2:
             alone = alone_child(a.dtype, level, a.threads, prompt_lens, max_tokens)
         service = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg,
-                                   worker_args)
+                                   worker_args, batch_api=a.batch_api)
         if not r % 2:
             alone = alone_child(a.dtype, level, a.threads, prompt_lens, max_tokens)
         cpu = service["batch_cpu_s"]

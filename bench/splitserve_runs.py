@@ -57,35 +57,60 @@ def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens
     return n, first or 0.0, time.perf_counter() - start
 
 
+BATCH_APIS = ("stream", "once")   # Generate (a message per token) or GenerateOnce (one reply)
+
+
 def run_batch(address: str, prompts: list[str], max_tokens: int,
-              arrivals: list[list[tuple[float, int]]] | None = None) -> list[int]:
-    """Every prompt streamed at once from one event loop; the tokens each got. `arrivals`, if
-    given, receives each request's chunks as (perf_counter time, tokens in the chunk)."""
+              arrivals: list[list[tuple[float, int]]] | None = None,
+              api: str = "stream") -> list[int]:
+    """Every prompt sent at once from one event loop; the tokens each got. `api` "stream":
+    Generate, every token streamed as it comes; "once": GenerateOnce, each completion in one
+    reply (as the peers' offline batch APIs return theirs), but for the last prompt, which
+    streams as a probe of the step times (`full_batch_step_ms`). `arrivals`, if given,
+    receives each request's chunks as (perf_counter time, tokens in the chunk), in prompt
+    order: one chunk for each reply of "once"."""
     import grpc
 
     async def stream_all() -> list[int]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
-            async def one(prompt: str) -> int:
+            async def one(i: int, prompt: str) -> int:
                 n, seen = 0, []
-                async for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
-                    if chunk.token_ids:
-                        seen.append((time.perf_counter(), len(chunk.token_ids)))
-                    n += len(chunk.token_ids)
-                if arrivals is not None:
-                    arrivals.append(seen)
+                if api == "once" and i < len(prompts) - 1:
+                    reply = await stub.GenerateOnce(request(prompt, max_tokens), timeout=1800)
+                    n = len(reply.token_ids)
+                    seen.append((time.perf_counter(), n))
+                else:
+                    async for chunk in stub.Generate(request(prompt, max_tokens),
+                                                     timeout=1800):
+                        if chunk.token_ids:
+                            seen.append((time.perf_counter(), len(chunk.token_ids)))
+                        n += len(chunk.token_ids)
+                got[i] = seen
                 return n
 
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-    return asyncio.run(stream_all())
+    got: list[list[tuple[float, int]]] = [[] for _ in prompts]
+    try:
+        return asyncio.run(stream_all())
+    finally:
+        if arrivals is not None:
+            arrivals.extend(got)
 
 
-def full_batch_step_ms(arrivals: list[list[tuple[float, int]]]) -> float:
+def full_batch_step_ms(arrivals: list[list[tuple[float, int]]], api: str = "stream") -> float:
     """The mean step time while every request decodes: from the last request's first token to
     the first request's last, each step gives every request one token, so the steps there are
-    the tokens the first-finishing request got after the start of that span."""
+    the tokens the first-finishing request got after the start of that span. Where replies
+    came whole (`run_batch`'s "once"), its streamed probe, sent last, stands for the last
+    request's first token and counts the steps, up to the first whole reply."""
+    if api == "once":
+        *whole, probe = arrivals
+        start, end = probe[0][0], min(seen[0][0] for seen in whole)
+        steps = sum(n for t, n in probe if start < t <= end)
+        return 1000 * (end - start) / steps if steps else 0.0
     start = max(seen[0][0] for seen in arrivals)
     first_done = min(arrivals, key=lambda seen: seen[-1][0])
     steps = sum(n for t, n in first_done if t > start)
@@ -95,27 +120,27 @@ def full_batch_step_ms(arrivals: list[list[tuple[float, int]]]) -> float:
 CLIENT_NICE = 10      # the timed batch client's niceness (the services run at 0)
 
 
-def _client_child(address: str, prompts: list[str], max_tokens: int, nice: int,
+def _client_child(address: str, prompts: list[str], max_tokens: int, nice: int, api: str,
                   conn: "multiprocessing.connection.Connection") -> None:
     os.nice(nice)
     arrivals: list[list[tuple[float, int]]] = []
     cpu = time.process_time()
     start = time.perf_counter()
-    counts = run_batch(address, prompts, max_tokens, arrivals)
+    counts = run_batch(address, prompts, max_tokens, arrivals, api)
     wall = time.perf_counter() - start
     conn.send((counts, arrivals, wall, time.process_time() - cpu))
     conn.close()
 
 
 def batch_client_process(address: str, prompts: list[str], max_tokens: int,
-                         nice: int = CLIENT_NICE
+                         nice: int = CLIENT_NICE, api: str = "stream",
                          ) -> tuple[list[int], list[list[tuple[float, int]]], float, float]:
-    """`run_batch` in a fresh process at niceness `nice`: (tokens per prompt, arrivals, wall
+    """`run_batch` (`api`) in a fresh process at niceness `nice`: (tokens per prompt, arrivals, wall
     seconds from the first request to the last token, the client's CPU seconds). perf_counter
     is CLOCK_MONOTONIC, so the arrival times compare with this process's."""
     ctx = multiprocessing.get_context("spawn")     # no fork of this process's gRPC channels
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_client_child, args=(address, prompts, max_tokens, nice, send),
+    child = ctx.Process(target=_client_child, args=(address, prompts, max_tokens, nice, api, send),
                         name="bench-client")
     child.start()
     send.close()
@@ -186,7 +211,8 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
                      extra_args: list[str], worker_args: list[str], pp: int = 1,
                      tp: int = 1, model: str | None = None,
                      warmup_prompts: Sequence[str] | None = None,
-                     ready_timeout_s: float = 300.0) -> dict[str, float]:
+                     ready_timeout_s: float = 300.0, batch_api: str = "stream",
+                     ) -> dict[str, float]:
     """One round on a fresh cluster. `warmup_prompts`: what the untimed warm-up sends (default
     the first 8 prompts and `single`; a GPU run passes other texts, so that the timed prompts
     find nothing of theirs in the prefix cache and every batch size has been seen).
@@ -195,7 +221,8 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
     / the batch run's wall time: the share of the run the GPU sat idle between steps (idle
     before the first step and after the last is not in it). batch_cpu_s: CPU seconds each
     process used during the batch run (`CpuUse`; the client's from its own process, which runs
-    at nice CLIENT_NICE: `batch_client_process`)."""
+    at nice CLIENT_NICE: `batch_client_process`). `batch_api`: how the batch client asks
+    (`run_batch`'s `api`)."""
     import grpc
 
     port = free_port()
@@ -225,10 +252,10 @@ def bench_splitserve(prompts: list[str], single: str, max_tokens: int, dtype: st
             single_decode = (n - 1) / (total - ttft)
             single_gap = gaps.mean_since_last()
             cpu = CpuUse(procs)
-            counts, arrivals, wall, client_cpu = batch_client_process(procs.address, prompts,
-                                                                      max_tokens)
+            counts, arrivals, wall, client_cpu = batch_client_process(
+                procs.address, prompts, max_tokens, api=batch_api)
             batch_cpu = {**cpu.since_start(), "client": client_cpu}
-            decode_step_ms = full_batch_step_ms(arrivals)
+            decode_step_ms = full_batch_step_ms(arrivals, batch_api)
             gap_ms, num_gaps, num_steps = gaps.since_last()
             assert sum(counts) == len(prompts) * max_tokens, counts
     finally:

@@ -3,6 +3,7 @@ transformers and, with --with-vllm, vLLM's CPU build; same prompts, same weights
 
     .venv/bin/python bench/throughput.py [--dtype bfloat16] [--repeats 3] [--skip-hf]
                                          [--skip-dense] [--with-vllm [--vllm-dtype D ...]]
+                                         [--batch-api stream|once|both]
                                          [--num-prompts N] [--out FILE]
     bash bench/vllm_env.sh     # once, before --with-vllm: vLLM's CPU build in .venv-vllm/
     python3 bench/throughput.py --device cuda [--shapes smollm2,llama-1b | --model DIR]
@@ -20,6 +21,12 @@ The systems take turns, one round each, `--repeats` rounds (splitserve on a fres
 round); prints the CPU (model, vector flags) and each figure's median, the ratios of the medians
 and the batch ratio of every round; writes a JSON result (medians and every round) to
 bench/results/. --num-prompts below 64 is a quick smoke check, not the workload.
+
+How splitserve's batch client asks (`--batch-api`, both by default, each on its own fresh
+cluster every round): "splitserve" streams every completion (Generate: one message per token,
+as a chat client reads them); "splitserve once" takes each completion in one reply
+(GenerateOnce), as HF's generate() and vLLM's offline LLM.generate() return theirs: the peers'
+own terms. The ratios are given for both.
 
 vLLM runs in its own environment, driven through bench/vllm_peer.py: one driver per vLLM dtype,
 loaded (and compiled, a few minutes) once before the first round, on the GGUF's weights saved
@@ -138,7 +145,8 @@ def add_ratios(results: dict[str, object], table: dict[str, dict[str, object]],
     batch_ref = max(peers, key=lambda n: median(n, "batch_tok_s"))
     decode_ref = max(peers, key=lambda n: median(n, "single_decode_tok_s"))
     results[f"ratio{prefix}_against"] = {"batch": batch_ref, "single_decode": decode_ref}
-    for name, suffix in (("splitserve", ""), ("splitserve dense", "_dense")):
+    for name, suffix in (("splitserve", ""), ("splitserve once", "_once"),
+                         ("splitserve dense", "_dense")):
         if name not in table:
             continue
         batch = median(name, "batch_tok_s") / median(batch_ref, "batch_tok_s")
@@ -168,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
                    help="CPU: skip the run without the small-step kernel on quantized blocks")
+    p.add_argument("--batch-api", choices=["stream", "once", "both"], default="both",
+                   help="CPU: splitserve's batch client streams (Generate), takes whole replies "
+                   "(GenerateOnce, as the peers' offline APIs), or runs both (default)")
     p.add_argument("--with-vllm", action="store_true",
                    help="CPU: also run vLLM's CPU build (bash bench/vllm_env.sh first)")
     p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
@@ -229,9 +240,14 @@ def run_cpu(a: argparse.Namespace) -> int:
     # Every system runs once per round, in turn, so slow and fast spells of this shared
     # machine fall on all of them; splitserve gets a fresh cluster every time (a cold prefix
     # cache, as on the first round).
-    systems: dict[str, Callable[[], dict[str, float]]] = {
-        "splitserve": lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
-                                               a.scheduler_arg, worker_args)}
+    systems: dict[str, Callable[[], dict[str, float]]] = {}
+    if a.batch_api in ("stream", "both"):
+        systems["splitserve"] = lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
+                                                         a.scheduler_arg, worker_args)
+    if a.batch_api in ("once", "both"):
+        systems["splitserve once"] = lambda: bench_splitserve(
+            prompts, single, max_tokens, a.dtype, a.scheduler_arg, worker_args,
+            batch_api="once")
     if a.dtype == "bfloat16" and not a.skip_dense:
         # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
         # steps): the strict same-dtype comparison.

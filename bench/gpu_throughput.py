@@ -32,6 +32,8 @@ from splitserve_runs import bench_splitserve  # noqa: E402
 
 # Start-up on a GPU includes memory profiling, Triton compiles and CUDA-graph capture.
 READY_TIMEOUT_S = 900.0
+# splitserve's row name per batch client (splitserve_runs.run_batch's api)
+SPLITSERVE = {"stream": "splitserve", "once": "splitserve once"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +87,17 @@ def run_shape(a: argparse.Namespace, model_dir: Path, prompts: list[str], single
     # The warm-up sends other texts than the timed prompts, so that those find nothing of
     # theirs in the prefix cache; all of them at once, so that every batch size is seen.
     warmup = [f"(warm-up {i}) {p}" for i, p in enumerate(prompts)]
-    runs: dict[str, list[dict[str, float]]] = {"splitserve": []}
+    apis = {"stream": ["stream"], "once": ["once"]}.get(a.batch_api or "stream",
+                                                        ["stream", "once"])
+    runs: dict[str, list[dict[str, float]]] = {SPLITSERVE[api]: [] for api in apis}
     for round_no in range(1, a.repeats + 1):
-        runs["splitserve"].append(bench_splitserve(
-            prompts, single, max_tokens, a.dtype, a.scheduler_arg,
-            ["--device", "cuda", *a.worker_arg], model=str(model_dir), warmup_prompts=warmup,
-            ready_timeout_s=READY_TIMEOUT_S))
-        report_round(round_no, a.repeats, "splitserve", runs["splitserve"][-1])
+        for api in apis:
+            name = SPLITSERVE[api]
+            runs[name].append(bench_splitserve(
+                prompts, single, max_tokens, a.dtype, a.scheduler_arg,
+                ["--device", "cuda", *a.worker_arg], model=str(model_dir),
+                warmup_prompts=warmup, ready_timeout_s=READY_TIMEOUT_S, batch_api=api))
+            report_round(round_no, a.repeats, name, runs[name][-1])
     compiled: bool | None = None
     peers = [] if a.skip_hf else [("hf eager", False)] + (
         [] if a.skip_compile else [("hf static+compile", True)])
@@ -165,11 +171,12 @@ def run_cuda(a: argparse.Namespace, shapes: list[str], prompts: list[str], singl
         entry: dict[str, object] = {"model_dir": str(model_dir), "hf_compiled": compiled,
                                     **{name.replace(" ", "_").replace("+", "_"): figures
                                        for name, figures in table.items()}}
+        ours = next(n for n in table if n.startswith("splitserve"))   # streamed if it ran
         hf_names = [n for n in table if n.startswith("hf")]
         if hf_names:
             best = max(hf_names, key=lambda n: float(table[n]["batch_tok_s"]))  # type: ignore[arg-type]
             entry["ratio_batch_vs_best_hf"] = {
-                "against": best, "ratio": float(table["splitserve"]["batch_tok_s"])  # type: ignore[arg-type]
+                "against": best, "ratio": float(table[ours]["batch_tok_s"])  # type: ignore[arg-type]
                 / float(table[best]["batch_tok_s"])}  # type: ignore[arg-type]
         heading = (f"random weights, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens, "
                    f"median of {a.repeats} round(s); {gpu['name']}{smoke}")
@@ -178,10 +185,10 @@ def run_cuda(a: argparse.Namespace, shapes: list[str], prompts: list[str], singl
             print("note: transformers did not compile the decode step; the static+compile row "
                   "ran eagerly")
         if target is not None:
-            met = verdicts(table["splitserve"], target)
+            met = verdicts(table[ours], target)
             entry["target"] = asdict(target)
             entry["meets_target"] = met
-            print("splitserve against the target: " + ", ".join(
+            print(f"{ours} against the target: " + ", ".join(
                 f"{key} {'met' if ok else 'MISSED'}" for key, ok in met.items()))
         per_shape[shape] = entry
     write_result(results, a.out, f"throughput-cuda-{a.dtype}")

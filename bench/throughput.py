@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-dense", action="store_true",
                    help="CPU: skip the run without the small-step kernel on quantized blocks")
-    p.add_argument("--batch-api", choices=["stream", "once", "both"], default="both",
-                   help="CPU: splitserve's batch client streams (Generate), takes whole replies "
-                   "(GenerateOnce, as the peers' offline APIs), or runs both (default)")
+    p.add_argument("--batch-api", choices=["stream", "once", "both"], default=None,
+                   help="splitserve's batch client streams (Generate), takes whole replies "
+                   "(GenerateOnce, as the peers' offline APIs), or runs both (the default on a "
+                   "CPU; stream on a GPU)")
     p.add_argument("--with-vllm", action="store_true",
                    help="CPU: also run vLLM's CPU build (bash bench/vllm_env.sh first)")
     p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
@@ -241,6 +242,7 @@ def run_cpu(a: argparse.Namespace) -> int:
     # machine fall on all of them; splitserve gets a fresh cluster every time (a cold prefix
     # cache, as on the first round).
     systems: dict[str, Callable[[], dict[str, float]]] = {}
+    a.batch_api = a.batch_api or "both"
     if a.batch_api in ("stream", "both"):
         systems["splitserve"] = lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
                                                          a.scheduler_arg, worker_args)

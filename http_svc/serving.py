@@ -58,6 +58,14 @@ MAX_DETOKENIZE_IDS = 1 << 17
 Body = dict[str, Any]
 
 
+def _whole(stream: bool | None, sampling: Sampling) -> bool:
+    """Whether a request's completion is asked for in one reply (GenerateOnce: no message per
+    token between the services): not streamed, one choice (n > 1 comes interleaved on a
+    stream), and no output logprobs (a reply of every token's alternatives could pass gRPC's
+    message bound, where a stream sends them a step at a time; prompt logprobs come in one
+    message either way)."""
+    return not stream and sampling.n == 1 and sampling.logprobs is None
+
 class OpenAIServing:
     def __init__(self, client: SchedulerClient, readiness: Readiness) -> None:
         self.client = client
@@ -167,8 +175,7 @@ class OpenAIServing:
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
                               await self._fill(sampling, len(p.token_ids or ()), card),
                               body.cache_salt or "") for i, p in enumerate(prompts)]
-        whole = not body.stream and sampling.n == 1     # one reply per prompt, no stream
-        calls = [self.client.generate(spec, whole) for spec in specs]
+        calls = [self.client.generate(spec, _whole(body.stream, sampling)) for spec in specs]
         head = StreamHead(response_id, "text_completion", int(time.time()), card.name)
         if body.stream:
             started = await _start(calls)
@@ -238,7 +245,7 @@ class OpenAIServing:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = self.client.generate(GenerateSpec(response_id, prompt, sampling,
                                                  body.cache_salt or ""),
-                                    whole=not body.stream and sampling.n == 1)
+                                    _whole(body.stream, sampling))
         head = StreamHead(response_id, "chat.completion.chunk", int(time.time()), card.name)
         if body.stream:
             (started,) = await _start([call])

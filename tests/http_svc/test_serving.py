@@ -157,8 +157,12 @@ def test_a_batch_of_prompts_is_one_request_each() -> None:
 
 
 def test_logprobs_use_the_vocabulary() -> None:
-    response, _ = serve("completions", completion(logprobs=0))
+    response, client = serve("completions", completion(logprobs=0))
     assert response["choices"][0]["logprobs"]["tokens"] == []   # the fake sends none
+    # Every token's alternatives in one reply could pass gRPC's message bound: streamed.
+    assert client.wholes == [False]
+    _, client = serve("chat", chat(max_tokens=5, logprobs=True, top_logprobs=2))
+    assert client.wholes == [False]
 
 
 @pytest.mark.parametrize("method, body, status, param", [

@@ -98,17 +98,26 @@ def test_a_long_request_holds_a_window_of_blocks_in_its_sliding_group(
     args = ["--block-size", "4"]
     with run_cluster(tmp_path, scheduler_args=args, model=str(path),
                      kvcache_args=["--no-kv-store"]) as cluster:
+        def steps() -> int:
+            info = cluster.stub.ServerInfo(generation_pb2.ServerInfoRequest())
+            return info.replicas[0].num_steps
+
         tokens: list[int] = []
-        used = None
+        used = steps_done = None
+        steps_before = steps()
         for chunk in cluster.stub.Generate(greedy_request(prompt, 60), timeout=300):
             tokens.extend(chunk.token_ids)
             if used is None and len(tokens) >= 30:
                 [pool] = cluster.kv_stats().pools
                 used = pool.num_used_blocks
+                steps_done = steps() - steps_before
         assert tokens == reference
-    # 330 to 333 tokens by then (a step or two may be in flight): 83 or 84 full blocks.
-    assert used is not None
+    assert used is not None and steps_done is not None
+    # When the pool was read the engine may have been ahead of this client's stream (a loaded
+    # machine): its steps bound where the request was. Each step gives it at most one token,
+    # and async scheduling holds the blocks of up to two steps not yet done.
+    full_blocks = -(-(len(prompt) + steps_done + 2) // 4)
     bound = max_blocks_in_window(WINDOW, 4)
     assert bound == 5
-    assert 83 < used <= 84 + bound, used
+    assert 83 < used <= full_blocks + bound, (used, steps_done)
     assert used < 2 * 83 * 0.6, "no better than every layer full"

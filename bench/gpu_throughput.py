@@ -28,12 +28,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_io import medians, write_result  # noqa: E402
 from random_model import SHAPES, build_model  # noqa: E402
-from splitserve_runs import bench_splitserve  # noqa: E402
+from splitserve_runs import BATCH_APIS, batch_apis, bench_splitserve  # noqa: E402
 
 # Start-up on a GPU includes memory profiling, Triton compiles and CUDA-graph capture.
 READY_TIMEOUT_S = 900.0
-# splitserve's row name per batch client (splitserve_runs.run_batch's api)
-SPLITSERVE = {"stream": "splitserve", "once": "splitserve once"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +85,11 @@ def run_shape(a: argparse.Namespace, model_dir: Path, prompts: list[str], single
     # The warm-up sends other texts than the timed prompts, so that those find nothing of
     # theirs in the prefix cache; all of them at once, so that every batch size is seen.
     warmup = [f"(warm-up {i}) {p}" for i, p in enumerate(prompts)]
-    apis = {"stream": ["stream"], "once": ["once"]}.get(a.batch_api or "stream",
-                                                        ["stream", "once"])
-    runs: dict[str, list[dict[str, float]]] = {SPLITSERVE[api]: [] for api in apis}
+    apis = batch_apis(a.batch_api or "stream")
+    runs: dict[str, list[dict[str, float]]] = {BATCH_APIS[api]: [] for api in apis}
     for round_no in range(1, a.repeats + 1):
         for api in apis:
-            name = SPLITSERVE[api]
+            name = BATCH_APIS[api]
             runs[name].append(bench_splitserve(
                 prompts, single, max_tokens, a.dtype, a.scheduler_arg,
                 ["--device", "cuda", *a.worker_arg], model=str(model_dir),

@@ -119,7 +119,7 @@ def main() -> int:
     p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)   # the child
     p.add_argument("--prompt-lens", default="", help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--batch-api", choices=BATCH_APIS, default="stream",
+    p.add_argument("--batch-api", choices=list(BATCH_APIS), default="stream",
                    help="the service's batch client: streams (Generate) or takes whole replies "
                    "(GenerateOnce) but for one streamed probe of the step times")
     a = p.parse_args()

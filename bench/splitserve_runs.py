@@ -57,7 +57,14 @@ def run_stream(stub: generation_pb2_grpc.GenerationStub, prompt: str, max_tokens
     return n, first or 0.0, time.perf_counter() - start
 
 
-BATCH_APIS = ("stream", "once")   # Generate (a message per token) or GenerateOnce (one reply)
+# How the batch client asks (`run_batch`'s `api`), and the name of its row in the benches'
+# tables: Generate (a message per token) or GenerateOnce (one reply).
+BATCH_APIS = {"stream": "splitserve", "once": "splitserve once"}
+
+
+def batch_apis(choice: str) -> list[str]:
+    """A bench's --batch-api choice ("stream", "once" or "both") as the apis to run."""
+    return list(BATCH_APIS) if choice == "both" else [choice]
 
 
 def run_batch(address: str, prompts: list[str], max_tokens: int,

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 # bench_splitserve, load_workload and write_result are imported from here by parallel.py and
 # cpu_kernels.py too.
 from bench_io import load_workload, medians, time_peer_round, write_result  # noqa: E402
-from splitserve_runs import bench_splitserve  # noqa: E402
+from splitserve_runs import BATCH_APIS, batch_apis, bench_splitserve  # noqa: E402
 from vllm_peer import VllmPeer, save_hf_dir  # noqa: E402
 
 from services.model_config import default_model_path  # noqa: E402
@@ -241,15 +241,10 @@ def run_cpu(a: argparse.Namespace) -> int:
     # Every system runs once per round, in turn, so slow and fast spells of this shared
     # machine fall on all of them; splitserve gets a fresh cluster every time (a cold prefix
     # cache, as on the first round).
-    systems: dict[str, Callable[[], dict[str, float]]] = {}
-    a.batch_api = a.batch_api or "both"
-    if a.batch_api in ("stream", "both"):
-        systems["splitserve"] = lambda: bench_splitserve(prompts, single, max_tokens, a.dtype,
-                                                         a.scheduler_arg, worker_args)
-    if a.batch_api in ("once", "both"):
-        systems["splitserve once"] = lambda: bench_splitserve(
-            prompts, single, max_tokens, a.dtype, a.scheduler_arg, worker_args,
-            batch_api="once")
+    systems: dict[str, Callable[[], dict[str, float]]] = {
+        BATCH_APIS[api]: lambda api=api: bench_splitserve(
+            prompts, single, max_tokens, a.dtype, a.scheduler_arg, worker_args, batch_api=api)
+        for api in batch_apis(a.batch_api or "both")}
     if a.dtype == "bfloat16" and not a.skip_dense:
         # The same engine with every matmul on dense bf16 weights (no 4-bit kernel for small
         # steps): the strict same-dtype comparison.

@@ -1,10 +1,12 @@
-"""Our AMX matmul kernel (gemm_amx.c) against oneDNN's AMX matmul through torch and our
-AVX512-BF16 kernel (gemm_bf16.c), on pre-packed bfloat16 weights, at one row count after
-another.
+"""Our AMX matmul kernels against the other matmuls of their dtype, at one row count after
+another. bfloat16 (the default): gemm_amx.c against oneDNN's AMX matmul through torch and our
+AVX512-BF16 kernel (gemm_bf16.c), on pre-packed bfloat16 weights. float32 (`--dtype float32`):
+gemm_amx_quant.c on random Q4_1 blocks (Q8_0 for the LM head, as the default model's) against
+gemm_fma.c and torch's float32 matmul (MKL) on the same weights dequantized.
 
-    .venv/bin/python bench/amx_gemm.py [--rounds 5] [--layers 30] [--threads 2]
-                                       [--rows 1,8,64] [--shapes qkv,o] [--quiet-wait 30]
-                                       [--out FILE]
+    .venv/bin/python bench/amx_gemm.py [--dtype bfloat16] [--rounds 5] [--layers 30]
+                                       [--threads 2] [--rows 1,8,64] [--shapes qkv,o]
+                                       [--quiet-wait 30] [--out FILE]
 
 SmolLM2's five weight shapes, each with `--layers` distinct weights (2 for the LM head) so that
 they stream from memory as in a model step, not from cache. Per (shape, rows): every system
@@ -19,7 +21,9 @@ weight is made once, before timing:
 - onednn: `torch.ops.mkldnn._reorder_linear_weight(w, 64)`, then `_linear_pointwise` (what
   worker_svc.model.llama.Linear runs);
 - avx512_bf16: worker_svc.kernels.gemm.Bf16Gemm (VDPBF16PS);
-- amx: worker_svc.kernels.gemm_amx.AmxGemm (TDPBF16PS).
+- amx: worker_svc.kernels.gemm_amx.AmxGemm (TDPBF16PS);
+- float32: fma (worker_svc.kernels.gemm.FmaGemm), mkl (`torch.nn.functional.linear`),
+  amx_quant (worker_svc.kernels.gemm_amx_quant.AmxQuantGemm).
 
 Writes a JSON result to bench/results/. Needs a CPU with AMX.
 """
@@ -39,14 +43,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_io import write_result  # noqa: E402
 
 from worker_svc.kernels.cpu import CpuLevel, cpu_flags, cpu_model, detect_level  # noqa: E402
-from worker_svc.kernels.gemm import bf16_gemm  # noqa: E402
+from worker_svc.kernels.gemm import bf16_gemm, fma_gemm  # noqa: E402
 from worker_svc.kernels.gemm_amx import amx_gemm  # noqa: E402
+from worker_svc.kernels.gemm_amx_quant import amx_quant_gemm  # noqa: E402
+from worker_svc.kernels.quant_blocks import QuantBlocks  # noqa: E402
 
 # (name, out_features, in_features) of SmolLM2's matmuls
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
-SYSTEMS = ["onednn", "avx512_bf16", "amx"]
+SYSTEMS = {"bfloat16": ["onednn", "avx512_bf16", "amx"], "float32": ["mkl", "fma", "amx_quant"]}
+BASELINE = {"bfloat16": "onednn", "float32": "fma"}     # what the last column divides by
 MIN_SECONDS = 0.03   # per measurement: whole steps until at least this long
 
 
@@ -99,6 +106,50 @@ def step_fns(weights: list[torch.Tensor], x: torch.Tensor
     return {"onednn": run_onednn, "avx512_bf16": run_bf16, "amx": run_amx}
 
 
+def random_blocks(n: int, k: int, bits: int, gen: torch.Generator) -> QuantBlocks:
+    """Q4_1-like (bits 4) or Q8_0-like (bits 8) blocks with float16-representable scales."""
+    blocks = k // 32
+    scales = (torch.rand(n, blocks, generator=gen) * 0.02 + 1e-3).half().float()
+    if bits == 4:
+        return QuantBlocks(torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen), scales,
+                           -(torch.rand(n, blocks, generator=gen) * 0.1).half().float(), 4)
+    return QuantBlocks(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen), scales,
+                       torch.zeros(n, blocks), 8)
+
+
+def dequantized(b: QuantBlocks) -> torch.Tensor:
+    return (b.scales.repeat_interleave(32, 1) * b.values.float()
+            + b.offsets.repeat_interleave(32, 1))
+
+
+def float32_step_fns(blocks: list[QuantBlocks], x: torch.Tensor
+                     ) -> dict[str, Callable[[], None]]:
+    """float32: the FMA kernel and MKL on the dequantized weights, the AMX kernel on the
+    blocks."""
+    fma, amx_quant = fma_gemm(CpuLevel.AVX512, torch.float32), amx_quant_gemm(CpuLevel.AMX)
+    assert fma is not None and amx_quant is not None, "a kernel did not build (see the log)"
+    dense = [dequantized(b) for b in blocks]
+    packed = [fma.pack(w) for w in dense]
+    tiles = [amx_quant.pack(b) for b in blocks]
+    ref = x.double() @ dense[0].double().T
+    for out in (fma(x, packed[0]), amx_quant(x, tiles[0])):
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-3)
+
+    def run_mkl() -> None:
+        for w in dense:
+            torch.nn.functional.linear(x, w)
+
+    def run_fma() -> None:
+        for w in packed:
+            fma(x, w)
+
+    def run_amx_quant() -> None:
+        for w in tiles:
+            amx_quant(x, w)
+
+    return {"mkl": run_mkl, "fma": run_fma, "amx_quant": run_amx_quant}
+
+
 def seconds_per_step(fn: Callable[[], None]) -> float:
     fn()   # warm: first touch, oneDNN's primitive cache
     count, start = 0, time.perf_counter()
@@ -109,33 +160,40 @@ def seconds_per_step(fn: Callable[[], None]) -> float:
 
 
 def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, rounds: int,
-          quiet_wait: float) -> list[dict]:  # type: ignore[type-arg]
+          quiet_wait: float, dtype: str) -> list[dict]:  # type: ignore[type-arg]
     gen = torch.Generator().manual_seed(0)
     results = []
+    systems, base = SYSTEMS[dtype], BASELINE[dtype]
+    ours = systems[-1]
     for name, n, k in shapes:
         count = 2 if name == "lm_head" else layers
-        weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(count)]
+        if dtype == "float32":
+            weights = [random_blocks(n, k, 8 if name == "lm_head" else 4, gen)
+                       for _ in range(count)]
+        else:
+            weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(count)]
         print(f"\n{name} {n}x{k}, {count} weights, GFLOP/s (medians of {rounds} rounds)")
-        print(f"{'rows':>5} " + " ".join(f"{s:>12}" for s in SYSTEMS) + "  amx/onednn")
+        print(f"{'rows':>5} " + " ".join(f"{s:>12}" for s in systems) + f"  {ours}/{base}")
         for m in rows:
-            x = torch.randn(m, k, generator=gen).bfloat16()
-            fns = step_fns(weights, x)
+            x = torch.randn(m, k, generator=gen)
+            fns = (float32_step_fns(weights, x) if dtype == "float32"  # type: ignore[arg-type]
+                   else step_fns(weights, x.bfloat16()))  # type: ignore[arg-type]
             gflop = 2 * m * n * k * count / 1e9
-            samples: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            samples: dict[str, list[float]] = {s: [] for s in systems}
             noisy = 0
             for r in range(rounds):
-                order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]
+                order = systems[r % len(systems):] + systems[:r % len(systems)]
                 for system in order:
                     noisy += not wait_quiet(quiet_wait)
                     samples[system].append(gflop / seconds_per_step(fns[system]))
             med = {s: statistics.median(v) for s, v in samples.items()}
             results.append({"shape": name, "n": n, "k": k, "rows": m, "weights": count,
                             "noisy_samples": noisy,
-                            **{f"{s}_gflops": med[s] for s in SYSTEMS},
-                            **{f"{s}_rounds": samples[s] for s in SYSTEMS}})
-            print(f"{m:>5} " + " ".join(f"{med[s]:>12.1f}" for s in SYSTEMS)
-                  + f"  {med['amx'] / med['onednn']:>9.2f}x"
-                  + (f"  ({noisy} of {rounds * len(SYSTEMS)} not quiet)" if noisy else ""),
+                            **{f"{s}_gflops": med[s] for s in systems},
+                            **{f"{s}_rounds": samples[s] for s in systems}})
+            print(f"{m:>5} " + " ".join(f"{med[s]:>12.1f}" for s in systems)
+                  + f"  {med[ours] / med[base]:>9.2f}x"
+                  + (f"  ({noisy} of {rounds * len(systems)} not quiet)" if noisy else ""),
                   flush=True)
     return results
 
@@ -143,6 +201,7 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, roun
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=sorted(SYSTEMS), default="bfloat16")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
@@ -162,8 +221,8 @@ def main() -> int:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")))
     print(f"{cpu_model()}; {a.threads} threads; flags {' '.join(flags)}")
     result = {"cpu": cpu_model(), "flags": flags, "threads": a.threads, "layers": a.layers,
-              "rounds": a.rounds, "quiet_wait": a.quiet_wait,
-              "matmul": bench(shapes, rows, a.layers, a.rounds, a.quiet_wait)}
+              "rounds": a.rounds, "quiet_wait": a.quiet_wait, "dtype": a.dtype,
+              "matmul": bench(shapes, rows, a.layers, a.rounds, a.quiet_wait, a.dtype)}
     write_result(result, a.out, "amx-gemm")
     return 0
 

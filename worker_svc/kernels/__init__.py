@@ -7,7 +7,9 @@
 - `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax, and
   their torch twin `TorchElementwise`.
 - `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
-  small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles.
+  small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles;
+  `gemm_amx_quant.py` / `.c`: float32 on a GGUF's quantized blocks on AMX tiles (exact
+  products), every step larger than gemm_quant.c's.
 - `quant_blocks.py`: those quantized blocks' format (the weights loader produces it).
 
 The package is a leaf: nothing here imports the rest of worker_svc (tests/test_structure.py
@@ -39,12 +41,14 @@ from worker_svc.kernels.gemm import (
     quant_kernels,
 )
 from worker_svc.kernels.gemm_amx import AmxGemm, amx_gemm
+from worker_svc.kernels.gemm_amx_quant import AmxQuantGemm, TieredPack, TieredQuant, amx_quant_gemm
 from worker_svc.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
 from worker_svc.kernels.quant_blocks import QUANT_BLOCK, QuantBlocks
 
-__all__ = ["QUANT_BLOCK", "AmxGemm", "Bf16Gemm", "LayerKernels", "CpuLevel", "ElementwiseKernels",
-           "FmaGemm", "Gemm", "PackedQuant", "PackedWeight", "PagedAttentionKernel", "QuantBlocks",
-           "QuantGemm", "QuantKernel", "TorchInt4", "load_cpu_kernels"]
+__all__ = ["QUANT_BLOCK", "AmxGemm", "AmxQuantGemm", "Bf16Gemm", "LayerKernels", "CpuLevel",
+           "ElementwiseKernels", "FmaGemm", "Gemm", "PackedQuant", "PackedWeight",
+           "PagedAttentionKernel", "QuantBlocks", "QuantGemm", "QuantKernel", "TieredPack",
+           "TieredQuant", "TorchInt4", "load_cpu_kernels"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,8 @@ class LayerKernels:
     attention: "PagedAttentionKernel | TritonPagedAttention | None" = None  # noqa: F821
     elementwise: "ElementwiseKernels | TritonKernels | None" = None  # noqa: F821
     gemm: Gemm | AmxGemm | None = None
-    quant: dict[int, QuantKernel] = field(default_factory=dict)  # small steps, by block bits
+    # by block bits: small steps (max_rows), or every step (TieredQuant, max_rows None)
+    quant: dict[int, QuantKernel | TieredQuant] = field(default_factory=dict)
 
     @property
     def onednn_bf16(self) -> bool:
@@ -72,7 +77,17 @@ def load_cpu_kernels(level: CpuLevel, head_dim: int, group: int, dtype: torch.dt
     head)."""
     return LayerKernels(level, paged_attention_kernel(level, head_dim, group, dtype),
                         elementwise_kernels(level, dtype), _gemm(level, dtype),
-                        quant_kernels(level, dtype))
+                        _quant(level, dtype))
+
+
+def _quant(level: CpuLevel, dtype: torch.dtype) -> dict[int, QuantKernel | TieredQuant]:
+    """The kernels on quantized blocks: `gemm.quant_kernels`' small-step ones, and at level
+    amx in float32 the AMX kernel for every larger step (`TieredQuant`)."""
+    small = quant_kernels(level, dtype)
+    if dtype != torch.float32 or level < CpuLevel.AMX or not (large := amx_quant_gemm(level)):
+        return dict(small)
+    return {bits: TieredQuant(kernel, large) if isinstance(kernel, QuantGemm) else kernel
+            for bits, kernel in small.items()}
 
 
 def _gemm(level: CpuLevel, dtype: torch.dtype) -> Gemm | AmxGemm | None:

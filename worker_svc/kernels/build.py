@@ -78,7 +78,7 @@ def level_builds(level: CpuLevel) -> list[tuple[str, dict[str, int]]]:
     if level.native_bf16:
         builds.append(("gemm_bf16.c", {}))
     if level >= CpuLevel.AMX:
-        builds += [("gemm_amx.c", {}),
+        builds += [("gemm_amx.c", {}), ("gemm_amx_quant.c", {}),
                    ("paged_attention_amx.c", {"HEAD_DIM": 64, "GROUP": 3, "ELEM_BF16": 1})]
     return builds
 

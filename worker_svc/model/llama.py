@@ -21,7 +21,8 @@ group, which the layers at that position in the other groups share.
 
 Small batches are memory-bound on CPU: a decode step of one request reads every weight once.
 Matrices that the GGUF stores as Q4_0/Q4_1/Q8_0 also keep their blocks, and steps of a few
-tokens multiply on those (a fifth of float32's bytes; see worker_svc.kernels.gemm).
+tokens multiply on those (a fifth of float32's bytes; see worker_svc.kernels.gemm); at level
+amx in float32 every step does, on AMX tiles (worker_svc.kernels.gemm_amx_quant).
 """
 
 import sys
@@ -34,13 +35,17 @@ from services.kv_groups import KvGroupLayout
 from services.model_config import ModelConfig
 from worker_svc.attention import AttentionMetadata, paged_attention
 from worker_svc.kernels import (
+    AmxGemm,
     CpuLevel,
     ElementwiseKernels,
+    Gemm,
     LayerKernels,
     PackedQuant,
     PackedWeight,
     QuantBlocks,
     QuantKernel,
+    TieredPack,
+    TieredQuant,
 )
 from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re-exported)
     TorchElementwise,
@@ -62,12 +67,12 @@ from worker_svc.model.weights import ModelWeights
 class Linear:
     """y = x @ weight.T, with the fastest CPU path we have for the weight and batch size.
 
-    In order: a weight with quantized blocks takes its small-step kernel (`kernels.quant`) for
-    steps of up to that kernel's `max_rows` rows; then our own matmul kernel (`kernels.gemm`,
-    with its own packed copy) for the batch sizes it takes; then, for bfloat16 where oneDNN
-    runs it, oneDNN on a weight pre-packed once into its blocked layout (a plain bf16 matmul
-    re-packs the weight on every call: 20-25% slower at 64-128 rows, measured); else torch's
-    matmul on the plain weight.
+    In order: a weight with quantized blocks takes its kernel on those (`kernels.quant`) for
+    steps of up to that kernel's `max_rows` rows (every step where it has none: then no dense
+    copy is kept); then our own matmul kernel (`kernels.gemm`, with its own packed copy) for
+    the batch sizes it takes; then, for bfloat16 where oneDNN runs it, oneDNN on a weight
+    pre-packed once into its blocked layout (a plain bf16 matmul re-packs the weight on every
+    call: 20-25% slower at 64-128 rows, measured); else torch's matmul on the plain weight.
     """
 
     __slots__ = ("weight", "onednn", "quant", "quant_weight", "quant_max_rows", "gemm",
@@ -75,28 +80,32 @@ class Linear:
 
     def __init__(self, parts: list[torch.Tensor], quant_parts: list[QuantBlocks] | None = None,
                  kernels: LayerKernels | None = None):
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
         kernels = kernels or LayerKernels(CpuLevel.NONE)
-        gemm = kernels.gemm if kernels.gemm is not None and kernels.gemm.fits(weight) else None
-        self.gemm = gemm
-        self.gemm_weight: PackedWeight | None = gemm.pack(weight) if gemm else None
-        self.gemm_max_rows = -1 if gemm is None else (gemm.max_rows or sys.maxsize)
+        self.quant: QuantKernel | TieredQuant | None = None
+        self.quant_weight: PackedQuant | TieredPack | None = None
+        self.quant_max_rows = 0
+        blocks = _concat_blocks(quant_parts) if quant_parts else None
+        if blocks is not None and (quant := kernels.quant.get(blocks.bits)) is not None \
+                and quant.fits(blocks):
+            self.quant, self.quant_weight = quant, quant.pack(blocks)
+            self.quant_max_rows = quant.max_rows or sys.maxsize
+        self.gemm: Gemm | AmxGemm | None = None
+        self.gemm_weight: PackedWeight | None = None
+        self.gemm_max_rows = -1
         self.weight: torch.Tensor | None = None             # plain, for torch's matmul
         self.onednn: torch.Tensor | None = None             # oneDNN layout, bfloat16 only
+        if self.quant_max_rows == sys.maxsize:
+            return                                          # the blocks take every step
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
+        if kernels.gemm is not None and kernels.gemm.fits(weight):
+            self.gemm, self.gemm_weight = kernels.gemm, kernels.gemm.pack(weight)
+            self.gemm_max_rows = kernels.gemm.max_rows or sys.maxsize
         if self.gemm_max_rows < sys.maxsize:                # rows the kernel leaves over
             if weight.dtype == torch.bfloat16 and kernels.onednn_bf16:
                 # The batch-size hint only tunes the layout; any batch size works.
                 self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             else:
                 self.weight = weight
-        self.quant: QuantKernel | None = None
-        self.quant_weight: PackedQuant | None = None
-        self.quant_max_rows = 0
-        blocks = _concat_blocks(quant_parts) if quant_parts else None
-        if blocks is not None and (quant := kernels.quant.get(blocks.bits)) is not None \
-                and quant.fits(blocks):
-            self.quant, self.quant_weight = quant, quant.pack(blocks)
-            self.quant_max_rows = quant.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] contiguous -> [num_tokens, out]."""

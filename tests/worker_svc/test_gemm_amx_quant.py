@@ -138,6 +138,12 @@ def test_float32_at_amx_runs_every_step_on_the_blocks() -> None:
         kernel, packed = ((tiered.small, linear.quant_weight.small) if m <= tiered.small_rows
                           else (tiered.large, linear.quant_weight.large))
         assert torch.equal(linear(x), kernel(x, packed))
+    # a shape the tiles do not take (n not a multiple of 32) keeps the small steps on its blocks
+    odd = _blocks(48, 576, 4)
+    linear = Linear([_dense(odd).float()], [odd], kernels)
+    assert linear.quant is tiered.small and linear.quant_max_rows == tiered.small.max_rows
+    x = torch.randn(20, 576)
+    torch.testing.assert_close(linear(x), x @ _dense(odd).float().T, rtol=1e-5, atol=1e-4)
     # bfloat16 at amx keeps its dense tiles (the small steps on torch's int4 kernel)
     assert not any(isinstance(q, TieredQuant)
                    for q in load_cpu_kernels(CpuLevel.AMX, 64, 3, torch.bfloat16).quant.values())

@@ -85,8 +85,10 @@ class Linear:
         self.quant_weight: PackedQuant | TieredPack | None = None
         self.quant_max_rows = 0
         blocks = _concat_blocks(quant_parts) if quant_parts else None
-        if blocks is not None and (quant := kernels.quant.get(blocks.bits)) is not None \
-                and quant.fits(blocks):
+        quant = kernels.quant.get(blocks.bits) if blocks is not None else None
+        if isinstance(quant, TieredQuant) and not quant.large.fits(blocks):
+            quant = quant.small                 # a shape the tiles do not take: small steps
+        if quant is not None and quant.fits(blocks):
             self.quant, self.quant_weight = quant, quant.pack(blocks)
             self.quant_max_rows = quant.max_rows or sys.maxsize
         self.gemm: Gemm | AmxGemm | None = None

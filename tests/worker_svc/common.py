@@ -1,6 +1,8 @@
 """Shared by the worker tests: prompts, sampling specs, greedy comparison against HF, and the
 C kernels a model is built with."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -74,3 +76,13 @@ def cpu_kernels(config: ModelConfig, dtype: torch.dtype, level: CpuLevel | None 
     as worker_svc.kernel_choice gives them to a CPU worker."""
     return choose_kernels(torch.device("cpu"), level, config.head_dim,
                           config.num_heads // config.num_kv_heads, dtype, "c")
+
+
+def on_threads(count: int, kernel: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """kernel(*args) with torch's (and so the C kernels' OpenMP) thread pool at `count`."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(count)
+        return kernel(*args)
+    finally:
+        torch.set_num_threads(threads)

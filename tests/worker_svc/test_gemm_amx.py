@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker_svc.common import on_threads
 from worker_svc.kernels import build
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.kernels.gemm_amx import AmxGemm, amx_gemm
@@ -79,15 +80,7 @@ def test_rounds_once_to_nearest_even_as_torch(gemm: AmxGemm) -> None:
 def test_same_result_on_any_thread_count(gemm: AmxGemm) -> None:
     x, w = _random(100, 960, 576)
     packed = gemm.pack(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gemm(x, packed)
-        torch.set_num_threads(2)
-        two = gemm(x, packed)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(on_threads(1, gemm, x, packed), on_threads(2, gemm, x, packed))
 
 
 @needs_amx

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.worker_svc.common import on_threads
 from worker_svc.kernels import QuantBlocks, TieredQuant, build, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
 from worker_svc.kernels.gemm import quant_gemm
@@ -98,15 +99,7 @@ def test_results_do_not_depend_on_the_thread_count(gemm: AmxQuantGemm) -> None:
     blocks = _blocks(3072, 576, 4)
     packed = gemm.pack(blocks)
     x = torch.randn(100, 576)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gemm(x, packed)
-        torch.set_num_threads(2)
-        two = gemm(x, packed)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(on_threads(1, gemm, x, packed), on_threads(2, gemm, x, packed))
 
 
 @needs_amx

@@ -1,14 +1,13 @@
 """The matmul kernels (gemm_bf16.c, gemm_fma.c) against float32 matmul, at each CPU level this
 machine can run, and how Linear and the model route to them."""
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from services.model_config import ModelConfig
-from tests.worker_svc.common import PROMPTS, cpu_kernels
+from tests.worker_svc.common import PROMPTS, cpu_kernels, on_threads
 from worker_svc.attention import build_attention_metadata
 from worker_svc.kernels import AmxGemm, Bf16Gemm, FmaGemm, Gemm, TorchInt4, load_cpu_kernels
 from worker_svc.kernels.cpu import CpuLevel, detect_level
@@ -70,15 +69,6 @@ def test_fma_kernel_takes_any_shape_and_reads_no_padding(kernel_level: CpuLevel)
         gemm.pack(w.float())
 
 
-def _on_one_thread(kernel: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        return kernel(*args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_same_result_on_any_thread_count(kernel_level: CpuLevel, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -87,7 +77,7 @@ def test_same_result_on_any_thread_count(kernel_level: CpuLevel, dtype: torch.dt
     for kind in _kinds(kernel_level, dtype):
         gemm = _gemm(kernel_level, dtype, kind)
         packed = gemm.pack(w)
-        assert torch.equal(_on_one_thread(gemm, x, packed), gemm(x, packed))
+        assert torch.equal(on_threads(1, gemm, x, packed), gemm(x, packed))
 
 
 @pytest.mark.skipif(detect_level() < CpuLevel.AVX512_BF16,
@@ -237,7 +227,7 @@ def test_quant_kernel_same_result_on_any_thread_count(kernel_level: CpuLevel) ->
     blocks, _ = _blocks(4, 960, 576, 3)
     packed = kernel.pack(blocks)
     x = torch.randn(5, 576)
-    assert torch.equal(_on_one_thread(kernel, x, packed), kernel(x, packed))
+    assert torch.equal(on_threads(1, kernel, x, packed), kernel(x, packed))
     with pytest.raises(ValueError, match="cannot pack"):
         kernel.pack(_blocks(8, 4, 32, 0)[0])                     # 8-bit blocks, 4-bit kernel
 

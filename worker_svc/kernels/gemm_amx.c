@@ -148,22 +148,13 @@ static void run(const uint16_t *a, int64_t lda, const uint16_t *packed, uint16_t
   const int64_t panel_elems = steps * 2 * TILE_ELEMS, panel_lines = panel_elems * 2 / 64;
 #pragma omp parallel
   {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = t < 6 ? rows : 16; /* c and a: the rows; w: 16 input pairs */
-    }
-    _tile_loadconfig(&cfg);
+    config_matmul_tiles(rows);
     float acc[4 * 256] __attribute__((aligned(64)));
-    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t first = panels * id / threads, end = panels * (id + 1) / threads;
+    int64_t first, end;
+    thread_share(panels, &first, &end);
     for (int64_t t0 = 0; t0 < row_tiles; t0 += MC / 16) {
       const int64_t t1 = t0 + MC / 16 < row_tiles ? t0 + MC / 16 : row_tiles;
-      const int64_t passes = (t1 - t0 + 1) / 2;
-      /* lines of the next panel per step, so that this panel's passes fetch all of it */
-      const int64_t per_step = (panel_lines + passes * steps - 1) / (passes * steps);
+      const int64_t per_step = lines_per_step(panel_lines, (t1 - t0 + 1) / 2, steps);
       for (int64_t panel = first; panel < end; panel++) {
         const uint16_t *w = packed + panel * panel_elems;
         const char *next = (const char *)(w + panel_elems);

@@ -239,23 +239,14 @@ void gemm_amx_quant(const float *a, const uint16_t *values, const float *scales,
   const int64_t panel_elems = blocks * 2 * TILE_ELEMS, panel_lines = panel_elems * 2 / 64;
 #pragma omp parallel
   {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = t < 6 ? rows : 16; /* c and a: the rows; w: 16 input pairs */
-    }
-    _tile_loadconfig(&cfg);
+    config_matmul_tiles(rows);
     float t[4 * 256] __attribute__((aligned(64)));
     float sums[4 * 256] __attribute__((aligned(64)));
-    const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t first = panels * id / threads, end = panels * (id + 1) / threads;
+    int64_t first, end;
+    thread_share(panels, &first, &end);
     for (int64_t t0 = 0; t0 < row_tiles; t0 += MC / 16) {
       const int64_t t1 = t0 + MC / 16 < row_tiles ? t0 + MC / 16 : row_tiles;
-      const int64_t passes = (t1 - t0 + 1) / 2;
-      /* lines of the next panel per step, so that this panel's passes fetch all of it */
-      const int64_t per_step = (panel_lines + passes * blocks - 1) / (passes * blocks);
+      const int64_t per_step = lines_per_step(panel_lines, (t1 - t0 + 1) / 2, blocks);
       for (int64_t panel = first; panel < end; panel++) {
         const uint16_t *w = values + panel * panel_elems;
         const char *next = (const char *)(w + panel_elems);

@@ -76,6 +76,16 @@ def wait_quiet(seconds: float) -> bool:
             return False
 
 
+def over_all(kernel: Callable[..., object], x: torch.Tensor, packed: list[object]
+             ) -> Callable[[], None]:
+    """A step: kernel(x, w) for every packed weight w."""
+
+    def step() -> None:
+        for w in packed:
+            kernel(x, w)
+    return step
+
+
 def step_fns(weights: list[torch.Tensor], x: torch.Tensor
              ) -> dict[str, Callable[[], None]]:
     """Each system's step: x times every weight, from that system's packed copies."""
@@ -85,18 +95,9 @@ def step_fns(weights: list[torch.Tensor], x: torch.Tensor
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     ours = [bf16.pack(w) for w in weights]
     tiles = [amx.pack(w) for w in weights]
-
-    def run_onednn() -> None:
-        for w in onednn:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-    def run_bf16() -> None:
-        for w in ours:
-            bf16(x, w)
-
-    def run_amx() -> None:
-        for w in tiles:
-            amx(x, w)
+    run_onednn = over_all(
+        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), x, onednn)
+    run_bf16, run_amx = over_all(bf16, x, ours), over_all(amx, x, tiles)
 
     # the three agree on the first weight (a wrong kernel would make its timing meaningless)
     ref = x.float() @ weights[0].float().T
@@ -134,20 +135,8 @@ def float32_step_fns(blocks: list[QuantBlocks], x: torch.Tensor
     ref = x.double() @ dense[0].double().T
     for out in (fma(x, packed[0]), amx_quant(x, tiles[0])):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-3)
-
-    def run_mkl() -> None:
-        for w in dense:
-            torch.nn.functional.linear(x, w)
-
-    def run_fma() -> None:
-        for w in packed:
-            fma(x, w)
-
-    def run_amx_quant() -> None:
-        for w in tiles:
-            amx_quant(x, w)
-
-    return {"mkl": run_mkl, "fma": run_fma, "amx_quant": run_amx_quant}
+    return {"mkl": over_all(torch.nn.functional.linear, x, dense),
+            "fma": over_all(fma, x, packed), "amx_quant": over_all(amx_quant, x, tiles)}
 
 
 def seconds_per_step(fn: Callable[[], None]) -> float:

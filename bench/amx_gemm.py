@@ -2,7 +2,9 @@
 another. bfloat16 (the default): gemm_amx.c against oneDNN's AMX matmul through torch and our
 AVX512-BF16 kernel (gemm_bf16.c), on pre-packed bfloat16 weights. float32 (`--dtype float32`):
 gemm_amx_quant.c on random Q4_1 blocks (Q8_0 for the LM head, as the default model's) against
-gemm_fma.c and torch's float32 matmul (MKL) on the same weights dequantized.
+gemm_fma.c and torch's float32 matmul (MKL) on the same weights dequantized. bfloat16 on blocks
+(`--dtype blocks`): gemm_amx.c's block entry (gemm_amx_blocks) on random Q4_1 blocks (Q8_0 for
+the LM head) against gemm_amx.c and oneDNN on the same weights dequantized to bfloat16.
 
     .venv/bin/python bench/amx_gemm.py [--dtype bfloat16] [--rounds 5] [--layers 30]
                                        [--threads 2] [--rows 1,8,64] [--shapes qkv,o]
@@ -22,6 +24,7 @@ weight is made once, before timing:
   worker_svc.model.llama.Linear runs);
 - avx512_bf16: worker_svc.kernels.gemm.Bf16Gemm (VDPBF16PS);
 - amx: worker_svc.kernels.gemm_amx.AmxGemm (TDPBF16PS);
+- blocks: amx_blocks (worker_svc.kernels.gemm_amx.AmxBlocksGemm), beside onednn and amx;
 - float32: fma (worker_svc.kernels.gemm.FmaGemm), mkl (`torch.nn.functional.linear`),
   amx_quant (worker_svc.kernels.gemm_amx_quant.AmxQuantGemm).
 
@@ -44,7 +47,7 @@ from bench_io import write_result  # noqa: E402
 
 from worker_svc.kernels.cpu import CpuLevel, cpu_flags, cpu_model, detect_level  # noqa: E402
 from worker_svc.kernels.gemm import bf16_gemm, fma_gemm  # noqa: E402
-from worker_svc.kernels.gemm_amx import amx_gemm  # noqa: E402
+from worker_svc.kernels.gemm_amx import amx_blocks_gemm, amx_gemm  # noqa: E402
 from worker_svc.kernels.gemm_amx_quant import amx_quant_gemm  # noqa: E402
 from worker_svc.kernels.quant_blocks import QuantBlocks  # noqa: E402
 
@@ -52,8 +55,9 @@ from worker_svc.kernels.quant_blocks import QuantBlocks  # noqa: E402
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048]
-SYSTEMS = {"bfloat16": ["onednn", "avx512_bf16", "amx"], "float32": ["mkl", "fma", "amx_quant"]}
-BASELINE = {"bfloat16": "onednn", "float32": "fma"}     # what the last column divides by
+SYSTEMS = {"bfloat16": ["onednn", "avx512_bf16", "amx"], "float32": ["mkl", "fma", "amx_quant"],
+           "blocks": ["onednn", "amx", "amx_blocks"]}
+BASELINE = {"bfloat16": "onednn", "float32": "fma", "blocks": "amx"}  # the last column's divisor
 MIN_SECONDS = 0.03   # per measurement: whole steps until at least this long
 
 
@@ -139,6 +143,20 @@ def float32_step_fns(blocks: list[QuantBlocks], x: torch.Tensor
             "fma": over_all(fma, x, packed), "amx_quant": over_all(amx_quant, x, tiles)}
 
 
+def blocks_step_fns(blocks: list[QuantBlocks], x: torch.Tensor
+                    ) -> dict[str, Callable[[], None]]:
+    """bfloat16 on blocks: gemm_amx_blocks on the blocks, gemm_amx.c and oneDNN on the same
+    weights dequantized to bfloat16 (which gemm_amx_blocks must equal bit for bit)."""
+    dense = [dequantized(b).bfloat16() for b in blocks]
+    fns = step_fns(dense, x)
+    kernel = amx_blocks_gemm(CpuLevel.AMX, blocks[0].bits)
+    assert kernel is not None, "gemm_amx.c did not build (see the log)"
+    packed = [kernel.pack(b) for b in blocks]
+    amx = amx_gemm(CpuLevel.AMX)
+    assert amx is not None and torch.equal(kernel(x, packed[0]), amx(x, amx.pack(dense[0])))
+    return {"onednn": fns["onednn"], "amx": fns["amx"], "amx_blocks": over_all(kernel, x, packed)}
+
+
 def seconds_per_step(fn: Callable[[], None]) -> float:
     fn()   # warm: first touch, oneDNN's primitive cache
     count, start = 0, time.perf_counter()
@@ -156,7 +174,7 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, roun
     ours = systems[-1]
     for name, n, k in shapes:
         count = 2 if name == "lm_head" else layers
-        if dtype == "float32":
+        if dtype in ("float32", "blocks"):
             weights = [random_blocks(n, k, 8 if name == "lm_head" else 4, gen)
                        for _ in range(count)]
         else:
@@ -165,8 +183,12 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], layers: int, roun
         print(f"{'rows':>5} " + " ".join(f"{s:>12}" for s in systems) + f"  {ours}/{base}")
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            fns = (float32_step_fns(weights, x) if dtype == "float32"  # type: ignore[arg-type]
-                   else step_fns(weights, x.bfloat16()))  # type: ignore[arg-type]
+            if dtype == "float32":
+                fns = float32_step_fns(weights, x)  # type: ignore[arg-type]
+            elif dtype == "blocks":
+                fns = blocks_step_fns(weights, x.bfloat16())  # type: ignore[arg-type]
+            else:
+                fns = step_fns(weights, x.bfloat16())  # type: ignore[arg-type]
             gflop = 2 * m * n * k * count / 1e9
             samples: dict[str, list[float]] = {s: [] for s in systems}
             noisy = 0

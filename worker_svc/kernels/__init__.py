@@ -7,7 +7,8 @@
 - `elementwise.py` / `.c`: residual add + RMSNorm, SiLU-and-multiply, rotary, argmax, and
   their torch twin `TorchElementwise`.
 - `gemm.py`, `gemm_bf16.c`, `gemm_fma.c`: matmuls on pre-packed weights; `gemm_quant.c`:
-  small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles;
+  small steps on a GGUF's quantized blocks; `gemm_amx.py` / `.c`: bfloat16 on AMX tiles (and
+  on quantized blocks dequantized in cache, `AmxBlocksGemm`: not yet used by the model);
   `gemm_amx_quant.py` / `.c`: float32 on a GGUF's quantized blocks on AMX tiles (exact
   products), every step larger than gemm_quant.c's.
 - `quant_blocks.py`: those quantized blocks' format (the weights loader produces it).

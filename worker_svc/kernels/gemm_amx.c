@@ -177,6 +177,129 @@ static void run(const uint16_t *a, int64_t lda, const uint16_t *packed, uint16_t
   }
 }
 
+/* ---- bfloat16 activations on a GGUF's quantized blocks (gemm_amx_blocks) ----
+ *
+ * The weight stays in its blocks, w = scale * q + offset per 32 inputs of an output column,
+ * and each thread dequantizes one panel at a time into pack_weight's layout in a buffer it
+ * keeps in L1/L2, then runs the same tile products over it. A decode step of 64 rows is
+ * bound by the weight stream; the blocks are 0.625 bytes a weight at 4 bits (1.06 at 8)
+ * against bfloat16's 2. The dequantized values are those of the dense path's
+ * bfloat16(scale * q + offset) (float32, then rounded to nearest even: scale * q is exact, so
+ * one FMA rounds as its multiply-then-add), and the products run in the same order, so the
+ * result is gemm_amx's on that dense weight, bit for bit.
+ *
+ * Block layout (made by gemm_amx.py): per panel, per step of 32 inputs, per tile half, per
+ * tile row i: the row's 32 values (16 columns x inputs 2i, 2i + 1, pack_weight's order) as 32
+ * int8 (8 bits), or as 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31 (4
+ * bits, 0..15); scales and offsets [panel][step][32 columns] float16 (offsets may be NULL:
+ * all zero). k must be a multiple of 32, n of NR. */
+
+/* One tile row's 32 values -> 32 bfloat16 of scale * q + offset (scale and offset already
+ * spread to the row's element order: columns repeat twice). */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *src, int bits,
+                                                              __m512 d0, __m512 d1, __m512 o0,
+                                                              __m512 o1, uint16_t *dst) {
+  __m512i v0, v1;
+  if (bits == 4) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)src), nib = _mm_set1_epi8(0x0F);
+    v0 = _mm512_cvtepu8_epi32(_mm_and_si128(b, nib));
+    v1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib));
+  } else {
+    v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src));
+    v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16)));
+  }
+  const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), d0, o0);
+  const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), d1, o1);
+  _mm512_store_si512((__m512i *)dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+}
+
+/* One panel's blocks (`steps` steps of 32 inputs) -> pack_weight's layout in `out`. */
+static inline __attribute__((always_inline)) void dequant_panel(
+    const uint8_t *q, int bits, const uint16_t *scales, const uint16_t *offsets,
+    int64_t steps, uint16_t *out) {
+  const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const int64_t row_bytes = bits == 4 ? 16 : 32;
+  for (int64_t s = 0; s < steps; s++)
+    for (int64_t h = 0; h < 2; h++) {
+      const int64_t at = s * NR + h * 16;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + at)));
+      const __m512 o = offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offsets + at)))
+                               : _mm512_setzero_ps();
+      const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+      const __m512 o0 = _mm512_permutexvar_ps(first, o), o1 = _mm512_permutexvar_ps(second, o);
+      const uint8_t *src = q + (s * 2 + h) * 16 * row_bytes;
+      uint16_t *dst = out + (s * 2 + h) * TILE_ELEMS;
+      for (int64_t i = 0; i < 16; i++)
+        dequant_row(src + i * row_bytes, bits, d0, d1, o0, o1, dst + i * 32);
+    }
+}
+
+/* The calling thread's buffer of at least `bytes`, kept between calls. */
+static uint16_t *panel_buffer(size_t bytes) {
+  static __thread uint16_t *buffer;
+  static __thread size_t size;
+  if (bytes > size) {
+    free(buffer);
+    size = round_up((int64_t)bytes, 4096);
+    buffer = aligned_alloc(64, size);
+    if (buffer == NULL) abort();
+  }
+  return buffer;
+}
+
+/* c [m, n] = a [m, k] @ w^T, w as blocks (layout above); a and c row-major, contiguous. */
+void gemm_amx_blocks(const uint16_t *a, const uint8_t *values, int bits,
+                     const uint16_t *scales, const uint16_t *offsets, uint16_t *c, int64_t m,
+                     int64_t n, int64_t k) {
+  if (m <= 0 || n <= 0) return;
+  const int rows = m < 16 ? (int)m : 16;
+  const int64_t steps = k / KS, row_tiles = (m + 15) / 16, panels = n / NR;
+  const int64_t value_bytes = steps * 2 * 16 * (bits == 4 ? 16 : 32), float_elems = steps * NR;
+  const int64_t panel_lines = value_bytes / 64;
+#pragma omp parallel
+  {
+    config_matmul_tiles(rows);
+    float acc[4 * 256] __attribute__((aligned(64)));
+    uint16_t *w = panel_buffer((size_t)steps * 2 * TILE_ELEMS * 2);
+    int64_t first, end;
+    thread_share(panels, &first, &end);
+    for (int64_t t0 = 0; t0 < row_tiles; t0 += MC / 16) {
+      const int64_t t1 = t0 + MC / 16 < row_tiles ? t0 + MC / 16 : row_tiles;
+      const int64_t per_step = lines_per_step(panel_lines, (t1 - t0 + 1) / 2, steps);
+      for (int64_t panel = first; panel < end; panel++) {
+        const uint8_t *q = values + panel * value_bytes;
+        const uint16_t *d = scales + panel * float_elems;
+        const uint16_t *o = offsets ? offsets + panel * float_elems : NULL;
+        if (panel + 1 < end) {
+          for (int64_t l = 0; l < float_elems * 2; l += 64) {
+            _mm_prefetch((const char *)(d + float_elems) + l, _MM_HINT_T0);
+            if (o) _mm_prefetch((const char *)(o + float_elems) + l, _MM_HINT_T0);
+          }
+        }
+        if (bits == 4)
+          dequant_panel(q, 4, d, o, steps, w);
+        else
+          dequant_panel(q, 8, d, o, steps, w);
+        const char *next = (const char *)(q + value_bytes);
+        const char *next_end = panel + 1 < end ? next + value_bytes : next;
+        for (int64_t t = t0; t < t1; t += 2) {
+          const int64_t r0 = tile_row(t, m);
+          uint16_t *c0 = c + r0 * n + panel * NR;
+          if (t + 1 < t1) {
+            const int64_t r1 = tile_row(t + 1, m);
+            tiles_2x2(a + r0 * k, a + r1 * k, k, w, steps, c0, c + r1 * n + panel * NR, n,
+                      rows, acc, &next, next_end, per_step);
+          } else {
+            tiles_1x2(a + r0 * k, k, w, steps, c0, n, rows, acc, &next, next_end, per_step);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
 /* c [m, n] = a [m, k] @ w^T, w given packed by pack_weight; a and c row-major, contiguous. */
 void gemm_amx(const uint16_t *a, const uint16_t *packed, uint16_t *c, int64_t m, int64_t n,
               int64_t k) {

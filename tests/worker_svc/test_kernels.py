@@ -88,6 +88,28 @@ def test_bfloat16_close_to_reference(kernel_level: CpuLevel) -> None:
     torch.testing.assert_close(fast.float(), slow.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_alone_or_in_a_large_batch(kernel_level: CpuLevel,
+                                                     dtype: torch.dtype) -> None:
+    # A large batch hands a row's KV heads to a thread as one item, a small one each head
+    # alone; each head's sums run in the same order either way, so the bits match.
+    kernel = _kernel(kernel_level, 64, 3, dtype)
+    gen = torch.Generator().manual_seed(11)
+    rows, block, blocks_per_row = 24, 16, 4
+    num_blocks = rows * blocks_per_row + 1
+    cache = torch.randn(2, num_blocks, block, 3, 64, generator=gen).to(dtype)
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(rows, blocks_per_row)
+    kv_lens = torch.randint(1, block * blocks_per_row + 1, (rows,), generator=gen)
+    slots = tables.gather(1, ((kv_lens - 1) // block)[:, None])[:, 0] * block \
+        + (kv_lens - 1) % block
+    q = torch.randn(rows, 9, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(rows, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    batch = kernel(q, k, v, cache.clone(), slots, tables, torch.arange(rows), kv_lens)
+    alone = kernel(q[:1], k[:1], v[:1], cache.clone(), slots[:1], tables,
+                   torch.zeros(1, dtype=torch.int64), kv_lens[:1])
+    assert torch.equal(batch[:1], alone)
+
+
 def test_long_context_and_large_scores_stay_finite(kernel_level: CpuLevel) -> None:
     # 3000 keys and scores in the hundreds: the running max must keep exp() in range.
     kernel = _kernel(kernel_level, 16, 2, torch.float32)

@@ -17,11 +17,14 @@
  * kv_len) only, and reads no key before that start: kvcache_svc frees the blocks wholly before
  * it and the table holds the null block (garbage) there. window 0 = every key.
  *
- * Work item = (row, KV head): its GROUP query heads are scored against the row's keys, TILE
- * tokens at a time; the softmax is rescaled per tile (running max and sum), so no buffer
- * grows with the context. Items are spread over OpenMP threads; each item's result depends
- * only on its own inputs, so it is the same whichever thread or TP rank computes it.
+ * Work item = a row's KV heads (all of them where rows are plenty, else one): each head's
+ * GROUP query heads are scored against the row's keys, TILE tokens at a time; the softmax is
+ * rescaled per tile (running max and sum), so no buffer grows with the context. Items are
+ * spread over OpenMP threads one at a time; each head's result depends only on its own
+ * inputs, so it is the same whichever thread, item or TP rank computes it.
  */
+#include <omp.h>
+
 #include "vec.h"
 
 #ifndef HEAD_DIM
@@ -69,82 +72,160 @@ static inline const elem_t *next_row(cursor_t *c) {
   for (int c = 0; c < HEAD_DIM * (int)sizeof(elem_t); c += 64)                                 \
   __builtin_prefetch((const char *)((key_row) + value_offset) + c)
 
-/* One (row, KV head) item: q = its GROUP query heads (contiguous), table = its request's
- * block ids, keys [first, kv_len) the tokens it attends to, out = its GROUP output heads.
- * Reading K/V rows dominates (each is a couple of cache lines in a scattered block). Measured
- * slower: items of a whole row (all KV heads) tile by tile; summing 16 tokens' dot products
- * with one transposing shuffle tree instead of a horizontal sum each. */
-static void attend_item(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t first,
-                        int64_t kv_len, int64_t value_offset, int64_t block_size,
-                        int64_t row_stride, int64_t head, float scale, elem_t *out) {
+/* The running state of one (row, KV head): its GROUP query heads (scaled), their output sums,
+ * and the online softmax's running max and sum. */
+typedef struct {
   vf qv[GROUP][NVEC], acc[GROUP][NVEC];
   float run_max[GROUP], run_sum[GROUP];
+} head_state_t;
+
+static inline void start_head(head_state_t *st, const elem_t *q, float scale) {
   for (int g = 0; g < GROUP; g++) {
-    load_row(q + g * HEAD_DIM, qv[g]);
+    load_row(q + g * HEAD_DIM, st->qv[g]);
     for (int j = 0; j < NVEC; j++) {
-      qv[g][j] *= scale;
-      acc[g][j] = (vf){0};
+      st->qv[g][j] *= scale;
+      st->acc[g][j] = (vf){0};
     }
-    run_max[g] = -INFINITY;
-    run_sum[g] = 0.f;
+    st->run_max[g] = -INFINITY;
+    st->run_sum[g] = 0.f;
   }
-  cursor_t cursor = {kv + head * HEAD_DIM, table, block_size, row_stride, first / block_size,
+}
+
+/* A tile's scores (scaled q . k) and its value sums, in one of two orders; both sum each
+ * head's products in the same order, so the results are the same.
+ * - Key by key: each K/V row loaded (and widened) once and used by every query head. Where
+ *   the GROUP heads' q and sums do not fit in the vector registers (AVX2's 16 in float32)
+ *   they are reloaded and stored for every key.
+ * - Query head by query head, for float32 where they do not fit: that head's q and sums stay
+ *   in registers while every key of the tile is read (from L1 after the first head). On 2 Zen
+ *   3 cores (bench/cpu_kernels.py) 1.2-1.3x the other order on decodes and prefill chunks
+ *   in float32; in bfloat16 0.9-0.97x (it widens each row GROUP times), hence bfloat16 stays
+ *   key by key. */
+#define VECTOR_REGISTERS (LANES == 16 ? 32 : 16)
+#if ELEM_BF16 || (2 * GROUP + 1) * NVEC <= VECTOR_REGISTERS
+static inline void tile_scores(const head_state_t *st, const elem_t *const *rows, int n,
+                               int64_t head, int64_t value_offset, float scores[GROUP][TILE]) {
+  for (int i = 0; i < n; i++) {
+    PREFETCH_VALUE(rows[i] + head);
+    vf k[NVEC];
+    load_row(rows[i] + head, k);
+    for (int g = 0; g < GROUP; g++) {
+      vf dot = st->qv[g][0] * k[0];
+      for (int j = 1; j < NVEC; j++) dot += st->qv[g][j] * k[j];
+      scores[g][i] = hsum(dot);
+    }
+  }
+}
+
+static inline void tile_values(head_state_t *st, const elem_t *const *rows, int n,
+                               const float scores[GROUP][TILE], int64_t value) {
+  for (int i = 0; i < n; i++) {
+    vf v[NVEC];
+    load_row(rows[i] + value, v);
+    for (int g = 0; g < GROUP; g++)
+      for (int j = 0; j < NVEC; j++) st->acc[g][j] += scores[g][i] * v[j];
+  }
+}
+#else
+static inline void tile_scores(const head_state_t *st, const elem_t *const *rows, int n,
+                               int64_t head, int64_t value_offset, float scores[GROUP][TILE]) {
+  for (int g = 0; g < GROUP; g++) {
+    vf qg[NVEC];
+    for (int j = 0; j < NVEC; j++) qg[j] = st->qv[g][j];
+    for (int i = 0; i < n; i++) {
+      const elem_t *key = rows[i] + head;
+      if (g == 0) PREFETCH_VALUE(key);
+      vf dot = qg[0] * load_vec(key);
+      for (int j = 1; j < NVEC; j++) dot += qg[j] * load_vec(key + j * LANES);
+      scores[g][i] = hsum(dot);
+    }
+  }
+}
+
+static inline void tile_values(head_state_t *st, const elem_t *const *rows, int n,
+                               const float scores[GROUP][TILE], int64_t value) {
+  for (int g = 0; g < GROUP; g++) {
+    vf acc[NVEC];
+    for (int j = 0; j < NVEC; j++) acc[j] = st->acc[g][j];
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < NVEC; j++) acc[j] += scores[g][i] * load_vec(rows[i] + value + j * LANES);
+    for (int j = 0; j < NVEC; j++) st->acc[g][j] = acc[j];
+  }
+}
+#endif
+
+/* One tile of n keys (rows[i] + head: key i's K row for this head) into the state: scores,
+ * the online softmax's update, then the value sums. */
+static inline void attend_tile(head_state_t *st, const elem_t *const *rows, int n, int64_t head,
+                               int64_t value_offset) {
+  float scores[GROUP][TILE];
+  tile_scores(st, rows, n, head, value_offset, scores);
+  for (int g = 0; g < GROUP; g++) {
+    float tile_max = st->run_max[g];
+    for (int i = 0; i < n; i++) tile_max = scores[g][i] > tile_max ? scores[g][i] : tile_max;
+    const float rescale = expf(st->run_max[g] - tile_max); /* 0 on the first tile */
+    st->run_max[g] = tile_max;
+    st->run_sum[g] *= rescale;
+    for (int j = 0; j < NVEC; j++) st->acc[g][j] *= rescale;
+    for (int i = n; i < TILE; i++) scores[g][i] = -INFINITY;
+    for (int i = 0; i < TILE; i += LANES) {
+      vf s;
+      memcpy(&s, &scores[g][i], sizeof s);
+      s = vexp(s - tile_max);
+      memcpy(&scores[g][i], &s, sizeof s);
+      st->run_sum[g] += hsum(s);
+    }
+  }
+  tile_values(st, rows, n, scores, head + value_offset);
+}
+
+static inline void finish_head(head_state_t *st, elem_t *out) {
+  for (int g = 0; g < GROUP; g++) {
+    const float inv = 1.f / st->run_sum[g];
+    for (int j = 0; j < NVEC; j++) st->acc[g][j] *= inv;
+    store_row(st->acc[g], out + g * HEAD_DIM);
+  }
+}
+
+/* KV heads [h0, h1) of one row: q = the row's query heads (KV head h's GROUP of them
+ * contiguous), table = its request's block ids, keys [first, kv_len) the tokens it attends
+ * to, out = the row's output heads. Tile by tile, each head of the tile's tokens in turn: a
+ * token's heads lie side by side, so with every head in one item a tile reads one contiguous
+ * run per token.
+ * Reading K/V rows dominates (each is a few cache lines in a scattered block). Measured
+ * no faster: summing 8 or 16 tokens' dot products with one transposing shuffle tree instead
+ * of a horizontal sum each; prefetching the next tile's keys (Zen 3: the hardware prefetcher
+ * already streams a block's rows). */
+static void attend_heads(const elem_t *q, const elem_t *kv, const int64_t *table, int64_t first,
+                         int64_t kv_len, int64_t value_offset, int64_t block_size,
+                         int64_t num_kv_heads, int64_t h0, int64_t h1, float scale, elem_t *out) {
+  const int64_t row_stride = num_kv_heads * HEAD_DIM;
+  head_state_t states[h1 - h0];
+  for (int64_t h = h0; h < h1; h++)
+    start_head(&states[h - h0], q + h * GROUP * HEAD_DIM, scale);
+  cursor_t cursor = {kv, table, block_size, row_stride, first / block_size,
                      first % block_size};
   for (int64_t start = first; start < kv_len; start += TILE) {
     const int n = kv_len - start < TILE ? (int)(kv_len - start) : TILE;
     const elem_t *rows[TILE];
     for (int i = 0; i < n; i++) rows[i] = next_row(&cursor);
-    float scores[GROUP][TILE];
-    for (int i = 0; i < n; i++) {
-      PREFETCH_VALUE(rows[i]);
-      vf k[NVEC];
-      load_row(rows[i], k);
-      for (int g = 0; g < GROUP; g++) {
-        vf dot = qv[g][0] * k[0];
-        for (int j = 1; j < NVEC; j++) dot += qv[g][j] * k[j];
-        scores[g][i] = hsum(dot);
-      }
-    }
-    for (int g = 0; g < GROUP; g++) {
-      float tile_max = run_max[g];
-      for (int i = 0; i < n; i++) tile_max = scores[g][i] > tile_max ? scores[g][i] : tile_max;
-      const float rescale = expf(run_max[g] - tile_max); /* 0 on the first tile */
-      run_max[g] = tile_max;
-      run_sum[g] *= rescale;
-      for (int j = 0; j < NVEC; j++) acc[g][j] *= rescale;
-      for (int i = n; i < TILE; i++) scores[g][i] = -INFINITY;
-      for (int i = 0; i < TILE; i += LANES) {
-        vf s;
-        memcpy(&s, &scores[g][i], sizeof s);
-        s = vexp(s - tile_max);
-        memcpy(&scores[g][i], &s, sizeof s);
-        run_sum[g] += hsum(s);
-      }
-    }
-    for (int i = 0; i < n; i++) {
-      vf v[NVEC];
-      load_row(rows[i] + value_offset, v);
-      for (int g = 0; g < GROUP; g++)
-        for (int j = 0; j < NVEC; j++) acc[g][j] += scores[g][i] * v[j];
-    }
+    for (int64_t h = h0; h < h1; h++)
+      attend_tile(&states[h - h0], rows, n, h * HEAD_DIM, value_offset);
   }
-  for (int g = 0; g < GROUP; g++) {
-    const float inv = 1.f / run_sum[g];
-    for (int j = 0; j < NVEC; j++) acc[g][j] *= inv;
-    store_row(acc[g], out + g * HEAD_DIM);
-  }
+  for (int64_t h = h0; h < h1; h++)
+    finish_head(&states[h - h0], out + h * GROUP * HEAD_DIM);
 }
 
-/* Writes the step's new K/V rows into their cache slots, then attends every (row, KV head)
- * item. A row is one query token: a decode, or one token of a prefill chunk, which attends
+/* Writes the step's new K/V rows into their cache slots, then attends every row's KV heads. A row is one query token: a decode, or one token of a prefill chunk, which attends
  * to its request's first kv_lens[row] tokens (its own included), so causal masking is just
  * each row's length (a window > 0 also moves its first key, see above); rows may read slots
  * other rows wrote in this call (the write finishes first). q: row r starts at q + r *
  * q_stride (elements), heads and dims contiguous; k, v likewise with their strides ([rows,
  * num_kv_heads, HEAD_DIM] each); slots [rows]: each row's cache slot (block * block_size +
  * offset); kv_cache as above; block_tables [requests, max_blocks]; row_request [rows]: each
- * row's request (table row); out [rows, heads, HEAD_DIM]. Items are handed out a few at a
- * time: a chunk's later rows cost more. */
+ * row's request (table row); out [rows, heads, HEAD_DIM]. Items are handed out one at a
+ * time: a chunk's later rows cost more, and a single decode's heads must spread over the
+ * threads. */
 void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t k_stride,
                      const elem_t *v, int64_t v_stride, const int64_t *slots, elem_t *kv_cache,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *row_request,
@@ -153,7 +234,6 @@ void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t
                      elem_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const int64_t value_offset = num_blocks * block_size * row_stride;
-  const int64_t items = num_rows * num_kv_heads;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -163,14 +243,23 @@ void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t
              row_stride * sizeof(elem_t));
     }
     /* (the implicit barrier here: every slot is written before any row reads) */
-#pragma omp for schedule(dynamic, 4)
+    /* An item is a row's KV heads where rows are plenty (as many as divide num_kv_heads and
+     * keep their states within 32 KB of the stack), else one KV head of a row. */
+    int64_t heads = 1;
+    if (num_rows >= 4 * omp_get_num_threads())
+      for (int64_t h = num_kv_heads; h > 1; h--)
+        if (num_kv_heads % h == 0 && h * (int64_t)sizeof(head_state_t) <= 32768) {
+          heads = h;
+          break;
+        }
+    const int64_t items = num_rows * (num_kv_heads / heads);
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
-      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t first_head = (r * num_kv_heads + h) * GROUP * HEAD_DIM; /* in out */
+      const int64_t r = item / (num_kv_heads / heads), h0 = item % (num_kv_heads / heads) * heads;
       const int64_t first = window > 0 && kv_lens[r] > window ? kv_lens[r] - window : 0;
-      attend_item(q + r * q_stride + h * GROUP * HEAD_DIM, kv_cache,
-                  block_tables + row_request[r] * max_blocks, first, kv_lens[r], value_offset,
-                  block_size, row_stride, h, scale, out + first_head);
+      attend_heads(q + r * q_stride, kv_cache, block_tables + row_request[r] * max_blocks, first,
+                   kv_lens[r], value_offset, block_size, num_kv_heads, h0, h0 + heads, scale,
+                   out + r * num_kv_heads * GROUP * HEAD_DIM);
     }
   }
 }

@@ -103,15 +103,19 @@ static inline void start_head(head_state_t *st, const elem_t *q, float scale) {
  *   key by key. */
 #define VECTOR_REGISTERS (LANES == 16 ? 32 : 16)
 #if ELEM_BF16 || (2 * GROUP + 1) * NVEC <= VECTOR_REGISTERS
+/* (q and the sums copied to locals: through the state's pointer, every store to scores or
+ * read of a float32 row could alias them, and GCC would keep them in memory) */
 static inline void tile_scores(const head_state_t *st, const elem_t *const *rows, int n,
                                int64_t head, int64_t value_offset, float scores[GROUP][TILE]) {
+  vf qv[GROUP][NVEC];
+  memcpy(qv, st->qv, sizeof qv);
   for (int i = 0; i < n; i++) {
     PREFETCH_VALUE(rows[i] + head);
     vf k[NVEC];
     load_row(rows[i] + head, k);
     for (int g = 0; g < GROUP; g++) {
-      vf dot = st->qv[g][0] * k[0];
-      for (int j = 1; j < NVEC; j++) dot += st->qv[g][j] * k[j];
+      vf dot = qv[g][0] * k[0];
+      for (int j = 1; j < NVEC; j++) dot += qv[g][j] * k[j];
       scores[g][i] = hsum(dot);
     }
   }
@@ -119,12 +123,15 @@ static inline void tile_scores(const head_state_t *st, const elem_t *const *rows
 
 static inline void tile_values(head_state_t *st, const elem_t *const *rows, int n,
                                const float scores[GROUP][TILE], int64_t value) {
+  vf acc[GROUP][NVEC];
+  memcpy(acc, st->acc, sizeof acc);
   for (int i = 0; i < n; i++) {
     vf v[NVEC];
     load_row(rows[i] + value, v);
     for (int g = 0; g < GROUP; g++)
-      for (int j = 0; j < NVEC; j++) st->acc[g][j] += scores[g][i] * v[j];
+      for (int j = 0; j < NVEC; j++) acc[g][j] += scores[g][i] * v[j];
   }
+  memcpy(st->acc, acc, sizeof acc);
 }
 #else
 static inline void tile_scores(const head_state_t *st, const elem_t *const *rows, int n,

@@ -259,10 +259,10 @@ void paged_attention(const elem_t *q, int64_t q_stride, const elem_t *k, int64_t
           heads = h;
           break;
         }
-    const int64_t items = num_rows * (num_kv_heads / heads);
+    const int64_t parts = num_kv_heads / heads; /* items per row */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-      const int64_t r = item / (num_kv_heads / heads), h0 = item % (num_kv_heads / heads) * heads;
+    for (int64_t item = 0; item < num_rows * parts; item++) {
+      const int64_t r = item / parts, h0 = item % parts * heads;
       const int64_t first = window > 0 && kv_lens[r] > window ? kv_lens[r] - window : 0;
       attend_heads(q + r * q_stride, kv_cache, block_tables + row_request[r] * max_blocks, first,
                    kv_lens[r], value_offset, block_size, num_kv_heads, h0, h0 + heads, scale,

@@ -21,7 +21,9 @@ another say little about the split. Here every round runs both, back to back:
    is the mean wall time of `execute` over those steps.
 
 The cluster is stopped before the alone part starts, so each half has the machine to itself;
-the two go in turns (service first in odd rounds, alone first in even ones).
+the two go in turns (service first in odd rounds, alone first in even ones). With
+`--store-ab` every round also runs the service without the KV store (the worker's
+`--kv-store ""`), so the store's share of the split's cost comes from the same rounds.
 Writes a JSON result to bench/results/.
 """
 
@@ -115,6 +117,8 @@ def main() -> int:
                    help="passed to the scheduler (repeatable)")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="passed to the worker (repeatable)")
+    p.add_argument("--store-ab", action="store_true",
+                   help="each round also runs the service without the KV store")
     p.add_argument("--out", default=None)
     p.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)   # the child
     p.add_argument("--prompt-lens", default="", help=argparse.SUPPRESS)
@@ -141,33 +145,50 @@ def main() -> int:
           f"{a.threads} threads; {len(prompts)} prompts of {min(prompt_lens)}-"
           f"{max(prompt_lens)} tokens, {max_tokens} new tokens each", flush=True)
     rounds = []
+    arms = {"service": worker_args}
+    if a.store_ab:
+        arms["no_store"] = [*worker_args, "--kv-store", ""]
     for r in range(a.rounds):
-        # Service first in odd rounds, alone first in even ones: a drift of the machine's
-        # speed within a round then favours neither side over the rounds.
-        if r % 2:
-            alone = alone_child(a.dtype, level, a.threads, prompt_lens, max_tokens)
-        service = bench_splitserve(prompts, single, max_tokens, a.dtype, a.scheduler_arg,
-                                   worker_args, batch_api=a.batch_api)
-        if not r % 2:
-            alone = alone_child(a.dtype, level, a.threads, prompt_lens, max_tokens)
-        cpu = service["batch_cpu_s"]
-        split_cpu = sum(v for name, v in cpu.items() if not name.startswith("worker"))
-        row = {"service_step_ms": service["batch_decode_step_ms"], "alone_step_ms": alone,
-               "ratio": service["batch_decode_step_ms"] / alone,
-               "split_cpu_share": split_cpu / sum(cpu.values()),
-               "idle_fraction": service["batch_idle_fraction"],
-               "batch_tok_s": service["batch_tok_s"], "batch_cpu_s": cpu}
+        # The service first in odd rounds, alone first (and the service arms reversed) in even
+        # ones: a drift of the machine's speed within a round then favours no side over them.
+        order = [*arms, "alone"] if not r % 2 else ["alone", *reversed(arms)]
+        runs = {}
+        for arm in order:
+            if arm == "alone":
+                alone = alone_child(a.dtype, level, a.threads, prompt_lens, max_tokens)
+            else:
+                runs[arm] = bench_splitserve(prompts, single, max_tokens, a.dtype,
+                                             a.scheduler_arg, arms[arm], batch_api=a.batch_api)
+        row = {"alone_step_ms": alone}
+        for arm, service in runs.items():
+            prefix = "" if arm == "service" else f"{arm}_"
+            cpu = service["batch_cpu_s"]
+            split_cpu = sum(v for name, v in cpu.items() if not name.startswith("worker"))
+            row |= {f"{prefix}service_step_ms": service["batch_decode_step_ms"],
+                    f"{prefix}ratio": service["batch_decode_step_ms"] / alone,
+                    f"{prefix}split_cpu_share": split_cpu / sum(cpu.values()),
+                    f"{prefix}idle_fraction": service["batch_idle_fraction"],
+                    f"{prefix}batch_tok_s": service["batch_tok_s"],
+                    f"{prefix}batch_cpu_s": cpu}
         rounds.append(row)
-        print(f"round {r + 1}/{a.rounds}: service step {row['service_step_ms']:.1f} ms, alone "
-              f"{alone:.1f} ms: {row['ratio']:.3f}x; the split's CPU "
-              f"{100 * row['split_cpu_share']:.1f} %, workers idle between forwards "
-              f"{100 * row['idle_fraction']:.1f} %", flush=True)
-    median = {key: statistics.median(row[key] for row in rounds)
-              for key in ("service_step_ms", "alone_step_ms", "ratio", "split_cpu_share",
-                          "idle_fraction")}
+        for prefix, what in (("", "service"), ("no_store_", "without the store")):
+            if f"{prefix}ratio" in row:
+                print(f"round {r + 1}/{a.rounds}: {what} step {row[f'{prefix}service_step_ms']:.1f}"
+                      f" ms, alone {alone:.1f} ms: {row[f'{prefix}ratio']:.3f}x; the split's CPU "
+                      f"{100 * row[f'{prefix}split_cpu_share']:.1f} %, workers idle between "
+                      f"forwards {100 * row[f'{prefix}idle_fraction']:.1f} %", flush=True)
+    keys = [key for key in ("service_step_ms", "alone_step_ms", "ratio", "split_cpu_share",
+                            "idle_fraction", "no_store_service_step_ms", "no_store_ratio",
+                            "no_store_split_cpu_share", "no_store_idle_fraction")
+            if key in rounds[0]]
+    median = {key: statistics.median(row[key] for row in rounds) for key in keys}
     print(f"\nmedians of {a.rounds} rounds: service {median['service_step_ms']:.1f} ms, alone "
           f"{median['alone_step_ms']:.1f} ms, service / alone {median['ratio']:.3f} (ratios "
           f"{', '.join(format(row['ratio'], '.3f') for row in rounds)})")
+    if a.store_ab:
+        print(f"without the store: {median['no_store_service_step_ms']:.1f} ms, / alone "
+              f"{median['no_store_ratio']:.3f} (ratios "
+              f"{', '.join(format(row['no_store_ratio'], '.3f') for row in rounds)})")
     write_result({"cpu": cpu_model(), "flags": flags, "level": level.label,
                   "dtype": a.dtype, "threads": a.threads, "prompt_lens": prompt_lens,
                   "max_tokens": max_tokens, "rounds": rounds, "median": median},

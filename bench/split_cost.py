@@ -2,7 +2,7 @@
 worker's step alone on the same work, measured in alternation in one invocation.
 
     .venv/bin/python bench/split_cost.py [--dtype bfloat16] [--rounds 3] [--level amx]
-                                         [--batch-api stream|once] [--out FILE]
+                                         [--batch-api stream|once] [--store-ab] [--out FILE]
 
 This machine's speed drifts by tens of percent within minutes (the same worker-alone step has
 measured 49 and 77 ms an hour apart), so a service figure from one run and a worker figure from

@@ -13,7 +13,9 @@ cores, and every token it reads wakes it while the worker's threads want both co
 batch runs it in a process of its own at nice CLIENT_NICE (`batch_client_process`), so that it
 takes the CPU the services leave. On 2 cores (Xeon family 6 model 207, bf16) that made the batch
 run 5.6-5.9 % faster in two alternating pairs, the workers' gap between steps 6.0 -> 5.5 ms.
-HF transformers and vLLM run offline in the bench, with no client at all."""
+HF transformers and vLLM run offline in the bench, with no client at all. `BatchClients` spreads
+one batch over several such processes, each with its own channel, started together
+(bench/host_ceiling.py)."""
 
 import asyncio
 import multiprocessing
@@ -21,12 +23,17 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from process_tree import read_stat  # noqa: E402
 
 from services.launcher import ClusterSpec, ServiceProcesses  # noqa: E402
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -69,35 +76,19 @@ def batch_apis(choice: str) -> list[str]:
 
 def run_batch(address: str, prompts: list[str], max_tokens: int,
               arrivals: list[list[tuple[float, int]]] | None = None,
-              api: str = "stream") -> list[int]:
+              api: str = "stream", probe: bool = True) -> list[int]:
     """Every prompt sent at once from one event loop; the tokens each got. `api` "stream":
     Generate, every token streamed as it comes; "once": GenerateOnce, each completion in one
     reply (as the peers' offline batch APIs return theirs), but for the last prompt, which
-    streams as a probe of the step times (`full_batch_step_ms`). `arrivals`, if given,
-    receives each request's chunks as (perf_counter time, tokens in the chunk), in prompt
-    order: one chunk for each reply of "once"."""
+    streams as a probe of the step times (`full_batch_step_ms`) unless `probe` is off.
+    `arrivals`, if given, receives each request's chunks as (perf_counter time, tokens in the
+    chunk), in prompt order: one chunk for each reply of "once"."""
     import grpc
 
     async def stream_all() -> list[int]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-
-            async def one(i: int, prompt: str) -> int:
-                n, seen = 0, []
-                if api == "once" and i < len(prompts) - 1:
-                    reply = await stub.GenerateOnce(request(prompt, max_tokens), timeout=1800)
-                    n = len(reply.token_ids)
-                    seen.append((time.perf_counter(), n))
-                else:
-                    async for chunk in stub.Generate(request(prompt, max_tokens),
-                                                     timeout=1800):
-                        if chunk.token_ids:
-                            seen.append((time.perf_counter(), len(chunk.token_ids)))
-                        n += len(chunk.token_ids)
-                got[i] = seen
-                return n
-
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+            return await send_all(stub, prompts, max_tokens, got, api, probe)
 
     got: list[list[tuple[float, int]]] = [[] for _ in prompts]
     try:
@@ -105,6 +96,29 @@ def run_batch(address: str, prompts: list[str], max_tokens: int,
     finally:
         if arrivals is not None:
             arrivals.extend(got)
+
+
+async def send_all(stub: generation_pb2_grpc.GenerationStub, prompts: list[str],
+                   max_tokens: int, got: list[list[tuple[float, int]]], api: str = "stream",
+                   probe: bool = True) -> list[int]:
+    """`run_batch`'s requests on an open channel's `stub`: every prompt at once, the tokens
+    each got; `got[i]` receives prompt i's chunks as they arrive."""
+
+    async def one(i: int, prompt: str) -> int:
+        n, seen = 0, []
+        if api == "once" and (i < len(prompts) - 1 or not probe):
+            reply = await stub.GenerateOnce(request(prompt, max_tokens), timeout=1800)
+            n = len(reply.token_ids)
+            seen.append((time.perf_counter(), n))
+        else:
+            async for chunk in stub.Generate(request(prompt, max_tokens), timeout=1800):
+                if chunk.token_ids:
+                    seen.append((time.perf_counter(), len(chunk.token_ids)))
+                n += len(chunk.token_ids)
+        got[i] = seen
+        return n
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
 def full_batch_step_ms(arrivals: list[list[tuple[float, int]]], api: str = "stream") -> float:
@@ -161,13 +175,86 @@ def batch_client_process(address: str, prompts: list[str], max_tokens: int,
     return result
 
 
+def _client_share(address: str, prompts: list[str], max_tokens: int, api: str, nice: int,
+                  connected: "multiprocessing.synchronize.Barrier",
+                  start: "multiprocessing.synchronize.Barrier",
+                  conn: "multiprocessing.connection.Connection") -> None:
+    """One of `BatchClients`' processes: connect, wait for the others, send its share."""
+    import grpc
+
+    os.nice(nice)
+
+    async def main() -> tuple[list[int], float, float, float]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            await channel.channel_ready()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, connected.wait, BARRIER_TIMEOUT_S)
+            await loop.run_in_executor(None, start.wait, BARRIER_TIMEOUT_S)
+            cpu, began = time.process_time(), time.perf_counter()
+            counts = await send_all(generation_pb2_grpc.GenerationStub(channel), prompts,
+                                    max_tokens, [[] for _ in prompts], api, probe=False)
+            return counts, began, time.perf_counter(), time.process_time() - cpu
+
+    conn.send(asyncio.run(main()))
+    conn.close()
+
+
+BARRIER_TIMEOUT_S = 300.0     # client processes to start and connect, or the run to begin
+
+
+class BatchClients:
+    """`num_procs` client processes, each with its own gRPC channel and every
+    `num_procs`-th prompt, all sent at once (`send_all`; "once" without a streamed probe),
+    at niceness `nice`. Construction returns once every process is connected; `run` starts
+    them together: the load of many clients on other machines, as far as one machine
+    allows."""
+
+    def __init__(self, address: str, prompts: list[str], max_tokens: int, num_procs: int,
+                 api: str = "stream", nice: int = CLIENT_NICE) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of this process's gRPC channels
+        connected, self._start = ctx.Barrier(num_procs + 1), ctx.Barrier(num_procs + 1)
+        self._children = []
+        self._conns = []
+        for i in range(num_procs):
+            receive, send = ctx.Pipe(duplex=False)
+            child = ctx.Process(target=_client_share, name=f"bench-client-{i}", args=(
+                address, prompts[i::num_procs], max_tokens, api, nice, connected,
+                self._start, send))
+            child.start()
+            send.close()
+            self._children.append(child)
+            self._conns.append(receive)
+        try:
+            connected.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            self._fail("did not connect")
+
+    def run(self) -> tuple[list[int], float, float]:
+        """Start every client at once: (tokens per prompt, in client order; wall seconds from
+        the first request to the last token; the clients' CPU seconds in all)."""
+        try:
+            self._start.wait(BARRIER_TIMEOUT_S)
+            results = [conn.recv() for conn in self._conns]
+        except (threading.BrokenBarrierError, EOFError):
+            self._fail("failed")
+        for child in self._children:
+            child.join()
+        counts = [n for result in results for n in result[0]]
+        wall = max(r[2] for r in results) - min(r[1] for r in results)
+        return counts, wall, sum(r[3] for r in results)
+
+    def _fail(self, what: str) -> NoReturn:
+        for child in self._children:
+            child.kill()
+            child.join()
+        codes = [child.exitcode for child in self._children]
+        raise RuntimeError(f"the bench's client processes {what} (exit codes {codes})")
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) a process has used, from /proc; 0 where it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = read_stat(pid)
+    return 0.0 if stat is None else stat.cpu_s
 
 
 class CpuUse:

@@ -80,6 +80,12 @@ def cpu_info() -> dict[str, object]:
             "cpus": os.cpu_count(), **{f: f in flags for f in CPU_FLAGS}}
 
 
+def cpu_line(cpu: dict[str, object]) -> str:
+    """`cpu_info` in one line, the first a bench prints."""
+    return (f"cpu: {cpu['model']} (family/model {cpu['family_model']}), {cpu['cpus']} cpus, "
+            + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in CPU_FLAGS))
+
+
 class HfBaseline:
     """HF transformers on the same GGUF weights, loaded once; `run()` times one repeat (the
     first call also warms up, untimed)."""
@@ -230,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_cpu(a: argparse.Namespace) -> int:
     """The shared workload on this machine's CPU, against HF transformers and vLLM."""
     cpu = cpu_info()
-    print(f"cpu: {cpu['model']} (family/model {cpu['family_model']}), {cpu['cpus']} cpus, "
-          + ", ".join(f"{f} {'yes' if cpu[f] else 'no'}" for f in CPU_FLAGS), flush=True)
+    print(cpu_line(cpu), flush=True)
     prompts, single, max_tokens = load_workload()
     prompts = prompts[:a.num_prompts]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))

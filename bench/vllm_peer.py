@@ -11,9 +11,10 @@ imports nothing from vLLM.
 
 Protocol: the driver writes {"ready": true, "version": ...} once loaded; then each line it
 reads is {"prompts": [...], "single": "...", "max_tokens": N} and it answers one line with the
-figures HfBaseline.run() returns. The first run starts with an untimed warm-up. EOF on stdin
-ends it. vLLM logs to stdout, so the driver moves its own fd 1 onto stderr and keeps a private
-copy for the protocol.
+figures HfBaseline.run() returns; with "batch_only": true in the request, only the batch's
+("batch_tok_s", "batch_wall_s"; bench/host_ceiling.py). The first run starts with an untimed
+warm-up. EOF on stdin ends it. vLLM logs to stdout, so the driver moves its own fd 1 onto
+stderr and keeps a private copy for the protocol.
 
 Single stream: the request goes to the engine's step API (LLM.llm_engine), which hands back
 each token as its step finishes; TTFT = time from add_request to the first token, decode
@@ -82,10 +83,13 @@ class VllmPeer:
             raise RuntimeError(f"vLLM driver exited ({self.proc.wait()}); see {self.log_path}")
         return json.loads(line)  # type: ignore[no-any-return]
 
-    def run(self, prompts: list[str], single: str, max_tokens: int) -> dict[str, float]:
+    def run(self, prompts: list[str], single: str, max_tokens: int,
+            batch_only: bool = False) -> dict[str, float]:
+        """One round; `batch_only`: without the single stream (the batch's figures only)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(
-            {"prompts": prompts, "single": single, "max_tokens": max_tokens}) + "\n")
+            {"prompts": prompts, "single": single, "max_tokens": max_tokens,
+             "batch_only": batch_only}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -144,11 +148,14 @@ def serve(model_dir: str, dtype: str, proto: IO[str]) -> None:
             run_batch(llm, prompts[:8], 16)
             run_single(llm, single, 16)
             warm = True
-        n, ttft, total = run_single(llm, single, max_tokens)
+        figures: dict[str, float] = {}
+        if not req.get("batch_only"):
+            n, ttft, total = run_single(llm, single, max_tokens)
+            figures = {"single_ttft_ms": ttft * 1000,
+                       "single_decode_tok_s": (n - 1) / (total - ttft)}
         count, wall = run_batch(llm, prompts, max_tokens)
-        proto.write(json.dumps({
-            "batch_tok_s": count / wall, "batch_wall_s": wall, "single_ttft_ms": ttft * 1000,
-            "single_decode_tok_s": (n - 1) / (total - ttft)}) + "\n")
+        proto.write(json.dumps({"batch_tok_s": count / wall, "batch_wall_s": wall,
+                                **figures}) + "\n")
         proto.flush()
 
 

@@ -32,6 +32,22 @@ def fraction(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """A duration or count that may be 0, not below."""
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def share(text: str) -> float:
+    """A share of requests: in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
 def add_scheduler_flags(p: FlagParser) -> FlagParser:
     """scheduler_svc's flags: its listeners, the model, the replicas' shape and batching."""
     p.add_flag("--model", env="MODEL", help="GGUF file or HF directory (default: the SmolLM2 "
@@ -101,6 +117,9 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="tokens a client stream collects before it sends a message (the first "
                     "tokens and the end go at once): fewer messages for the event loop, "
                     "which bounds a large batch's tokens/s on a GPU")
+    p.add_flag("--frontends", env="FRONTENDS", type=int, default=1,
+               help="front-end processes sharing the client port (each tokenizes, "
+                    "detokenizes and streams its share of the clients)")
     p.add_flag("--metrics-port", env="METRICS_PORT", type=int, default=METRICS_PORT,
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,
@@ -151,6 +170,23 @@ def add_worker_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--kv-store", env="KV_STORE", default="",
                help="kvcache_svc's KV store (tcp://HOST:PORT, its --kv-store-port): save each "
                     "completed chunk of computed KV there (empty: off; splitserve up sets it)")
+    # The null model (worker_svc.null_runner): the cluster's host work, measured with a model
+    # that costs nothing (bench/host_ceiling.py).
+    p.add_flag("--null-model", env="NULL_MODEL", action="store_true",
+               help="load no weights and compute nothing: each output token echoes a prompt "
+                    "token (never EOS), steps take --null-step-ms of an emulated device; for "
+                    "measuring the cluster's own work (one rank per replica, no KV store)")
+    p.add_flag("--null-step-ms", env="NULL_STEP_MS", type=non_negative, default=0.0,
+               help="--null-model: milliseconds each step keeps the emulated device busy "
+                    "(0: the host's ceiling)")
+    p.add_flag("--null-eos-step", env="NULL_EOS_STEP", type=int, default=0,
+               help="--null-model: requests of --null-eos-share sample EOS as their K-th "
+                    "output token (0: none ever does)")
+    p.add_flag("--null-eos-share", env="NULL_EOS_SHARE", type=share, default=1.0,
+               help="--null-model: the share of requests (by a hash of the request id) that "
+                    "sample EOS at --null-eos-step, in [0, 1]")
+    p.add_flag("--null-no-metadata", env="NULL_NO_METADATA", action="store_true",
+               help="--null-model: skip building each step's attention metadata")
     p.add_flag("--log-level", env="LOG_LEVEL", default="info")
     return p
 

@@ -14,6 +14,7 @@ from worker_svc.process_env import apply_worker_env
 
 apply_worker_env()      # libgomp reads it when torch loads it
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -31,6 +32,7 @@ from worker_svc.kernel_choice import resolve_choice
 from worker_svc.kernels.build import usable_level
 from worker_svc.kernels.cpu import cap_onednn, describe, select_level
 from worker_svc.memory import keep_freed_memory
+from worker_svc.null_runner import NullModelOptions
 from worker_svc.server import WorkerServer
 
 log = logging.getLogger("worker_svc")
@@ -56,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     cap_onednn(cpu_level)
     log.info("%s", describe(cpu_level))
     overlap = p.env("OVERLAP_STEPS", parse_bool, None)    # tests: force on (1) or off (0)
+    null_model = null_model_options(p, a)
     worker_id = a.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     # `auto`: this host's own address (a scaled container's, which no static name tells).
     host = socket.gethostbyname(socket.gethostname()) if a.host == "auto" else a.host
@@ -72,8 +75,24 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         quant_kernels=not a.no_quant_kernels, cpu_level=cpu_level,
         register_timeout_s=a.register_timeout, health_file=a.health_file,
         enforce_eager=a.enforce_eager, overlap_steps=overlap, kv_store=a.kv_store,
+        null_model=null_model,
         # End-to-end tests only (tests/e2e/test_step_path.py): no flag, so no user meets it.
         fail_request_prefix=p.env("TEST_FAIL_REQUEST_PREFIX", str, None))
+
+
+def null_model_options(p: FlagParser, a: argparse.Namespace) -> NullModelOptions | None:
+    """--null-model's settings (None: serve the model); its other flags need it."""
+    if a.null_eos_step < 0:
+        p.error(f"--null-eos-step {a.null_eos_step}: expected 0 (off) or an output token, "
+                f"1-based")
+    if not a.null_model:
+        if (a.null_step_ms, a.null_eos_step, a.null_eos_share, a.null_no_metadata) != (
+                0.0, 0, 1.0, False):
+            p.error("--null-step-ms, --null-eos-step, --null-eos-share and --null-no-metadata "
+                    "need --null-model")
+        return None
+    return NullModelOptions(step_ms=a.null_step_ms, eos_step=a.null_eos_step,
+                            eos_share=a.null_eos_share, metadata=not a.null_no_metadata)
 
 
 def main(argv: list[str] | None = None) -> int:

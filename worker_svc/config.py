@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from worker_svc.kernels import CpuLevel
+from worker_svc.null_runner import NullModelOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,11 @@ class WorkerConfig:
     health_file: str | None = None  # touched on every acknowledged heartbeat
     enforce_eager: bool = False     # no CUDA graphs
     cluster_token: str = ""         # presented on every control call (services.cluster_token)
-    # Launch the next step before reading the last one's tokens (None: on CUDA only).
+    # Launch the next step before reading the last one's tokens (None: on CUDA and with the
+    # null model only).
     overlap_steps: bool | None = None
     fail_request_prefix: str | None = None  # tests only: steps with such a request raise
     kv_store: str = ""              # kvcache_svc's KV store, tcp://HOST:PORT ("": no saving)
+    # --null-model: serve with worker_svc.null_runner (no weights, nothing computed; None:
+    # the model). Launches ahead as on CUDA unless overlap_steps says otherwise.
+    null_model: NullModelOptions | None = None

@@ -7,6 +7,10 @@ ends.
 its step loop (worker_svc.step_loop) calls `init_cache`; the heartbeat reads the KV saver's
 counters through `kv_saver`. The registration protocol itself stays in the server: this
 module sees a placement only as the `RegisterResponse` that carries it.
+
+The shard's runner is a `ModelRunner` (worker_svc.runner), or with `--null-model` a
+`NullRunner` (worker_svc.null_runner: no weights, nothing computed), which serves one rank
+only: a placement of more pipeline stages or tensor-parallel ranks is refused.
 """
 
 import gc
@@ -14,29 +18,31 @@ import logging
 import time
 
 from services.channels import Sender
-from services.model_config import load_model_config
+from services.model_config import ModelConfig, load_model_config
 from services.rpc.splitserve.v1 import control_pb2
 from services.wire import CacheReady, InitCache, WorkerFailure
 from worker_svc.config import WorkerConfig
 from worker_svc.device import DeviceError, dtype_for
 from worker_svc.kv_saver import KvSaver, KvStoreOptions
+from worker_svc.null_runner import NullRunner
 from worker_svc.parallel import ParallelGroups
 from worker_svc.runner import ModelRunner
+from worker_svc.shard_runner import ShardRunner
 
 log = logging.getLogger(__name__)
 
 
 class Placer:
-    """Holds the loaded shard (a `ModelRunner`) and the placement key it was loaded for."""
+    """Holds the loaded shard (its runner) and the placement key it was loaded for."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         # The loaded shard, kept across registrations while the placement's key is the same.
-        self._runner: ModelRunner | None = None
+        self._runner: ShardRunner | None = None
         self._runner_key: tuple[object, ...] | None = None
 
     @property
-    def runner(self) -> ModelRunner | None:
+    def runner(self) -> ShardRunner | None:
         return self._runner
 
     @property
@@ -47,7 +53,7 @@ class Placer:
         return None if runner is None else runner.kv_saver
 
     def place(self, placement: control_pb2.RegisterResponse, link: ParallelGroups | None,
-              ) -> tuple[ModelRunner, int] | None:
+              ) -> tuple[ShardRunner, int] | None:
         """The runner for `placement` and the KV blocks it can hold, measured afresh. A
         runner kept from the last placement (the same shard) first frees its KV cache,
         graphs and staging buffers, or the measurement would count them as taken; one of
@@ -77,7 +83,7 @@ class Placer:
         self._runner, self._runner_key = None, None
         gc.collect()           # the weights go before another shard loads
 
-    def init_cache(self, runner: ModelRunner, message: InitCache, num_blocks: int,
+    def init_cache(self, runner: ShardRunner, message: InitCache, num_blocks: int,
                    outputs: Sender, placement: control_pb2.RegisterResponse) -> None:
         """Allocate the replica's KV cache, or refuse (WorkerFailure: the replica does not come
         up, and the scheduler logs why) a size this worker cannot hold: a cache past the
@@ -107,13 +113,15 @@ class Placer:
         outputs.send(CacheReady(worker_id=cfg.worker_id, num_blocks=message.num_blocks))
 
     def _load(self, placement: control_pb2.RegisterResponse,
-              link: ParallelGroups | None) -> ModelRunner | None:
+              link: ParallelGroups | None) -> ShardRunner | None:
         """Builds the runner for `placement` whole: its TP slice, its test hooks, its KV
         store link. None (logged): this worker cannot serve that shard."""
         from worker_svc.model.tensor_parallel import TpGroup, TpShard
 
         cfg = self.config
         model = load_model_config(cfg.model_path)
+        if cfg.null_model is not None:
+            return self._load_null(placement, model)
         tp = None
         if placement.tp_size > 1:
             assert link is not None and link.tp_group is not None
@@ -151,7 +159,28 @@ class Placer:
                  runner.weight_bytes / (1 << 30))
         return runner
 
-    def _capacity(self, runner: ModelRunner, placement: control_pb2.RegisterResponse) -> int:
+    def _load_null(self, placement: control_pb2.RegisterResponse,
+                   model: ModelConfig) -> NullRunner | None:
+        """The null model for `placement` (one rank of one stage only). None (logged): more
+        ranks, or a dtype this worker refuses."""
+        cfg = self.config
+        assert cfg.null_model is not None
+        if placement.pp_size > 1 or placement.tp_size > 1:
+            log.error("cannot serve this replica: --null-model runs one rank (pp 1, tp 1), "
+                      "placed as pp_rank %d/%d tp_rank %d/%d", placement.pp_rank,
+                      placement.pp_size, placement.tp_rank, placement.tp_size)
+            return None
+        try:
+            dtype = dtype_for(cfg.device, placement.dtype)
+        except DeviceError as exc:
+            log.error("cannot serve this replica: %s", exc)
+            return None
+        log.warning("null model: no weights loaded, nothing computed; tokens echo the prompt, "
+                    "each step takes %.2f ms of an emulated device (%s)",
+                    cfg.null_model.step_ms, cfg.null_model)
+        return NullRunner(model, dtype, cfg.worker_id, cfg.null_model)
+
+    def _capacity(self, runner: ShardRunner, placement: control_pb2.RegisterResponse) -> int:
         """Blocks this worker can hold, from measured memory (logged term by term)."""
         cfg = self.config
         budget = runner.measure_kv_budget(

@@ -145,7 +145,8 @@ class WorkerServer:
                 return None
             overlap = cfg.overlap_steps
             if overlap is None:
-                overlap = cfg.device.type == "cuda"
+                # The null model emulates a GPU's queue: it launches ahead as one does.
+                overlap = cfg.device.type == "cuda" or cfg.null_model is not None
             outputs = Sender(ctx, Codec(FromWorker), placement.output_address)
             try:
                 StepLoop(runner, outputs, placement, link, cfg.worker_id,

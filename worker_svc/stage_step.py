@@ -14,7 +14,7 @@ import torch
 from services.wire import StepInput
 from worker_svc.launched_step import LaunchedStep, StageActivations
 from worker_svc.parallel import ParallelGroups, PeerLost
-from worker_svc.runner import ModelRunner
+from worker_svc.shard_runner import ShardRunner
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def num_step_tokens(step: StepInput) -> int:
             + sum(r.num_new_tokens for r in step.running))
 
 
-def launch_stage(runner: ModelRunner, step: StepInput,
+def launch_stage(runner: ShardRunner, step: StepInput,
                  link: ParallelGroups | None) -> LaunchedStep:
     """Launch one step on this stage: activations in from the previous stage; a non-last
     stage sends its activations on to the next (the returned step is then finished)."""

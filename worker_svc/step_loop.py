@@ -26,7 +26,7 @@ from services.wire import InitCache, StepInput, ToWorker, WorkerFailure
 from worker_svc.launched_step import LaunchedStep
 from worker_svc.load_ticket import LoadTicket
 from worker_svc.parallel import ParallelGroups, PeerLost
-from worker_svc.runner import ModelRunner
+from worker_svc.shard_runner import ShardRunner
 from worker_svc.stage_step import launch_stage
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,13 @@ log = logging.getLogger(__name__)
 class StepLoop:
     """Serves one placement's messages with its runner; outputs leave in step order."""
 
-    def __init__(self, runner: ModelRunner, outputs: Sender,
+    def __init__(self, runner: ShardRunner, outputs: Sender,
                  placement: control_pb2.RegisterResponse, link: ParallelGroups | None,
                  worker_id: str, overlap: bool, init_cache: Callable[[InitCache], None]
                  ) -> None:
-        """`overlap`: read a step's output only after the next step is launched (CUDA, one
-        pipeline stage). `init_cache`: answers an InitCache (allocates or refuses)."""
+        """`overlap`: read a step's output only after the next step is launched (CUDA or the
+        null model's emulated device, one pipeline stage). `init_cache`: answers an InitCache
+        (allocates or refuses)."""
         self.runner = runner
         self.outputs = outputs
         self.placement = placement

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from scheduler_svc.config import SchedulerConfig, ServerConfig
+from scheduler_svc.config import ServerConfig
+from scheduler_svc.engine.config import SchedulerConfig
 from services import cli
 from services.flags import FlagParser
 from services.service_flags import add_kvcache_flags, add_scheduler_flags, add_worker_flags
@@ -101,6 +102,11 @@ ENV = {
         "NO_INT4_KERNELS": ("no_quant_kernels", "1", True),
         "CPU_LEVEL": ("cpu_level", "avx2", "avx2"),
         "HEALTH_FILE": ("health_file", "/tmp/alive", "/tmp/alive"),
+        "NULL_MODEL": ("null_model", "1", True),
+        "NULL_STEP_MS": ("null_step_ms", "1.92", 1.92),
+        "NULL_EOS_STEP": ("null_eos_step", "4", 4),
+        "NULL_EOS_SHARE": ("null_eos_share", "0.25", 0.25),
+        "NULL_NO_METADATA": ("null_no_metadata", "yes", True),
         "LOG_LEVEL": ("log_level", "debug", "debug"),
     },
     KVCACHE: {

@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_io import write_result  # noqa: E402
 from bench.throughput import cpu_info  # noqa: E402
 from kvcache_svc.block_manager import ReplicaBlockManager  # noqa: E402
-from scheduler_svc.config import SchedulerConfig  # noqa: E402
-from scheduler_svc.request import Request, SamplingParams  # noqa: E402
-from scheduler_svc.scheduler import Scheduler  # noqa: E402
+from scheduler_svc.engine.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.engine.request import Request, SamplingParams  # noqa: E402
+from scheduler_svc.engine.scheduler import Scheduler  # noqa: E402
 from scripts.random_family import build_family_model  # noqa: E402
 from services.kv_groups import max_blocks_in_window  # noqa: E402
 from services.model_config import ModelConfig, load_model_config  # noqa: E402

@@ -70,7 +70,7 @@ from kv_store_runs import (  # noqa: E402
 from kv_store_scenarios import SEEDS_TOKENS, report_scenarios, run_scenarios  # noqa: E402
 from throughput import CPU_FLAGS, cpu_info  # noqa: E402
 
-from scheduler_svc.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from scheduler_svc.frontend.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from services.model_config import default_model_path  # noqa: E402
 
 QUESTIONS = ["When does the train to the mountains leave?",

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench_io import load_workload, write_result  # noqa: E402
 from splitserve_runs import BATCH_APIS, bench_splitserve  # noqa: E402
 
-from scheduler_svc.tokenizer import load_tokenizer  # noqa: E402
+from scheduler_svc.frontend.tokenizer import load_tokenizer  # noqa: E402
 from services.model_config import default_model_path, load_model_config  # noqa: E402
 from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput  # noqa: E402
 from worker_svc.kernels.cpu import CpuLevel, cpu_flags, cpu_model, detect_level  # noqa: E402

@@ -1,9 +1,10 @@
 """Block bookkeeping of one replica: applies the scheduler's batched per-step plan to a pool.
 
-`ReplicaBlockManager.apply` implements the semantics documented on `services.kv_wire.PlanRequest`:
-frees, then grows (each fails alone), then admissions (first come, first served: the first
-that does not fit stops the rest). A plan is validated in full before anything changes, so a
-refused plan (`PlanReply.error`) leaves the replica exactly as it was. Called by
+`ReplicaBlockManager.apply` implements the semantics documented on
+`services.kv_wire.PlanRequest`: commits, then frees, then grows (each fails alone), then
+admissions (first come, first served: the first that does not fit stops the rest). A plan is
+validated in full before anything changes, so a refused plan (`PlanReply.error`) leaves the
+replica exactly as it was. Called by
 `kvcache_svc.pools` under its lock; needs no network.
 
 It also answers the read-only prefix query (`num_cached_prefix_blocks`) and, when recording,
@@ -29,6 +30,7 @@ from services.kv_wire import (
     AdmitResult,
     BlockRemoved,
     BlockStored,
+    CommitOp,
     GrowOp,
     KvEvent,
     PlanReply,
@@ -107,6 +109,8 @@ class ReplicaBlockManager:
         except PlanError as exc:
             return PlanReply(plan.plan_id, [], [], self.pool.num_free_blocks, str(exc),
                              self.epoch)
+        for commit in plan.commits:
+            self._commit_only(commit)
         for request_id in plan.free_ids:
             self._free(request_id)
         grown = [self._grow(op) for op in plan.grows]
@@ -122,6 +126,9 @@ class ReplicaBlockManager:
     def _validate(self, plan: PlanRequest) -> None:
         """Raises PlanError unless every op of `plan` can be applied in order. Whether a grow or
         an admission fits is not checked here: not fitting is an answer, not an error."""
+        for commit in plan.commits:
+            self._validate_commit(commit)
+        _unique([op.request_id for op in plan.commits], "commit")
         freed = _unique(plan.free_ids, "free")
         for request_id in freed:
             if request_id not in self.requests:
@@ -148,6 +155,20 @@ class ReplicaBlockManager:
             raise PlanError(f"grow of {op.request_id!r} commits {num_full} blocks, but "
                             f"{op.num_tokens} tokens fill only "
                             f"{op.num_tokens // self.block_size}")
+
+    def _validate_commit(self, op: CommitOp) -> None:
+        state = self.requests.get(op.request_id)
+        if state is None:
+            raise PlanError(f"commit of unknown request {op.request_id!r}")
+        if state.num_committed_blocks + len(op.new_block_hashes) > state.num_table_blocks:
+            raise PlanError(f"commit of {op.request_id!r}: {len(op.new_block_hashes)} more "
+                            f"hashes than its {state.num_table_blocks} blocks hold")
+
+    def _commit_only(self, op: CommitOp) -> None:
+        state = self.requests[op.request_id]
+        if self.enable_prefix_caching and op.new_block_hashes:
+            self._commit(state, op.new_block_hashes, state.num_table_blocks)
+            state.num_committed_blocks += len(op.new_block_hashes)
 
     def _validate_admit(self, op: AdmitOp, freed: set[str], grown: set[str]) -> None:
         # Freed then admitted in one plan is well defined (field order); held is not.

@@ -32,23 +32,27 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+def server_options(max_receive_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
     return [
         # grpc refuses a larger request (RESOURCE_EXHAUSTED) before buffering it whole.
         ("grpc.max_receive_message_length", max_receive_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.so_reuseport", 0),
+        # Off unless several processes share the port on purpose: on, a port another process
+        # holds would bind without a word.
+        ("grpc.so_reuseport", int(reuse_port)),
     ]
 
 
 def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                cluster_token: str | None = None) -> grpc.aio.Server:
+                cluster_token: str | None = None, reuse_port: bool = False) -> grpc.aio.Server:
     """`cluster_token`: an internal listener's; every call but health checks must carry it
-    (services.cluster_token.TokenInterceptor). None: a public listener."""
+    (services.cluster_token.TokenInterceptor). None: a public listener. `reuse_port`: the
+    scheduler's front ends, which share the client port."""
     interceptors: list[grpc.aio.ServerInterceptor] = [ParseErrorInterceptor()]
     if cluster_token is not None:
         interceptors.insert(0, TokenInterceptor(cluster_token))
-    return grpc.aio.server(options=server_options(max_receive_bytes), interceptors=interceptors)
+    return grpc.aio.server(options=server_options(max_receive_bytes, reuse_port),
+                           interceptors=interceptors)
 
 
 class UnparsedRequest:

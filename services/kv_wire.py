@@ -59,7 +59,9 @@ class GrowOp(_Wire):
     """Make a running request's blocks cover `num_tokens` tokens."""
 
     request_id: RequestId
-    num_tokens: Count                   # tokens the blocks must hold after this step
+    # Tokens the blocks must hold after this step: its computed tokens, and possibly a few
+    # blocks' worth more (the scheduler grows ahead so that steady decodes need no plan).
+    num_tokens: Count
     # Hashes of blocks that become full with this step and were not committed before, in block
     # order; they enter the prefix index (prefix caching on).
     new_block_hashes: BlockHashes
@@ -85,10 +87,21 @@ class AdmitOp(_Wire):
     compute_after_load: bool = False
 
 
+class CommitOp(_Wire):
+    """Enter the hashes of a held request's blocks that became full into the prefix index,
+    without growing it: a request about to be freed (finished or preempted) whose last full
+    blocks were computed since its last grow (the scheduler plans only when blocks or
+    admissions change, so commits wait for the next plan)."""
+
+    request_id: RequestId
+    new_block_hashes: BlockHashes       # the blocks after its committed ones, in block order
+
+
 class PlanRequest(_Wire):
     """One step's batched block plan for one replica, applied in field order.
 
-    Frees first; then grows in order (a grow that does not fit fails alone); then admissions
+    Commits first (`commits`, the last field: positional encoding adds fields at the end);
+    then frees; then grows in order (a grow that does not fit fails alone); then admissions
     in order, stopping at the first that does not fit (first come, first served).
     """
 
@@ -97,6 +110,7 @@ class PlanRequest(_Wire):
     free_ids: RequestIds                # requests whose blocks are released (reverse order)
     grows: Annotated[list[GrowOp], Meta(max_length=MAX_REQUESTS_PER_STEP)]
     admits: Annotated[list[AdmitOp], Meta(max_length=MAX_REQUESTS_PER_STEP)]
+    commits: Annotated[list[CommitOp], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
 
 
 class AdmitResult(_Wire):

@@ -17,7 +17,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path):  # type: ignore[no-untyped-def]
-    from scheduler_svc.tokenizer import load_tokenizer
+    from scheduler_svc.frontend.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 

@@ -80,3 +80,65 @@ def test_checked_in_stubs_are_current(tmp_path: Path) -> None:
     match, mismatch, errors = filecmp.cmpfiles(ours, fresh, names, shallow=False)
     assert not mismatch and not errors, f"stale stubs (run python -m services.rpc.regen): " \
                                         f"{mismatch + errors}"
+
+
+# scheduler_svc by layer (issue 37): the engine core knows nothing above it, the cluster knows
+# the engine's contracts, the front ends know both. What each layer may import of scheduler_svc.
+LAYERS = {
+    "scheduler_svc.engine": ("scheduler_svc.engine",),
+    "scheduler_svc.cluster": ("scheduler_svc.cluster", "scheduler_svc.engine",
+                              "scheduler_svc.config"),
+    "scheduler_svc.frontend": ("scheduler_svc.frontend", "scheduler_svc.cluster.wire",
+                               "scheduler_svc.engine", "scheduler_svc.config"),
+}
+# What the engine core never touches: client streams, protobuf and text.
+NOT_IN_THE_ENGINE = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf",
+                     "services.rpc", "jinja2", "tokenizers", "transformers")
+
+
+def test_scheduler_layers_import_downwards_only() -> None:
+    for layer, allowed in LAYERS.items():
+        for module, files in imported_modules(layer).items():
+            if module == "scheduler_svc" or module.startswith("scheduler_svc."):
+                assert any(module == a or module.startswith(a + ".") for a in allowed), \
+                    f"{sorted(files)} import {module}, above {layer}"
+
+
+def test_the_engine_core_imports_no_text_protobuf_or_grpc() -> None:
+    for module, files in imported_modules("scheduler_svc.engine").items():
+        for banned in NOT_IN_THE_ENGINE:
+            assert not (module == banned or module.startswith(banned + ".")), \
+                f"{sorted(files)} import {module}"
+
+
+def test_scheduler_modules_import_no_circle() -> None:
+    # Every import counts, those under TYPE_CHECKING too (the old stats.py <-> engine,
+    # membership and router circle was one of those).
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "scheduler_svc").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = set()
+    for name in graph:
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = ROOT / name.replace(".", "/") / "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                graph[name].add(node.module)
+            elif isinstance(node, ast.Import):
+                graph[name].update(alias.name for alias in node.names)
+        graph[name] = {m for m in graph[name] if m in graph and m != name}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError(" -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for dep in graph[name]:
+            visit(dep, path + [name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])

@@ -318,8 +318,9 @@ class KvSaver:
 
 def extend_block_hashes(state: RequestState, num_tokens: int, block_size: int) -> bool:
     """Hashes `state`'s full blocks up to `num_tokens` (a multiple of `block_size`) as the
-    scheduler does (`scheduler_svc.request.Request.block_hashes`: the same chain and salt), so
-    the chunk keys match the ones it will look up. False when a token there is not known."""
+    scheduler does (`scheduler_svc.engine.request.Request.block_hashes`: the same chain and
+    salt), so the chunk keys match the ones it will look up. False when a token there is not
+    known."""
     start = len(state.block_hashes) * block_size
     tokens = state.token_ids[start:num_tokens]
     if len(state.token_ids) < num_tokens or (tokens and min(tokens) < 0):

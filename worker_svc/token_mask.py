@@ -7,7 +7,7 @@ with no masks costs one empty-list check. Masks are checked before they touch a 
 names a request that samples in this step, at most once, with exactly `mask_num_bytes(width)`
 bytes for the logits' width; anything else raises ValueError and fails the step.
 
-The scheduler's grammar state (scheduler_svc.structured_output) fills each mask from its
+The scheduler's grammar state (scheduler_svc.engine.grammar) fills each mask from its
 tokenizer's vocabulary; ids past it (a logits width padded beyond the tokenizer) are never
 allowed.
 """

@@ -201,7 +201,7 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
         return services[name]["command"][3:]
 
     kv = parse_config(env_of("kvcache"))
-    server, _, _ = parse_scheduler(env_of("scheduler"))
+    server = parse_scheduler(env_of("scheduler")).server
     worker = parse_worker(env_of("worker"))
 
     assert server.kvcache_address == f"tcp://kvcache:{kv.plan_port}"

@@ -56,7 +56,7 @@ def test_the_http_command_parses_into_the_schedulers_public_address(
             monkeypatch.setenv(key, str(value))
         return services[name]["command"][3:]
 
-    server, _, _ = parse_scheduler(argv_of("scheduler"))
+    server = parse_scheduler(argv_of("scheduler")).server
     http = parse_config(argv_of("http"))
     assert http.scheduler_address == f"scheduler:{server.port}"     # the public port
     assert (http.host, http.port) == ("0.0.0.0", HTTP_TARGET)

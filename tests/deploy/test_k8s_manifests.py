@@ -239,7 +239,7 @@ def test_environments_parse_into_addresses_that_meet(objects: dict[tuple[str, st
         return container(objects, component)["command"][3:]
 
     kv = parse_config(use_env("kvcache"))
-    server, _, _ = parse_scheduler(use_env("scheduler"))
+    server = parse_scheduler(use_env("scheduler")).server
     worker = parse_worker(use_env("worker"))
     assert (kv.host, server.control_host, server.advertise_host, worker.host) == (POD_IP,) * 4
     assert worker.advertise_host == POD_IP

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.frontend.tokenizer import ChatMessage
 from tests.e2e.harness import HFOracle, RunningCluster, run_cluster
 
 QUESTIONS = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from scheduler_svc.tokenizer import ChatMessage, load_tokenizer
+from scheduler_svc.frontend.tokenizer import ChatMessage, load_tokenizer
 from services.cli import forward_flags, service_parsers
 from services.launcher import ClusterSpec, ServiceProcesses
 from services.model_config import default_model_path
@@ -18,11 +18,12 @@ from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
 from tests.e2e.harness import free_ports
 from tests.e2e.test_http_api import post, wait_for_http
-from tests.scheduler_svc.test_chat_template_inputs import CALL, DOCUMENTS, TOOLS
+from tests.scheduler_svc.frontend.test_chat_template_inputs import CALL, DOCUMENTS, TOOLS
 
 pytestmark = pytest.mark.e2e
 
-TEMPLATE = Path(__file__).parents[1] / "scheduler_svc" / "chat_templates" / "tools_documents.jinja"
+TEMPLATE = (Path(__file__).parents[1] / "scheduler_svc" / "frontend" / "chat_templates"
+            / "tools_documents.jinja")
 
 
 def test_tools_and_documents_reach_the_flag_template(tmp_path: Path) -> None:

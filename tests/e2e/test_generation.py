@@ -66,7 +66,7 @@ def test_prefix_cache_same_prompt_twice(cluster, prompts, references) -> None:  
 
 
 def test_prefix_cache_shared_system_prompt(cluster, tokenizer, oracle) -> None:  # type: ignore[no-untyped-def]
-    from scheduler_svc.tokenizer import ChatMessage
+    from scheduler_svc.frontend.tokenizer import ChatMessage
 
     system = ("You are a meticulous assistant for a public library. Answer briefly, cite the "
               "shelf when you can, and never invent a book that does not exist.")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.frontend.tokenizer import ChatMessage
 from services import cluster_token
 from services.block_hash import hash_full_blocks
 from services.codec import Codec

@@ -20,9 +20,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from scheduler_svc.grammar import Grammars
-from scheduler_svc.structured_output import OutputKind, StructuredOutput
-from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.frontend.grammar import Grammars
+from scheduler_svc.frontend.structured_output import OutputKind, StructuredOutput
+from scheduler_svc.frontend.tokenizer import ChatMessage
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from tests.e2e.harness import (
     HFOracle,
@@ -256,8 +256,12 @@ def test_greedy_constrained_tokens_match_hf_under_the_same_grammar(
              (StructuredOutput(OutputKind.CHOICE, choices=tuple(CHOICES)),
               pb.StructuredOutput(choice=CHOICES))]
     for spec, message in cases:
-        ref, margins = hf_constrained_greedy(oracle, grammars.compile(spec),
-                                             oracle.model.config.vocab_size, prompt, 96)
+        compiled = grammars.compile(spec)       # as the engine core gets it: serialized
+        grammar = xgr.CompiledGrammar.deserialize_json(
+            compiled.serialized.decode(),
+            xgr.TokenizerInfo.deserialize_json(grammars.vocabulary().decode()))
+        ref, margins = hf_constrained_greedy(oracle, grammar, oracle.model.config.vocab_size,
+                                             prompt, 96)
         assert ref[-1] == EOS_ID, "the reference did not complete its grammar"
         ours = cluster.stub.GenerateOnce(pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_svc.tokenizer import TextTokenizer
+from scheduler_svc.frontend.tokenizer import TextTokenizer
 from tests.gpu.cluster import device_under_test
 from tests.gpu.oracle import CudaOracle
 

@@ -12,6 +12,7 @@ from services.kv_wire import (
     AdmitResult,
     BlockRemoved,
     BlockStored,
+    CommitOp,
     GrowOp,
     PlanReply,
     PlanRequest,
@@ -341,3 +342,27 @@ def check_invariants(mgr: ReplicaBlockManager) -> None:
         if block.block_hash is not None:
             assert pool.get_cached_block(block.block_hash) is block
     assert pool.num_cached_blocks == sum(b.block_hash is not None for b in pool.blocks)
+
+
+def test_commits_come_before_frees_and_keep_the_blocks_cached() -> None:
+    # A request freed with full blocks no grow committed (the scheduler grew it ahead and
+    # planned nothing since): the plan commits them first, so they stay cached once freed.
+    mgr = manager()
+    admit_one(mgr, admit("a", 8))                   # two blocks, nothing committed
+    reply = mgr.apply(PlanRequest(0, 2, ["a"], [], [], [CommitOp("a", [55, 56])]))
+    assert reply.error is None and "a" not in mgr.requests
+    assert mgr.pool.get_cached_block(55) is not None
+    assert mgr.pool.get_cached_block(56) is not None
+    result = admit_one(mgr, admit("b", 9, [55, 56]))
+    assert result.num_cached_tokens == 8
+
+
+def test_a_commit_of_an_unknown_request_or_past_its_blocks_is_refused() -> None:
+    mgr = manager()
+    admit_one(mgr, admit("a", 8))
+    before = snapshot(mgr)
+    for commit, why in [(CommitOp("x", [1]), "unknown request"),
+                        (CommitOp("a", [1, 2, 3]), "more hashes")]:
+        reply = mgr.apply(PlanRequest(0, 3, [], [], [], [commit]))
+        assert reply.error is not None and why in reply.error
+        assert snapshot(mgr) == before

@@ -13,7 +13,7 @@ import zmq
 
 from kvcache_svc.kv_store.memory_tier import MemoryTier
 from kvcache_svc.kv_store.store import KvStore
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.engine.request import Request, SamplingParams
 from services.block_hash import hash_full_blocks
 from services.kv_chunks import KvSlice, chunk_keys, prefix_chunk_keys
 from services.kv_store_client import KvStoreClient

@@ -5,7 +5,7 @@ recomputes."""
 import pytest
 import torch
 
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.engine.request import Request, SamplingParams
 from services.wire import SamplingSpec, TokenLogprobs
 from worker_svc import prompt_logprobs as module
 from worker_svc.input_batch import RequestState, ScheduledRequest

@@ -317,7 +317,7 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_kv_recoveries: _Optional[int] = ..., kv_ok: _Optional[bool] = ..., forward_gap_ms_total: _Optional[float] = ..., num_forward_gaps: _Optional[int] = ..., dtype: _Optional[str] = ..., num_store_miss_tokens: _Optional[int] = ..., num_store_hit_tokens: _Optional[int] = ..., num_store_loaded_tokens: _Optional[int] = ..., num_store_load_fallbacks: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable", "kv_store", "kv_store_saves_skipped")
+    __slots__ = ("model", "replicas", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill", "prefix_caching", "num_requests_total", "prefix_cache_hit_rate", "num_migrations", "num_parked", "kvcache_reachable", "kv_store", "kv_store_saves_skipped", "frontends")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class ServerInfoResponse(_message.Message):
     KVCACHE_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_SAVES_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     max_num_seqs: int
@@ -344,4 +345,15 @@ class ServerInfoResponse(_message.Message):
     kvcache_reachable: bool
     kv_store: _kvcache_pb2.StoreStats
     kv_store_saves_skipped: int
-    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_parked: _Optional[int] = ..., kvcache_reachable: _Optional[bool] = ..., kv_store: _Optional[_Union[_kvcache_pb2.StoreStats, _Mapping]] = ..., kv_store_saves_skipped: _Optional[int] = ...) -> None: ...
+    frontends: _containers.RepeatedCompositeFieldContainer[FrontendInfo]
+    def __init__(self, model: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., chunked_prefill: _Optional[bool] = ..., prefix_caching: _Optional[bool] = ..., num_requests_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_parked: _Optional[int] = ..., kvcache_reachable: _Optional[bool] = ..., kv_store: _Optional[_Union[_kvcache_pb2.StoreStats, _Mapping]] = ..., kv_store_saves_skipped: _Optional[int] = ..., frontends: _Optional[_Iterable[_Union[FrontendInfo, _Mapping]]] = ...) -> None: ...
+
+class FrontendInfo(_message.Message):
+    __slots__ = ("index", "num_live", "num_requests_total")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_LIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_live: int
+    num_requests_total: int
+    def __init__(self, index: _Optional[int] = ..., num_live: _Optional[int] = ..., num_requests_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,148 @@
+"""Structured output's grammars, with xgrammar: compiled once per constraint (cached) against
+the front end's tokenizer, and sent to the engine cores as xgrammar's serialized JSON.
+
+The front end compiles a request's constraint (`Grammars.compile`, on its tokenizer threads: a
+large schema takes a while, and the event loop serves every client) and sends the compiled
+grammar with the request (`EngineRequest.grammar`), after the vocabulary (`vocabulary`, once
+per engine core). The engine core keeps each request's place in its grammar
+(scheduler_svc.engine.grammar): for each step that samples a token for the request it packs
+the allowed tokens into the step's token masks (the worker masks the logits with them,
+worker_svc.token_mask), and advances with the token that comes back; a grammar that is
+complete finishes the request.
+
+Vocabulary: the tokenizer's ids, padded to the model's logits width (`vocab_size`), whose
+extra ids xgrammar never allows. The model's EOS ids are the grammar's stop tokens.
+"""
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler_svc.frontend.structured_output import (
+    FIELD,
+    OutputKind,
+    StructuredOutput,
+    StructuredOutputError,
+)
+from scheduler_svc.frontend.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A constraint compiled against this front end's tokenizer, serialized for the engine."""
+
+    spec: StructuredOutput
+    serialized: bytes              # xgrammar's CompiledGrammar.serialize_json(), UTF-8
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 512          # compiled grammars kept, least recently used dropped
+COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compilation intermediates
+
+
+class Grammars:
+    """Compiles constraints into grammars for one tokenizer; thread-safe."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        """`vocab_size`: the model's logits width, the length of every mask."""
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos_token_ids = list(eos_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None   # built on first use (~1 s)
+        self._vocabulary = b""                  # its TokenizerInfo, serialized (engine cores)
+        self._compiler_lock = threading.Lock()   # held while it is built (off the loop)
+        self._lock = threading.Lock()            # the cache's; never held while compiling
+        self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+
+    def _get_compiler(self) -> "xgr.GrammarCompiler":
+        if self._tokenizer.vocab_size > self.vocab_size:
+            # A mask can only cover the logits; such a model's tokens past them cannot be
+            # told apart from the grammar's.
+            raise StructuredOutputError(
+                f"{FIELD} is not served for this model: its tokenizer has "
+                f"{self._tokenizer.vocab_size} ids, its logits {self.vocab_size}")
+        with self._compiler_lock:
+            if self._compiler is None:
+                # Imported here, not with the module: xgrammar brings torch and transformers
+                # (~2 s of a scheduler's start here, and its memory), which only a constrained
+                # request needs. The first one waits for them, once (vLLM starts its grammar
+                # backend on first use too).
+                try:
+                    import xgrammar as xgr
+                    from transformers import PreTrainedTokenizerFast
+                except ImportError as exc:
+                    raise StructuredOutputError(
+                        f"{FIELD} is not served here: {exc} (install splitserve's "
+                        f"dependencies)") from None
+
+                fast = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.tokenizer)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    fast, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                     cache_limit_bytes=COMPILER_CACHE_BYTES)
+                self._vocabulary = info.serialize_json().encode()
+            return self._compiler
+
+    def vocabulary(self) -> bytes:
+        """The tokenizer's vocabulary as the engine cores' grammars need it (a compiled
+        grammar came first, so it is built)."""
+        return self._vocabulary
+
+    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
+        """The compiled grammar if it is cached (no compiling: safe on the event loop)."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
+            return grammar
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The grammar of `spec`; raises StructuredOutputError naming the field when xgrammar
+        cannot compile it (an unsupported schema keyword, a malformed regex)."""
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        compiler = self._get_compiler()
+        try:
+            if spec.kind is OutputKind.JSON_SCHEMA:
+                compiled = compiler.compile_json_schema(spec.text)
+            elif spec.kind is OutputKind.JSON_OBJECT:
+                # A JSON object, as OpenAI's json_object means (the builtin JSON grammar
+                # takes any JSON value, arrays and numbers too).
+                compiled = compiler.compile_json_schema('{"type": "object"}')
+            elif spec.kind is OutputKind.REGEX:
+                compiled = compiler.compile_regex(spec.text)
+            else:
+                compiled = compiler.compile_grammar(choice_grammar(spec.choices))
+        except RuntimeError as exc:   # xgrammar's parse and conversion errors
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            raise StructuredOutputError(
+                f"{FIELD}.{spec.kind.value} does not compile: {_drop_location(reason)}"
+            ) from None
+        grammar = CompiledGrammar(spec, compiled.serialize_json().encode())
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose sentences are exactly the choices (JSON string escapes are
+    xgrammar's EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _drop_location(reason: str) -> str:
+    """xgrammar prefixes its messages with a time and a C++ source location."""
+    head, sep, rest = reason.partition(".cc:")
+    if sep and ": " in rest:
+        return rest.split(": ", 1)[1]
+    return reason

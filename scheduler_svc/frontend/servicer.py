@@ -1,0 +1,310 @@
+"""The gRPC adapter of a front end: `Generation`, the public API.
+
+Thin by design: convert protobuf to core types (`from_pb`), call the core, convert back
+(`to_pb`), and map core exceptions to status codes. Policy lives in the front end's core
+(core.py); ServerInfo's figures come from the cluster process (links.ClusterLink).
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from scheduler_svc.cluster.wire import prefix_cache_hit_rate
+from scheduler_svc.engine.config import SchedulerConfig
+from scheduler_svc.frontend.choices import choice_ids, generate_choices
+from scheduler_svc.frontend.core import (
+    Draining,
+    Frontend,
+    PromptInput,
+    QueueFull,
+    RequestFailed,
+)
+from scheduler_svc.frontend.links import ClusterLink
+from scheduler_svc.frontend.streams import RequestOutput
+from scheduler_svc.frontend.structured_output import (
+    StructuredOutput,
+    StructuredOutputError,
+    validate_structured_output,
+)
+from scheduler_svc.frontend.tokenizer import ChatMessage
+from scheduler_svc.frontend.validation import (
+    InvalidRequest,
+    RawSampling,
+    parse_json_objects,
+    validate_model,
+)
+from services.kv_store_wire import store_stats_to_pb
+from services.model_config import ModelConfig
+from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,
+                   ) -> PromptInput:
+    names = [n for n in ("text", "token_ids", "chat") if n in request.DESCRIPTOR.fields_by_name]
+    given = [n for n in names if request.HasField(n)]
+    if len(given) != 1:
+        what = " and ".join(given) if given else "none"
+        raise InvalidRequest(f"set exactly one of {', '.join(names)} (got {what})")
+    if given[0] == "text":
+        return PromptInput(text=request.text)
+    if given[0] == "token_ids":
+        return PromptInput(token_ids=request.token_ids.ids)
+    return chat_from_pb(request.chat)
+
+
+def chat_from_pb(chat: generation_pb2.ChatMessages) -> PromptInput:
+    """Messages, tools and documents; the JSON fields parsed (InvalidRequest if malformed)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        tool_calls = parse_json_objects(m.tool_calls_json, f"chat message {i} tool_calls_json")
+        messages.append(ChatMessage(m.role, m.content, m.name or None, m.tool_call_id or None,
+                                    tool_calls))
+    return PromptInput(chat=messages, tools=parse_json_objects(chat.tools_json, "tools_json"),
+                       documents=parse_json_objects(chat.documents_json, "documents_json"))
+
+
+def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
+    s = request.sampling
+
+    def opt(name: str) -> object | None:
+        return getattr(s, name) if s.HasField(name) else None
+
+    return RawSampling(
+        temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
+        seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
+        stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
+        keep_special_tokens=request.keep_special_tokens, n=opt("n"),  # type: ignore[arg-type]
+        min_p=opt("min_p"), presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
+        frequency_penalty=opt("frequency_penalty"),  # type: ignore[arg-type]
+        repetition_penalty=opt("repetition_penalty"),  # type: ignore[arg-type]
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=opt("prompt_logprobs"),  # type: ignore[arg-type]
+        structured_output=structured_output_from_pb(s))
+
+
+def structured_output_from_pb(s: generation_pb2.SamplingParams) -> StructuredOutput | None:
+    if not s.HasField("structured_output"):
+        return None
+    so = s.structured_output
+    try:
+        return validate_structured_output(
+            so.json_schema if so.HasField("json_schema") else None, so.json_object,
+            so.regex if so.HasField("regex") else None, list(so.choice))
+    except StructuredOutputError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def output_to_pb(out: RequestOutput, request_id: str | None = None,
+                 index: int = 0) -> generation_pb2.GenerateResponse:
+    """`request_id`: the client's id, where `out` is one choice's (`<request_id>-<index>`)."""
+    msg = generation_pb2.GenerateResponse(request_id=request_id or out.request_id,
+                                          token_ids=out.new_token_ids, text=out.text,
+                                          index=index)
+    for token_id, lp in zip(out.new_token_ids, out.logprobs):
+        if lp is not None:
+            msg.logprobs.append(generation_pb2.TokenLogprob(
+                token_id=token_id, logprob=lp.logprob,
+                top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    for token_id, lp, rank in out.prompt_logprobs or ():
+        msg.prompt_logprobs.append(generation_pb2.TokenLogprob(
+            token_id=token_id, logprob=lp.logprob, rank=rank,
+            top=[generation_pb2.TopLogprob(token_id=t, logprob=v)
+                 for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    if out.finish_reason is not None:
+        msg.finish_reason = out.finish_reason.value
+        msg.usage.prompt_tokens = out.num_prompt_tokens
+        msg.usage.completion_tokens = out.num_output_tokens
+        msg.usage.cached_prompt_tokens = out.num_cached_tokens
+        msg.usage.store_hit_tokens = out.num_store_loaded_tokens
+        if out.stop_reason is not None:
+            msg.stop_reason = str(out.stop_reason)
+    return msg
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """`model` is what was loaded; clients know it by `served_name` (--served-model-name, or
+    the model's own name). `cluster`: where ServerInfo's figures come from."""
+
+    def __init__(self, frontend: Frontend, model: ModelConfig, sched: SchedulerConfig,
+                 cluster: ClusterLink | None = None, served_name: str | None = None,
+                 num_frontends: int = 1) -> None:
+        self.frontend = frontend
+        self.model = model
+        self.sched = sched
+        self.cluster = cluster
+        self.num_frontends = num_frontends
+        if cluster is not None:
+            cluster.on_abort = self.abort
+        self.served_name = served_name or model.name
+        # Requests with n > 1 by the client's id -> (n, set by Abort), so that Abort finds
+        # their choices, started or not.
+        self._choices: dict[str, tuple[int, asyncio.Event]] = {}
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext,
+                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        async for request_id, index, out in self._run(request, context):
+            yield output_to_pb(out, request_id, index)
+
+    async def GenerateOnce(self, request: generation_pb2.GenerateRequest,
+                           context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
+        if request.sampling.HasField("n") and request.sampling.n != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "n > 1 is only served by the streaming Generate")
+        merged = generation_pb2.GenerateResponse()
+        async for _, _, out in self._run(request, context, whole=True):
+            part = output_to_pb(out)
+            merged.request_id = part.request_id
+            merged.token_ids.extend(part.token_ids)
+            merged.text += part.text
+            merged.logprobs.extend(part.logprobs)
+            merged.prompt_logprobs.extend(part.prompt_logprobs)
+            if part.finish_reason:
+                merged.finish_reason = part.finish_reason
+                merged.usage.CopyFrom(part.usage)
+                if part.HasField("stop_reason"):
+                    merged.stop_reason = part.stop_reason
+        return merged
+
+    async def _run(self, request: generation_pb2.GenerateRequest,
+                   context: grpc.aio.ServicerContext, whole: bool = False,
+                   ) -> AsyncIterator[tuple[str, int, RequestOutput]]:
+        """(the request's id, choice index, output) until every choice has finished; `whole`:
+        one output for all of a choice's tokens (the client takes them at once)."""
+        try:
+            prepared = await self.frontend.prepare(request.request_id, request.model,
+                                                   prompt_from_pb(request),
+                                                   sampling_from_pb(request),
+                                                   request.cache_salt)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id, n = prepared.request_id, prepared.sampling.n
+        aborted = asyncio.Event()
+        if n > 1:
+            if request_id in self._choices:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {request_id!r} is already in use")
+            self._choices[request_id] = (n, aborted)
+        try:
+            async for index, out in generate_choices(self.frontend, prepared,
+                                                     context.time_remaining(), aborted,
+                                                     whole):
+                yield request_id, index, out
+        except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Draining as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RequestFailed as exc:
+            code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"request failed: {exc}")
+        finally:
+            if n > 1:
+                self._choices.pop(request_id, None)
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        try:
+            validate_model(request.model, self.frontend.limits)
+            text, ids = await self.frontend.render(
+                prompt_from_pb(request), add_generation_prompt=not request.no_generation_prompt)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generation_pb2.TokenizeResponse(token_ids=ids, prompt=text)
+
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
+        try:
+            validate_model(request.model, self.frontend.limits)
+            texts = await self.frontend.detokenize([s.ids for s in request.sequences],
+                                                   request.skip_special_tokens)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generation_pb2.DetokenizeResponse(texts=texts)
+
+    async def Abort(self, request: generation_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
+        found = self.abort(request.request_id)
+        if self.cluster is not None and self.num_frontends > 1:
+            # Another front end may hold a request of that id (clients' connections are
+            # spread over the front ends): every live one is cancelled.
+            found = await self.cluster.abort_elsewhere(request.request_id) or found
+        return generation_pb2.AbortResponse(found=found)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels the request (every choice of one with n > 1) if it is live here."""
+        entry = self._choices.get(request_id)
+        if entry is None:
+            return self.frontend.cancel_id(request_id)
+        n, aborted = entry
+        aborted.set()
+        for choice in choice_ids(request_id, n):
+            self.frontend.cancel_id(choice)
+        return True
+
+    async def ModelInfo(self, request: generation_pb2.ModelInfoRequest,
+                        context: grpc.aio.ServicerContext) -> generation_pb2.ModelInfoResponse:
+        m = self.model
+        return generation_pb2.ModelInfoResponse(
+            model=self.served_name, architecture=m.architecture, vocab_size=m.vocab_size,
+            max_model_len=m.max_model_len, num_layers=m.num_layers, hidden_size=m.hidden_size,
+            num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+            dtype=self.frontend.state.served_dtype if self.frontend.state else "auto",
+            eos_token_ids=list(m.eos_token_ids),
+            has_chat_template=self.frontend.tokenizer.chat_template is not None,
+            max_prompt_bytes=self.frontend.limits.max_prompt_bytes or 0)
+
+    async def ServerInfo(self, request: generation_pb2.ServerInfoRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ServerInfoResponse:
+        sc = self.sched
+        stats = None if self.cluster is None else await self.cluster.stats(
+            self.frontend.report())
+        if stats is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the scheduler's cluster process did not answer")
+        info = generation_pb2.ServerInfoResponse(
+            model=self.served_name, max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens, chunked_prefill=sc.chunked_prefill,
+            prefix_caching=sc.prefix_caching,
+            num_requests_total=stats.num_requests_total,
+            prefix_cache_hit_rate=prefix_cache_hit_rate(stats),
+            num_migrations=stats.num_migrations, num_parked=stats.num_parked,
+            kvcache_reachable=stats.kv_reachable)
+        for replica in stats.replicas:
+            r = info.replicas.add(replica_id=replica.replica_id, state=replica.state,
+                                  block_size=sc.block_size, dtype=replica.dtype)
+            for w in replica.workers:
+                r.workers.add(worker_id=w.worker_id, epoch=w.epoch, pp_rank=w.pp_rank,
+                              tp_rank=w.tp_rank, device=w.device, num_kv_blocks=w.num_kv_blocks,
+                              state=w.state, cpu_level=w.cpu_level)
+            e = replica.engine
+            if e is not None:
+                r.num_kv_blocks = e.num_kv_blocks
+                r.num_free_blocks = e.num_free_blocks
+                r.num_running = e.num_running
+                r.num_waiting = e.num_waiting
+                r.num_preemptions = e.num_preemptions
+                r.num_steps = e.num_steps
+                r.num_kv_recoveries = e.num_kv_recoveries
+                r.kv_ok = e.kv_ok
+                r.forward_gap_ms_total = e.forward_gap_ms_total
+                r.num_forward_gaps = e.num_forward_gaps
+                r.num_store_miss_tokens = e.num_store_miss_tokens
+                r.num_store_hit_tokens = e.num_store_hit_tokens
+                r.num_store_loaded_tokens = e.num_store_loaded_tokens
+                r.num_store_load_fallbacks = e.num_store_load_fallbacks
+        if stats.kv_store is not None:
+            info.kv_store.CopyFrom(store_stats_to_pb(stats.kv_store))
+        info.kv_store_saves_skipped = sum(w.num_kv_saves_skipped for r in stats.replicas
+                                          for w in r.workers)
+        for f in stats.frontends:
+            info.frontends.add(index=f.frontend, num_live=f.num_live,
+                               num_requests_total=f.num_requests_total)
+        return info

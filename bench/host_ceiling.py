@@ -4,7 +4,8 @@ cluster on a real tiny model and vLLM's CPU engine on that model (issue 37).
 
     .venv/bin/python bench/host_ceiling.py [--null-step-ms 0 1.92] [--prompts 64 256]
                                            [--batch-api stream|once|both] [--client-procs 4]
-                                           [--skip-real] [--with-vllm] [--quick] [--out FILE]
+                                           [--rounds N] [--skip-real] [--with-vllm] [--quick]
+                                           [--out FILE]
     bash bench/vllm_env.sh     # once, before --with-vllm
 
 Model: a tiny random Llama built on the fly (scripts/random_family.py: 2 layers, hidden 128,
@@ -20,20 +21,24 @@ GenerateOnce, whole replies), the null worker; then the real tiny model (the nor
 worker) at the same counts and APIs; with --with-vllm, vLLM's offline engine on the same model
 directory at the same counts (whole completions; its ratio is taken against both APIs).
 
-The timed client is `--client-procs` processes (splitserve_runs.BatchClients), each with its
-own gRPC channel and its share of the prompts, all started together; wall time runs from the
-first request to the last token. Per run: output tok/s; CPU microseconds per generated token of
-every process of the cluster, the launcher's services and all their descendants, found in
-/proc and labelled by command line (bench/process_tree.py), and of the clients together; plans
-per step (kvcache_svc's admin `Stats.num_plans` over ServerInfo's engine steps); and the idle
-share: the workers' summed gaps between forwards (ServerInfo, splitserve_runs.ForwardGaps)
-over the wall time (with the null worker: the emulated device's idle time). CPU time, not wall
-time, is the robust figure on a shared machine. The JSON result goes to bench/results/.
+Each cluster runs `--rounds` timed runs (default 1): tok/s is the median run's, CPU per token,
+plans per step and the idle share are over them all. The timed client is `--client-procs`
+processes (splitserve_runs.BatchClients), each with its own gRPC channel and its share of the
+prompts, all started together; wall time runs from the first request to the last token. Per
+run: output tok/s; CPU microseconds per generated token of every process of the cluster, the
+launcher's services and all their descendants, found in /proc and labelled by command line
+(bench/process_tree.py), and of the clients together; plans per step (kvcache_svc's admin
+`Stats.num_plans` over ServerInfo's engine steps; steady decode alone is counted by
+tests/scheduler_svc/engine/test_plan_rate.py); and the idle share: the workers' summed gaps
+between forwards (ServerInfo, splitserve_runs.ForwardGaps) over the wall time (with the null
+worker: the emulated device's idle time). CPU time, not wall time, is the robust figure on a
+shared machine. The JSON result goes to bench/results/.
 
 --quick: 16 prompts x 16 tokens, 2 client processes (unless given), one API: a smoke check.
 """
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -99,8 +104,9 @@ def workload(num_prompts: int, base: list[str]) -> list[str]:
 
 
 def time_cluster(model: Path, system: str, worker_args: list[str], prompts: list[str],
-                 max_tokens: int, api: str, num_clients: int) -> Run:
-    """One fresh cluster, warmed up, then the timed run (module docstring)."""
+                 max_tokens: int, api: str, num_clients: int, rounds: int = 1) -> Run:
+    """One fresh cluster, warmed up, then `rounds` timed runs (module docstring): tok/s of the
+    median run; CPU per token, plans per step and the idle share over them all."""
     import grpc
 
     spec = ClusterSpec(model=str(model), port=free_port(), control_port=free_port(),
@@ -127,26 +133,39 @@ def time_cluster(model: Path, system: str, worker_args: list[str], prompts: list
                                    metadata=call_metadata(procs.cluster_token)).num_plans
 
             run_batch(procs.address, prompts[:WARMUP_PROMPTS], WARMUP_TOKENS)   # untimed
-            warm = time.monotonic()
-            clients = BatchClients(procs.address, prompts, max_tokens, num_clients, api)
-            # Idle past IDLE_GAP_S, or the pause since the warm-up counts as the first gap.
-            time.sleep(max(0.0, warm + IDLE_GAP_S + 0.1 - time.monotonic()))
+            counts, walls, client_cpu = [], [], 0.0
             tree = TreeCpu(p.pid for p in procs.procs.values())
-            gaps, plans = ForwardGaps(stub), num_plans()
-            before = tree.snapshot()
-            counts, wall, client_cpu = clients.run()
-            after = tree.snapshot()
-            gap_ms, _, num_steps = gaps.since_last()
-            plans = num_plans() - plans
+            gap_ms = num_steps = plans = 0
+            used: dict[str, float] = {}
+            for _ in range(rounds):
+                warm = time.monotonic()
+                clients = BatchClients(procs.address, prompts, max_tokens, num_clients, api)
+                # Idle past IDLE_GAP_S, or the pause since the last run counts as a gap.
+                time.sleep(max(0.0, warm + IDLE_GAP_S + 0.1 - time.monotonic()))
+                gaps, plans_before = ForwardGaps(stub), num_plans()
+                before = tree.snapshot()
+                round_counts, wall, round_client_cpu = clients.run()
+                after = tree.snapshot()
+                round_gap_ms, _, round_steps = gaps.since_last()
+                plans += num_plans() - plans_before
+                gap_ms += round_gap_ms
+                num_steps += round_steps
+                counts += round_counts
+                walls.append(wall)
+                client_cpu += round_client_cpu
+                for label, cpu_s in cpu_used(before, after).items():
+                    used[label] = used.get(label, 0.0) + cpu_s
     finally:
         procs.stop()
     tokens = sum(counts)
-    if tokens != len(prompts) * max_tokens:
-        raise RuntimeError(f"{system}: {tokens} tokens, expected {len(prompts)} x {max_tokens}")
-    per_token = {label: cpu * 1e6 / tokens for label, cpu in cpu_used(before, after).items()}
-    return Run(system, len(prompts), api, tokens / wall, wall, per_token,
+    if tokens != rounds * len(prompts) * max_tokens:
+        raise RuntimeError(f"{system}: {tokens} tokens, expected {rounds} x {len(prompts)} x "
+                           f"{max_tokens}")
+    per_token = {label: cpu * 1e6 / tokens for label, cpu in used.items()}
+    wall = statistics.median(walls)
+    return Run(system, len(prompts), api, tokens / rounds / wall, wall, per_token,
                client_cpu * 1e6 / tokens, plans / num_steps if num_steps else 0.0,
-               gap_ms / (wall * 1e3))
+               gap_ms / (sum(walls) * 1e3))
 
 
 def time_vllm(model: Path, prompt_counts: list[int], base: list[str], max_tokens: int,
@@ -206,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-real", action="store_true", help="no run on the real tiny model")
     p.add_argument("--with-vllm", action="store_true",
                    help="vLLM's CPU engine on the same model (bash bench/vllm_env.sh first)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed runs per cluster (CPU per token over them all; tok/s of the "
+                        "median run): more tokens make the /proc tick counts steadier")
     p.add_argument("--quick", action="store_true",
                    help="a smoke check: 16 prompts x 16 tokens, 2 clients, one API")
     p.add_argument("--out", default=None)
@@ -235,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in prompt_counts:
             for api in apis:
                 runs.append(time_cluster(model, system, worker_args, workload(n, base),
-                                         max_tokens, api, num_clients))
+                                         max_tokens, api, num_clients, a.rounds))
                 print(row(runs[-1]), flush=True)
     vllm_version = None
     if a.with_vllm:
@@ -260,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{key.split(', ', 1)[1].replace(', ', ' ')} {ratio:.2f}x"
                 for key, ratio in against.items() if key.startswith(f"{system}, ")))
     write_result({"cpu": cpu, "model_shape": MODEL_SHAPE, "vocab_size": VOCAB_SIZE,
-                  "max_tokens": max_tokens, "client_procs": num_clients,
+                  "max_tokens": max_tokens, "client_procs": num_clients, "rounds": a.rounds,
                   "vllm_version": vllm_version,
                   "runs": [{**asdict(r), "cluster_us_per_token": r.cluster_us_per_token}
                            for r in runs],

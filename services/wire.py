@@ -13,7 +13,10 @@ frames) in `services.kv_store_wire`.
 
 Step messages are diffs (shared/DESIGN.md section 2): a request travels in full once as a
 `NewRequest` (again after preemption, since preemption drops the worker's state); afterwards
-only what changed travels as a `RunningRequest`.
+only what changed travels as a `RunningRequest`, or, for a steady decode (one token at the end
+of what the worker holds, no new block, nothing to write: most rows of most steps), as a row of
+`DecodeRows`: its slot and progress in packed arrays, validated as arrays, its token back in
+`StepOutput.decode_token_ids`.
 """
 
 from typing import Annotated
@@ -33,6 +36,7 @@ MAX_TOKEN_MASK_BYTES = 1 << 18     # one packed token bitmask: vocabularies up t
 MAX_LOGIT_BIAS = 1024              # token ids one request may bias
 MAX_LOGIT_BIAS_VALUE = 100.0       # |bias| added to a logit, as OpenAI's API bounds it
 MAX_REPETITION_PENALTY = 1e6       # any finite value > 0 is meaningful; this only bounds it
+MAX_SLOTS = 1 << 20                # a replica's request slots (NewRequest.slot)
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -101,6 +105,9 @@ class NewRequest(_Wire):
     # Tokens after num_computed_tokens whose KV each rank fetches from the KV store into the
     # request's blocks this step (its own slice), reporting how many it got in a `KvLoaded`.
     num_load_tokens: Count = 0
+    # The replica's name for it while the workers hold it, unique among held requests (-1:
+    # none): `DecodeRows` name it by this.
+    slot: Annotated[int, Meta(ge=-1, lt=MAX_SLOTS)] = -1
 
 
 class RunningRequest(_Wire):
@@ -113,6 +120,19 @@ class RunningRequest(_Wire):
     # Tokens sampled since this request's last step, for non-last pipeline ranks, which do not
     # sample; written at `num_computed_tokens`. Always empty with one pipeline stage.
     new_token_ids: TokenIds
+
+
+# Packed little-endian int32 arrays of a step's decode rows.
+PackedInt32 = Annotated[bytes, Meta(max_length=4 * MAX_REQUESTS_PER_STEP)]
+
+
+class DecodeRows(_Wire):
+    """Running requests that compute exactly one token each, the last the worker holds for
+    them (so it samples the next), with no new block and no token to write: one entry per row
+    of two packed little-endian int32 arrays, of one length."""
+
+    slots: PackedInt32                  # each row's request, by its NewRequest.slot
+    num_computed_tokens: PackedInt32    # tokens in the cache before this step, per row
 
 
 class TokenMask(_Wire):
@@ -138,6 +158,8 @@ class StepInput(_Wire):
     # mask per request and only for requests that sample in this step. Only the last pipeline
     # stage receives them (the scheduler sends the other ranks an empty list).
     token_masks: Annotated[list[TokenMask], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
+    # Steady decodes, after `running` in the step's order (None: none).
+    decodes: DecodeRows | None = None
 
 
 class InitCache(_Wire):
@@ -208,6 +230,9 @@ class StepOutput(_Wire):
     error: StepError | None = None
     # Prompt logprobs the step computed, for requests that asked (SamplingSpec).
     prompt_logprobs: Annotated[list[PromptLogprobs], Meta(max_length=MAX_REQUESTS_PER_STEP)] = []
+    # The token of each of the step's decode rows (StepInput.decodes), in their order, packed
+    # little-endian int32; -1 for a row the worker skipped (a request a failed step dropped).
+    decode_token_ids: PackedInt32 = b""
 
 
 class CacheReady(_Wire):

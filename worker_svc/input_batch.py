@@ -3,9 +3,11 @@
 The runner calls `InputBatch.apply(step)` at the start of every step. The diff is applied in
 field order: `finished_ids` drop their state (ids the worker does not hold are ignored: a
 request preempted earlier may be named again when it finishes), `new_requests` bring full
-state, and `running` requests take their appended block ids, their `num_computed_tokens` and
-any `new_token_ids` (tokens sampled by the last stage, written at `num_computed_tokens`: this
-is how non-last pipeline ranks learn them; the last stage already holds them).
+state, `running` requests take their appended block ids, their `num_computed_tokens` and any
+`new_token_ids` (tokens sampled by the last stage, written at `num_computed_tokens`: this is
+how non-last pipeline ranks learn them; the last stage already holds them), and `decodes`
+(services.wire.DecodeRows: steady decodes named by their `NewRequest.slot`, as packed arrays)
+each compute the one token at the end of what is held for them.
 
 The whole diff is validated before anything changes, so a bad diff raises `ValueError` and
 leaves the state as it was.
@@ -18,13 +20,22 @@ which is harmless: no kernel reads a block wholly before a row's window.
 When a step fails part way (a one-rank replica), the runner calls `discard(step)`: the step's
 requests are forgotten, and later steps, sent before the scheduler learnt of the failure, may
 still name them as running: such entries are skipped until the ids come back as finished.
+
+Every held request also has a row of the persistent block tables (`tables`, worker_svc.
+block_tables), kept in step with its `block_ids`: a step's attention metadata is gathered from
+them with a few array operations.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput
-from worker_svc.sampler import SeededUniforms, is_greedy, new_generator
+import numpy as np
+import torch
+
+from services.wire import MAX_SLOTS, NewRequest, RunningRequest, SamplingSpec, StepInput
+from worker_svc.attention import AttentionMetadata, build_kernel_metadata
+from worker_svc.block_tables import BlockTables
+from worker_svc.sampler import SeededUniforms, is_greedy, is_plain_greedy, new_generator
 
 
 class RequestState:
@@ -32,11 +43,12 @@ class RequestState:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids",
                  "num_computed_tokens", "sampling", "generator", "cache_salt",
-                 "num_saved_tokens", "save_from", "block_hashes", "load_start")
+                 "num_saved_tokens", "save_from", "block_hashes", "load_start", "row",
+                 "plain_greedy", "slot")
 
     def __init__(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                  block_ids: list[list[int]], num_computed_tokens: int, sampling: SamplingSpec,
-                 generator: SeededUniforms | None, cache_salt: bytes = b""):
+                 generator: SeededUniforms | None, cache_salt: bytes = b"", slot: int = -1):
         self.request_id = request_id
         self.token_ids = token_ids                    # prompt + outputs known to this worker
         self.num_prompt_tokens = num_prompt_tokens
@@ -58,11 +70,16 @@ class RequestState:
         # step may resume anywhere from here to the load's end (the scheduler resumes after
         # what every rank loaded); None once it has.
         self.load_start: int | None = None
+        self.row = -1            # its row of the batch's block tables (-1: none yet)
+        # Greedy with nothing else to compute (worker_svc.sampler.is_plain_greedy), once.
+        self.plain_greedy = is_plain_greedy(sampling)
+        self.slot = slot         # the replica's name for it (NewRequest.slot; -1: none)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step (made for every row of every step: a plain slotted
+    class, not a frozen one, whose construction costs several times as much)."""
 
     state: RequestState
     num_computed_tokens: int      # tokens already cached before this step
@@ -70,9 +87,10 @@ class ScheduledRequest:
     # The step reaches the last known token, so it samples the next one; a non-final prefill
     # chunk does not.
     samples: bool
+    decode_row: int = -1          # its row among the step's DecodeRows (-1: not one)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _RunningUpdate:
     state: RequestState
     request: RunningRequest
@@ -92,12 +110,18 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.requests: dict[str, RequestState] = {}
         self.discarded_ids: set[str] = set()   # dropped by a failed step, not yet finished
+        self.tables = BlockTables(len(self.kv_windows))   # every held request's, by row
+        self.slots: list[RequestState | None] = []        # held requests by NewRequest.slot
+        # Slots of requests a failed step dropped, until their finished ids come: decode
+        # rows naming them are skipped, as running requests of those ids are.
+        self.discarded_slots: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def apply(self, step: StepInput) -> list[ScheduledRequest]:
-        """Apply the diff; return the step's requests in step order (new, then running)."""
+        """Apply the diff; return the step's requests in step order (new, running, then
+        decode rows)."""
         finished = set(step.finished_ids)
         held = self.requests.keys() - finished
         seen: set[str] = set()
@@ -105,13 +129,18 @@ class InputBatch:
         skipped = self.discarded_ids - finished
         updates = [self._check_running(r, held, seen) for r in step.running
                    if r.request_id not in skipped]
+        decodes = self._check_decodes(step, held, seen, skipped)
 
         for request_id in step.finished_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
+            self.discarded_slots.pop(request_id, None)
         self.discarded_ids -= finished
         scheduled = []
         for request, state in zip(step.new_requests, new_states, strict=True):
             self.requests[request.request_id] = state
+            state.row = self.tables.add(state.block_ids)
+            if state.slot >= 0:
+                self._hold_slot(state)
             start = request.num_computed_tokens
             if request.num_load_tokens:      # its KV past `start` loads (worker_svc.kv_loader)
                 state.load_start = start
@@ -126,21 +155,98 @@ class InputBatch:
             if any(request.new_block_ids):
                 for ids, new_ids in zip(state.block_ids, request.new_block_ids, strict=True):
                     ids += new_ids
+                self.tables.append(state.row, request.new_block_ids)
             start = request.num_computed_tokens
             state.token_ids[start:start + len(request.new_token_ids)] = request.new_token_ids
             state.load_start = None
             scheduled.append(self._schedule(state, start, request.num_new_tokens))
+        for row, state in enumerate(decodes):
+            if state is not None:
+                start = len(state.token_ids) - 1
+                state.num_computed_tokens = start + 1
+                state.load_start = None
+                scheduled.append(ScheduledRequest(state, start, 1, True, row))
         return scheduled
+
+    def _check_decodes(self, step: StepInput, held: set[str], seen: set[str],
+                       skipped: set[str]) -> list[RequestState | None]:
+        """The states of the step's decode rows, in order (None: a row to skip, its request
+        dropped by a failed step). Each must be held, named once in the step, where this
+        worker has it, and compute the one token at the end of what it holds."""
+        rows = step.decodes
+        if rows is None:
+            return []
+        slots = np.frombuffer(rows.slots, dtype="<i4")
+        computed = np.frombuffer(rows.num_computed_tokens, dtype="<i4")
+        if len(rows.slots) % 4 or len(slots) != len(computed) or len(rows.num_computed_tokens) % 4:
+            raise ValueError(f"decode rows: {len(rows.slots)} bytes of slots and "
+                             f"{len(rows.num_computed_tokens)} of counts are not one int32 each")
+        if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= MAX_SLOTS):
+            raise ValueError(f"decode rows: a slot outside [0, {MAX_SLOTS})")
+        skipped_slots = {self.discarded_slots[rid] for rid in skipped
+                         if rid in self.discarded_slots}
+        states: list[RequestState | None] = []
+        by_slot, block_size, max_len = self.slots, self.block_size, self.max_model_len
+        for slot, start in zip(slots.tolist(), computed.tolist(), strict=True):
+            state = by_slot[slot] if slot < len(by_slot) else None
+            if state is None or state.request_id not in held:
+                if slot in skipped_slots:
+                    states.append(None)
+                    continue
+                raise ValueError(f"decode row of slot {slot}: no request held there")
+            rid = state.request_id
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in one step")
+            seen.add(rid)
+            end = start + 1
+            if start != state.num_computed_tokens or end != len(state.token_ids):
+                # After a load, from any point of it (what every rank got), as a running one.
+                lowest = state.num_computed_tokens if state.load_start is None else \
+                    state.load_start
+                if not lowest <= start <= state.num_computed_tokens or \
+                        end != len(state.token_ids):
+                    raise ValueError(f"request {rid!r}: a decode row from {start}, but this "
+                                     f"worker has computed {state.num_computed_tokens} of "
+                                     f"{len(state.token_ids)} known tokens")
+            if end > max_len or end > len(state.block_ids[0]) * block_size:
+                self._check_span(rid, start, 1, len(state.token_ids), len(state.block_ids[0]))
+            states.append(state)
+        return states
+
+    def _hold_slot(self, state: RequestState) -> None:
+        slots = self.slots
+        if state.slot >= len(slots):
+            slots.extend([None] * (state.slot + 1 - len(slots)))
+        slots[state.slot] = state
 
     def discard(self, step: StepInput) -> None:
         """`step` failed after (or while) applying it: drop its finished ids and every request
         it names (their state may be half-updated; the scheduler fails them)."""
         for request_id in step.finished_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
+            self.discarded_slots.pop(request_id, None)
         self.discarded_ids -= set(step.finished_ids)
-        for request in [*step.new_requests, *step.running]:
-            self.requests.pop(request.request_id, None)
-            self.discarded_ids.add(request.request_id)
+        named = [r.request_id for r in [*step.new_requests, *step.running]]
+        if step.decodes is not None:
+            slots = np.frombuffer(step.decodes.slots, dtype="<i4").tolist()
+            named += [state.request_id for slot in slots
+                      if 0 <= slot < len(self.slots) and (state := self.slots[slot]) is not None]
+        for request_id in named:
+            state = self.requests.get(request_id)
+            if state is not None and state.slot >= 0:
+                self.discarded_slots[request_id] = state.slot
+            self._drop(request_id)
+            self.discarded_ids.add(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        if state.row >= 0:
+            self.tables.free(state.row)
+            state.row = -1
+        if 0 <= state.slot < len(self.slots) and self.slots[state.slot] is state:
+            self.slots[state.slot] = None
 
     @staticmethod
     def _schedule(state: RequestState, num_computed: int, num_new: int) -> ScheduledRequest:
@@ -155,6 +261,12 @@ class InputBatch:
         self._check_id_once(rid, seen)
         if rid in held:
             raise ValueError(f"new request {rid!r} is already held by this worker")
+        slot = request.slot
+        if slot >= 0:
+            holder = self.slots[slot] if slot < len(self.slots) else None
+            if (holder is not None and holder.request_id in held) or f"#slot{slot}" in seen:
+                raise ValueError(f"new request {rid!r}: slot {slot} is taken")
+            seen.add(f"#slot{slot}")
         num_tokens = len(request.token_ids)
         if not 0 < request.num_prompt_tokens <= num_tokens:
             raise ValueError(f"request {rid!r}: num_prompt_tokens {request.num_prompt_tokens} "
@@ -175,7 +287,7 @@ class InputBatch:
         return RequestState(rid, list(request.token_ids), request.num_prompt_tokens,
                             [list(ids) for ids in request.block_ids],
                             request.num_computed_tokens, sampling,
-                            generator, request.cache_salt)
+                            generator, request.cache_salt, slot)
 
     def _check_running(self, request: RunningRequest, held: set[str],
                        seen: set[str]) -> _RunningUpdate:
@@ -185,6 +297,18 @@ class InputBatch:
             raise ValueError(f"running request {rid!r} is not held by this worker")
         state = self.requests[rid]
         start = request.num_computed_tokens
+        new_block_ids = request.new_block_ids
+        if (not request.new_token_ids and state.load_start is None
+                and start == state.num_computed_tokens
+                and len(new_block_ids) == len(self.kv_windows) and not any(new_block_ids)):
+            # Most decode steps: where it was, nothing appended; only the span to check.
+            end = start + request.num_new_tokens
+            num_tokens = len(state.token_ids)
+            if (end > num_tokens or end > self.max_model_len
+                    or end > len(state.block_ids[0]) * self.block_size):
+                self._check_span(rid, start, request.num_new_tokens, num_tokens,
+                                 len(state.block_ids[0]))
+            return _RunningUpdate(state, request, end == num_tokens)
         # After a load, any point of it (what every rank got); otherwise exactly where it is.
         lowest = state.num_computed_tokens if state.load_start is None else state.load_start
         if not lowest <= start <= state.num_computed_tokens:
@@ -251,3 +375,17 @@ class InputBatch:
         if end > num_blocks * self.block_size:
             raise ValueError(f"request {request_id!r}: {num_blocks} blocks of "
                              f"{self.block_size} cannot hold {end} tokens")
+
+
+def kernel_metadata(layout: list[ScheduledRequest], batch: InputBatch,
+                    device: torch.device) -> list[AttentionMetadata]:
+    """The kernel path's attention metadata of a step laid out as `layout`, every KV group's,
+    from the batch's persistent block tables (worker_svc.attention.build_kernel_metadata)."""
+    n = len(layout)
+    rows = np.fromiter((s.state.row for s in layout), np.int64, n)
+    query_lens = np.fromiter((s.num_new_tokens for s in layout), np.int64, n)
+    context_lens = np.fromiter((s.num_computed_tokens for s in layout), np.int64, n)
+    block_size = batch.block_size
+    num_blocks = (context_lens + query_lens + block_size - 1) // block_size
+    return build_kernel_metadata(query_lens, context_lens, batch.tables.gather(rows, num_blocks),
+                                 block_size, device)

@@ -36,8 +36,8 @@ from services.kv_chunks import KvSlice
 from services.kv_groups import KvGroupLayout
 from services.model_config import ModelConfig
 from services.wire import StepInput, StepOutput
-from worker_svc.attention import AttentionMetadata, build_group_metadata
-from worker_svc.input_batch import InputBatch, ScheduledRequest
+from worker_svc.attention import AttentionMetadata
+from worker_svc.input_batch import InputBatch, ScheduledRequest, kernel_metadata
 from worker_svc.kv_cache import KvLayerSpec, bytes_per_block
 from worker_svc.kv_loader import KvLoader
 from worker_svc.kv_saver import KvSaver
@@ -46,7 +46,6 @@ from worker_svc.memory_budget import KvBudget, cpu_budget
 from worker_svc.null_device import EmulatedDevice, NullLaunchedStep
 from worker_svc.null_sampler import NullSampler
 from worker_svc.pending_tokens import PendingTokens
-from worker_svc.sampler import is_plain_greedy
 from worker_svc.step_output import failed_output, step_output
 
 log = logging.getLogger(__name__)
@@ -221,7 +220,7 @@ class NullRunner:
             return
         token_ids, logprobs = self._sampler.sample(sampling, launched.step.token_masks)
         launched.tokens = sampled = SampledTokens(sampling)
-        if all(is_plain_greedy(s.state.sampling) for s in sampling):
+        if all(s.state.plain_greedy for s in sampling):
             self._pending_tokens.hold(sampled, torch.tensor(token_ids, dtype=torch.int64),
                                       self.device)
             return
@@ -233,8 +232,4 @@ class NullRunner:
                             ) -> list[AttentionMetadata]:
         """As `ModelRunner._attention_metadata` on the kernel path (the C kernels' and the
         GPU's), built and dropped: its host cost is the point."""
-        return build_group_metadata(
-            [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
-            [[s.state.block_ids[group] for s in layout]
-             for group in range(self.kv_layout.num_groups)],
-            input_batch.block_size, input_batch.num_blocks, self.device, torch_path=False)
+        return kernel_metadata(layout, input_batch, self.device)

@@ -51,11 +51,13 @@ def client_request_id(request_id: str) -> str:
 
 
 def echo_token(prompt_ids: Sequence[int], output_index: int, eos_ids: frozenset[int],
-               fallback: int) -> int:
-    """Output token `output_index` (0-based) of a request with prompt `prompt_ids`: the prompt
-    token at output_index mod its length, skipping EOS ids forward (cyclically); `fallback`
-    for a prompt of nothing but EOS ids."""
-    num_prompt_tokens = len(prompt_ids)
+               fallback: int, num_prompt_tokens: int | None = None) -> int:
+    """Output token `output_index` (0-based) of a request whose prompt is the first
+    `num_prompt_tokens` of `prompt_ids` (None: all of them): the prompt token at
+    output_index mod its length, skipping EOS ids forward (cyclically); `fallback` for a
+    prompt of nothing but EOS ids."""
+    if num_prompt_tokens is None:
+        num_prompt_tokens = len(prompt_ids)
     for k in range(num_prompt_tokens):
         token_id = prompt_ids[(output_index + k) % num_prompt_tokens]
         if token_id not in eos_ids:
@@ -107,8 +109,8 @@ class NullSampler:
         if (self.eos_step and output_index == self.eos_step - 1
                 and ends_early(state.request_id, self.eos_share)):
             return self._eos_token
-        return echo_token(state.token_ids[:state.num_prompt_tokens], output_index, self.eos_ids,
-                          self._fallback)
+        return echo_token(state.token_ids, output_index, self.eos_ids, self._fallback,
+                          state.num_prompt_tokens)
 
     def sample(self, sampling: Sequence[ScheduledRequest], masks: Sequence[TokenMask]
                ) -> tuple[list[int], list[TokenLogprobs | None]]:

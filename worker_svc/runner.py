@@ -42,7 +42,7 @@ from services.weights_fingerprint import weights_model_name
 from services.wire import StepInput, StepOutput
 from worker_svc.attention import AttentionMetadata, build_group_metadata
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
-from worker_svc.input_batch import InputBatch, ScheduledRequest
+from worker_svc.input_batch import InputBatch, ScheduledRequest, kernel_metadata
 from worker_svc.kernels import CpuLevel
 from worker_svc.kv_cache import (
     KvLayerSpec,
@@ -359,11 +359,13 @@ class ModelRunner:
     def _attention_metadata(self, layout: list[ScheduledRequest], input_batch: InputBatch
                             ) -> list[AttentionMetadata]:
         """One metadata per KV group, on the device: the groups' block tables, hence their
-        slots and tables, differ; positions and lengths are the same."""
+        slots and tables, differ; positions and lengths are the same. The kernels' from the
+        batch's persistent block tables (numpy); the torch path's from its lists."""
+        if self.model.kernels.attention is not None:
+            return kernel_metadata(layout, input_batch, self.device)
         return build_group_metadata(
             [s.num_new_tokens for s in layout], [s.num_computed_tokens for s in layout],
             [[s.state.block_ids[group] for s in layout]
              for group in range(self.model.kv_layout.num_groups)],
-            input_batch.block_size, input_batch.num_blocks, self.device,
-            torch_path=self.model.kernels.attention is None)
+            input_batch.block_size, input_batch.num_blocks, self.device, torch_path=True)
 

@@ -27,6 +27,7 @@ import grpc
 import torch
 import zmq
 
+from services import heap
 from services.channels import Receiver, Sender
 from services.cluster_token import call_metadata
 from services.codec import Codec
@@ -132,6 +133,7 @@ class WorkerServer:
             if placed is None:
                 return 1
             runner, num_blocks = placed
+            heap.settle()                # the shard is loaded: what is left is the step path
             try:
                 kv_slice = None if runner.kv_loader is None else runner.kv_slice()
                 report = control_pb2.CapacityReport(

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def num_step_tokens(step: StepInput) -> int:
     return (sum(r.num_new_tokens for r in step.new_requests)
-            + sum(r.num_new_tokens for r in step.running))
+            + sum(r.num_new_tokens for r in step.running)
+            + (len(step.decodes.slots) // 4 if step.decodes is not None else 0))
 
 
 def launch_stage(runner: ShardRunner, step: StepInput,

@@ -1,6 +1,6 @@
 """The last pipeline stage's end of a step: sample the rows that sample, then build the
-`StepOutput` the scheduler reads (tokens in step order, logprobs, timings) or the one that
-reports a failed step.
+`StepOutput` the scheduler reads (tokens in step order, decode rows' tokens packed in their
+order, logprobs, timings) or the one that reports a failed step.
 
 Called by `ModelRunner` (worker_svc.runner): `sample_step` at launch, after the forward;
 `step_output` at finish; `failed_output` for the server's answer to a step that raised.
@@ -9,6 +9,7 @@ sampled on the host's terms by worker_svc.sampler and appended to its requests a
 timings come from worker_svc.step_clock.
 """
 
+import numpy as np
 import torch
 
 from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLogprobs
@@ -18,7 +19,7 @@ from worker_svc.model.llama import LlamaModel
 from worker_svc.penalties import TokenHistory
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import is_plain_greedy, sample
+from worker_svc.sampler import sample
 from worker_svc.step_clock import step_timings
 from worker_svc.token_mask import apply_token_masks
 
@@ -46,8 +47,8 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     if launched.step.token_masks:    # structured output (worker_svc.token_mask)
         apply_token_masks(logits, launched.step.token_masks,
                           [s.state.request_id for s in sampling])
-    specs = [s.state.sampling for s in sampling]
-    if not all(is_plain_greedy(spec) for spec in specs):
+    if not all(s.state.plain_greedy for s in sampling):
+        specs = [s.state.sampling for s in sampling]
         token_ids, sampled.logprobs = sample(
             logits, specs, [s.state.generator for s in sampling],
             histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
@@ -60,22 +61,35 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
 
 
 def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) -> StepOutput:
-    """Wait for `launched`'s tokens and timings; its `StepOutput`, requests in step order."""
+    """Wait for `launched`'s tokens and timings; its `StepOutput`: the requests that sampled
+    in step order, then the decode rows' tokens packed in their order."""
+    decodes = launched.step.decodes
+    row_tokens = None
+    if decodes is not None:      # a row the batch skipped (dropped by a failed step) keeps -1
+        row_tokens = np.full(len(decodes.slots) // 4, -1, dtype="<i4")
     by_request: dict[str, tuple[int, TokenLogprobs | None]] = {}
     sampled = launched.tokens
     if sampled is not None:
         token_ids = sampled.token_ids
         if token_ids is None:
             token_ids = pending.resolve(sampled)
+        sampling = sampled.sampling
+        if row_tokens is not None:
+            rows = np.fromiter((s.decode_row for s in sampling), np.int64, len(sampling))
+            is_row = rows >= 0
+            row_tokens[rows[is_row]] = np.asarray(token_ids, dtype=np.int64)[is_row]
         by_request = {s.state.request_id: (t, lp) for s, t, lp in
-                      zip(sampled.sampling, token_ids, sampled.logprobs, strict=True)}
-    ordered = [s.state.request_id for s in launched.scheduled if s.samples]
+                      zip(sampling, token_ids, sampled.logprobs, strict=True)
+                      if s.decode_row < 0}
+    ordered = [s.state.request_id for s in launched.scheduled
+               if s.samples and s.decode_row < 0]
     return StepOutput(
         step_id=launched.step.step_id, worker_id=worker_id, request_ids=ordered,
         sampled_token_ids=[by_request[r][0] for r in ordered],
         logprobs=[by_request[r][1] for r in ordered],
         timings=step_timings(launched.clock, launched.gpu),
-        prompt_logprobs=launched.prompt_logprobs)
+        prompt_logprobs=launched.prompt_logprobs,
+        decode_token_ids=b"" if row_tokens is None else row_tokens.tobytes())
 
 
 def failed_output(step: StepInput, exc: Exception, worker_id: str,

@@ -13,7 +13,7 @@ end), front ends' hellos, readiness, counters, and its going down.
         reply = kvcache.plan(plan)            # one batched call, when blocks change
         step  = scheduler.apply_plan(reply)   # StepInput diff
         send step to every rank; wait for the last stage's StepOutput
-        host.outputs(scheduler.update(output)); apply the KV loads every rank reported
+        host.packed(scheduler.update_packed(output)); apply the KV loads every rank reported
 Failures, and who handles them:
 - kvcache_svc stops answering, or answers as a new instance (another epoch, the pool gone):
   the engine finishes the steps in flight, preempts everything (recompute), and re-creates
@@ -41,6 +41,7 @@ from typing import Protocol
 
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.inbox import Abort, Add, Command, Deliver, EngineInbox, Hello
+from scheduler_svc.engine.outputs import StepPacker
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput
 from scheduler_svc.engine.scheduler import Scheduler
 from scheduler_svc.engine.step_window import StepTimes
@@ -76,7 +77,11 @@ class EngineHost(Protocol):
     """Where an engine's results go; called on the engine's thread only."""
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs (or an admission's refusal, an abort's ending)."""
+        """Outputs of the object path: an admission's refusal, an abort's ending, a failed
+        step's requests."""
+
+    def packed(self, packer: StepPacker) -> None:
+        """One step's outputs, packed per front end (the scheduler's `update_packed`)."""
 
     def hello(self, hello: FrontendHello) -> bool:
         """A front end says where its outputs go; True when it replaces an earlier
@@ -344,9 +349,10 @@ class ReplicaEngine:
         if output.error is not None:
             self._fail_step(output.step_id, output.error)
             return
-        outputs = self.scheduler.update(output)
-        self._host.outputs(outputs)
-        if any(out.finish_reason is not None for out in outputs):
+        packer = StepPacker()
+        self.scheduler.update_packed(output, packer)
+        self._host.packed(packer)
+        if any(p.finished for p in packer.packers.values()):
             # Counters as of a request's end reach the cluster right behind its last output:
             # a client that reads ServerInfo or /metrics next sees its request counted.
             self._host.stats(self.stats(), True)

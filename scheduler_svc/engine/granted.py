@@ -23,17 +23,19 @@ def apply_grow(request: Request, num_new: int, new_block_ids: list[list[int]],
     return running
 
 
-def apply_admission(request: Request, result: AdmitResult) -> NewRequest:
-    """A waiting request runs, in the blocks `result` gives it, past its prefix hit."""
+def apply_admission(request: Request, result: AdmitResult, slot: int = -1) -> NewRequest:
+    """A waiting request runs, in the blocks `result` gives it, past its prefix hit; `slot`:
+    its name while the workers hold it (StepInput's decode rows)."""
     request.status = RequestStatus.RUNNING
     request.set_blocks(result.block_ids)
     request.num_committed_blocks = result.num_committed_blocks
+    request.slot = slot
     new = NewRequest(
         request_id=request.request_id, token_ids=list(request.token_ids),
         num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling.to_spec(),
         block_ids=result.block_ids, num_computed_tokens=result.num_cached_tokens,
         num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
-        num_load_tokens=result.num_load_tokens)
+        num_load_tokens=result.num_load_tokens, slot=slot)
     request.num_computed_tokens = result.num_cached_tokens + result.num_new_tokens
     if result.num_load_tokens and result.num_new_tokens:    # layer-wise: computes after it
         request.num_computed_tokens += result.num_load_tokens

@@ -111,7 +111,7 @@ class Request:
         "finish_reason", "stop_reason", "num_preemptions", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "num_migrations",
         "cache_salt", "num_freed_blocks", "grammar", "prompt_logprobs", "prompt_ranks",
-        "frontend", "handle",
+        "frontend", "handle", "slot",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -128,6 +128,7 @@ class Request:
                                   else num_prompt_tokens)
         self.frontend = frontend
         self.handle = handle
+        self.slot = -1          # its name while the workers hold it (NewRequest.slot)
         self.sampling = sampling
         self.eos_token_ids = eos_token_ids
         # The request stops at max_tokens outputs or at the context length, whichever is first.
@@ -286,6 +287,7 @@ class Request:
         self.block_ids, self.num_freed_blocks = [], []
         self.num_committed_blocks = 0
         self.on_worker = False
+        self.slot = -1
         self.num_in_flight = 0
         self.num_pending_tokens = 0
         self.num_migrations += 1

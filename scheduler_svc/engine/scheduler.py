@@ -33,10 +33,13 @@ estimates count a sliding group's blocks as bounded by the window).
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from scheduler_svc.engine.chunking import Chunking
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.engine.granted import apply_admission, apply_grow
 from scheduler_svc.engine.kv_blocks import KvBlocks
+from scheduler_svc.engine.outputs import StepPacker, finished_record
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.engine.steps_in_flight import StepsInFlight
 from scheduler_svc.engine.stops import final_output, stop_check, token_output
@@ -50,6 +53,7 @@ from services.kv_wire import (
     PlanRequest,
 )
 from services.wire import (
+    DecodeRows,
     NewRequest,
     RunningRequest,
     StepError,
@@ -58,6 +62,19 @@ from services.wire import (
     TokenLogprobs,
     TokenMask,
 )
+
+
+def pack_int32(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def decode_tokens(output: StepOutput, num_rows: int) -> list[int]:
+    """The tokens of a step's `num_rows` decode rows (-1: a row the worker skipped)."""
+    if len(output.decode_token_ids) != 4 * num_rows:
+        raise RuntimeError(f"step {output.step_id}: {len(output.decode_token_ids)} bytes of "
+                           f"decode tokens for {num_rows} decode rows")
+    return np.frombuffer(output.decode_token_ids, dtype="<i4").tolist()
+
 
 # Growing ahead stops while the pool would keep less than 1/LOOKAHEAD_RESERVE of its blocks
 # free; so do deferred frees (they are due then).
@@ -84,7 +101,7 @@ class _Draft:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, replica_id: int = 0, *,
                  ship_sampled_tokens: bool = False, num_batches: int = 1,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, compact_decodes: bool = True) -> None:
         """`ship_sampled_tokens`: PP > 1 (non-last ranks need the sampled tokens). `num_batches`:
         the PP batch queue's depth (disjoint batches, each at most 1/num_batches of the live
         requests). `async_scheduling` (PP = 1): a decode may run again while its last token is
@@ -110,6 +127,13 @@ class Scheduler:
         self._draft: _Draft | None = None
         self._plan_id = 0
         self._step_id = 0
+        # Steady decodes travel as packed rows named by slot (services.wire.DecodeRows);
+        # off, every running request is a RunningRequest (the reference path).
+        self.compact_decodes = compact_decodes and not ship_sampled_tokens
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._releasing: list[int] = []     # slots of dropped requests, free once sent
+        self._decode_rows: dict[int, list[Request]] = {}   # step id -> its decode rows
         self.num_preemptions = 0
         self.loads = StoreLoads()           # KV loaded from the store (store_loads.py)
         self.kv_blocks = KvBlocks(config)    # what steps take over the KV groups
@@ -190,6 +214,7 @@ class Scheduler:
         output of such a step is then ignored by `update`)."""
         self.in_flight.leave_all()
         self.loads.forget()
+        self._decode_rows.clear()
         for request in reversed(self.running):
             self._preempt(request, release_blocks=False)
         self.running.clear()
@@ -333,7 +358,7 @@ class Scheduler:
             self._final_commits(request)
             self._free_ids.append(request.request_id)
         if request.on_worker:
-            self._finished_ids.append(request.request_id)
+            self._drop_on_worker(request)
         self._new_token_ids.pop(request.request_id, None)
         request.reset_for_preemption()
         self.waiting.appendleft(request)
@@ -360,6 +385,8 @@ class Scheduler:
             grown, admitted = reply.grown, reply.admitted
 
         running: list[RunningRequest] = []
+        decodes: list[Request] = []
+        decode_computed: list[int] = []
         committing: set[str] = set()
         no_blocks = [[] for _ in range(self.kv_blocks.num_groups)]
         for grow in draft.grows:
@@ -375,6 +402,14 @@ class Scheduler:
                 request.num_committed_blocks += grow.num_commits
                 if grow.num_commits:
                     committing.add(request.request_id)
+            if (self.compact_decodes and num_new == 1 and request.slot >= 0
+                    and not any(new_blocks) and request.sampling.logprobs is None
+                    and request.num_computed_tokens + 1
+                    == request.num_tokens + request.num_pending_tokens):
+                decodes.append(request)
+                decode_computed.append(request.num_computed_tokens)
+                request.num_computed_tokens += 1
+                continue
             running.append(apply_grow(request, num_new, new_blocks,
                                       self._new_token_ids.pop(request.request_id, [])))
 
@@ -389,7 +424,7 @@ class Scheduler:
                 raise RuntimeError("admitted request is not at the head of the waiting queue")
             self.waiting.popleft()
             self.kv_blocks.check(result.block_ids)
-            new_requests.append(apply_admission(request, result))
+            new_requests.append(apply_admission(request, result, self._take_slot()))
             if result.num_committed_blocks * self.config.block_size > result.num_cached_tokens:
                 committing.add(request.request_id)
             first = request.num_cached_tokens is None
@@ -402,21 +437,46 @@ class Scheduler:
             if result.num_load_tokens:
                 loading.append((request, result, first))
 
-        if not running and not new_requests:
+        if not running and not new_requests and not decodes:
             return None
         self._step_id += 1
         in_step = [self.requests[r.request_id] for r in running] + list(
-            draft.admit_reqs[:len(admitted)])
+            draft.admit_reqs[:len(admitted)]) + decodes
         entries = self.in_flight.enter(self._step_id, in_step, committing)
         masks = [TokenMask(e.request.request_id, e.request.grammar.next_token_mask())
                  for e in entries if e.samples and e.request.grammar is not None]
         self.loads.add(self._step_id, loading)
+        rows = None
+        if decodes:
+            self._decode_rows[self._step_id] = decodes
+            rows = DecodeRows(slots=pack_int32([r.slot for r in decodes]),
+                              num_computed_tokens=pack_int32(decode_computed))
         step = StepInput(step_id=self._step_id, new_requests=new_requests, running=running,
-                         finished_ids=self._finished_ids, token_masks=masks)
+                         finished_ids=self._finished_ids, token_masks=masks, decodes=rows)
         self._finished_ids = []
+        # The workers drop those ids' state before this step's new requests: their slots
+        # may be given again from the next step on.
+        self._free_slots += self._releasing
+        self._releasing = []
         return step
 
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        return slot
+
     # ------------------------------------------------------------------ phase 3: outputs
+
+    def _sampled(self, output: StepOutput) -> list[tuple[str, int, TokenLogprobs | None]]:
+        """Every (request id, token, logprobs) the step sampled, its decode rows' included."""
+        rows = list(zip(output.request_ids, output.sampled_token_ids, output.logprobs,
+                        strict=True))
+        decodes = self._decode_rows.pop(output.step_id, [])
+        tokens = decode_tokens(output, len(decodes))
+        rows += [(r.request_id, t, None) for r, t in zip(decodes, tokens, strict=True)
+                 if t >= 0]
+        return rows
 
     def update(self, output: StepOutput) -> list[RequestOutput]:
         sampling_ids = {e.request.request_id
@@ -425,8 +485,7 @@ class Scheduler:
         for chunk in output.prompt_logprobs:
             if (request := self.requests.get(chunk.request_id)) is not None:
                 request.add_prompt_logprobs(chunk.first_position, chunk.logprobs, chunk.ranks)
-        for request_id, token_id, logprobs in zip(output.request_ids, output.sampled_token_ids,
-                                                  output.logprobs, strict=True):
+        for request_id, token_id, logprobs in self._sampled(output):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran: the token is dropped
@@ -440,6 +499,56 @@ class Scheduler:
                 outputs[-1].prompt_logprobs = request.prompt_logprobs_output()
         return outputs
 
+    def update_packed(self, output: StepOutput, packer: StepPacker) -> None:
+        """`update`, its outputs put straight into `packer` (scheduler_svc.engine.outputs):
+        a row per token, a record only for an ending, logprobs or prompt logprobs. What the
+        engine core runs every step; `update` is its reference (the same messages, the same
+        state after: tests/scheduler_svc/engine/test_packed_path.py)."""
+        sampling_ids = {e.request.request_id
+                        for e in self.in_flight.leave(output.step_id) if e.samples}
+        for chunk in output.prompt_logprobs:
+            if (request := self.requests.get(chunk.request_id)) is not None:
+                request.add_prompt_logprobs(chunk.first_position, chunk.logprobs, chunk.ranks)
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        ship = self.ship_sampled_tokens
+        for request_id, token_id, logprobs in self._sampled(output):
+            request = requests.get(request_id)
+            if request is None or request.status is not running:
+                continue  # aborted or preempted while the step ran: the token is dropped
+            if request_id not in sampling_ids:
+                continue  # a non-final prefill chunk (the worker should not sample those)
+            token_ids = request.token_ids
+            token_ids.append(token_id)
+            num_tokens = len(token_ids)
+            if request.hash_blocks and num_tokens % request.block_size == 0:
+                request._extend_hashes()
+            if ship:
+                self._new_token_ids.setdefault(request_id, []).append(token_id)
+            out = packer.of(request.frontend)
+            out.token(request.handle, token_id, logprobs)
+            num_output = num_tokens - request.num_prompt_tokens
+            if num_output == 1 and request.sampling.prompt_logprobs is not None:
+                out.prompt(request.handle, request.prompt_logprobs_output() or [])
+            # The endings of stops.stop_check, then the grammar's.
+            sampling = request.sampling
+            reason: FinishReason | None = None
+            stop_token: int | None = None
+            if num_output >= sampling.min_tokens:
+                if not sampling.ignore_eos and token_id in request.eos_token_ids:
+                    reason = FinishReason.STOP
+                elif token_id in sampling.stop_token_ids:
+                    reason, stop_token = FinishReason.STOP, token_id
+            if reason is None and num_tokens >= request.max_num_tokens:
+                reason = FinishReason.LENGTH
+            if (reason is None and request.grammar is not None
+                    and request.grammar.advance(token_id)):
+                reason = FinishReason.STOP      # the grammar is complete
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason, stop_token)
+                out.finished.append(finished_record(final_output(request, [], [])))
+
     def fail_step(self, step_id: int, error: StepError) -> tuple[list[RequestOutput], bool]:
         """The worker could not run step `step_id` and dropped that step's requests (it skips
         them in later steps already sent): each live one ends with `error` and gives its
@@ -448,6 +557,7 @@ class Scheduler:
         entries, poisoned = self.in_flight.leave_failed(step_id, error.kv_written)
         poisoned = poisoned and self.config.prefix_caching
         self.loads.forget(step_id)
+        self._decode_rows.pop(step_id, None)
         outputs = []
         for e in entries:
             request = e.request
@@ -487,6 +597,13 @@ class Scheduler:
                 self._final_commits(request)
             self._free_ids.append(request.request_id)
         if request.on_worker:
-            self._finished_ids.append(request.request_id)
+            self._drop_on_worker(request)
         self._new_token_ids.pop(request.request_id, None)
         del self.requests[request.request_id]
+
+    def _drop_on_worker(self, request: Request) -> None:
+        """The workers drop its state with the next step (its slot is free after that)."""
+        self._finished_ids.append(request.request_id)
+        if request.slot >= 0:
+            self._releasing.append(request.slot)
+            request.slot = -1

@@ -24,7 +24,7 @@ import zmq
 
 from scheduler_svc.engine.core import ReplicaEngine
 from scheduler_svc.engine.grammar import GrammarBook, GrammarError
-from scheduler_svc.engine.outputs import down_message, pack_outputs
+from scheduler_svc.engine.outputs import StepPacker, down_message
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from scheduler_svc.engine.transport import ZmqTransport
 from scheduler_svc.engine.wire import (
@@ -40,6 +40,7 @@ from scheduler_svc.engine.wire import (
     StatsRequest,
     ToEngine,
 )
+from services import heap
 from services.channels import Receiver, Sender
 from services.codec import Codec
 from services.wire import FromWorker
@@ -65,7 +66,12 @@ class FrontendLinks:
         self.is_ready = False
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
-        for frontend, message in pack_outputs(outputs, self.replica_id, self.epoch).items():
+        packer = StepPacker()
+        packer.add(outputs)
+        self.packed(packer)
+
+    def packed(self, packer: StepPacker) -> None:
+        for frontend, message in packer.messages(self.replica_id, self.epoch).items():
             link = self._frontends.get(frontend)
             if link is None:
                 log.warning("outputs for front end %d, which never said hello; dropped",
@@ -246,6 +252,7 @@ def serve(launch: EngineLaunch) -> int:
     log.info("replica %d engine core (epoch %d): commands on %s, worker outputs on %s",
              cfg.replica_id, launch.engine_epoch, commands.address,
              launch.worker_output_address)
+    heap.settle()
     reader.start()
     engine.start()
     try:

@@ -468,14 +468,34 @@ class Frontend:
         """One engine core's step message for this front end's requests."""
         placement = (message.replica_id, message.engine_epoch)
         try:
-            handles = unpack_ints(message.handles, "<i8", message.num_rows, "handles").tolist()
-            token_ids = unpack_ints(message.token_ids, "<i4", message.num_rows,
-                                    "token_ids").tolist()
+            handles_array = unpack_ints(message.handles, "<i8", message.num_rows, "handles")
+            tokens_array = unpack_ints(message.token_ids, "<i4", message.num_rows, "token_ids")
         except ValueError as exc:
             log.warning("dropping a malformed step message from replica %d: %s",
                         message.replica_id, exc)
             return
-        vocab_size = self.facts.vocab_size
+        if message.num_rows and (int(tokens_array.min()) < 0
+                                 or int(tokens_array.max()) >= self.facts.vocab_size):
+            log.warning("dropping a step message with tokens outside the vocabulary from "
+                        "replica %d", message.replica_id)
+            return
+        handles, token_ids = handles_array.tolist(), tokens_array.tolist()
+        if not (message.finished or message.logprobs or message.prompt_logprobs
+                or len(set(handles)) != len(handles)):
+            # A plain decode step: one token for each request it names.
+            live = self.live
+            for handle, token_id in zip(handles, token_ids):
+                request = live.get(handle)
+                if request is not None and not request.done and request.placement == placement:
+                    self._take(request, [token_id], [None], None, None)
+        else:
+            self._take_message(message, placement, handles, token_ids)
+        if message.down is not None:
+            self._engine_down(placement, message.down)
+
+    def _take_message(self, message: EngineOutputs, placement: Placement, handles: list[int],
+                      token_ids: list[int]) -> None:
+        """A step message with endings, logprobs or several rows of one request."""
         logprobs = {r.row: r.logprobs for r in message.logprobs}
         finished = {f.handle: f for f in message.finished}
         prompt_logprobs = {p.handle: p for p in message.prompt_logprobs}
@@ -486,69 +506,69 @@ class Frontend:
             request = self.live.get(handle)
             if request is None or request.done or request.placement != placement:
                 continue      # cancelled, or moved off that engine core: a stale output
-            tokens = [token_ids[row] for row in rows.get(handle, ())]
-            if any(not 0 <= t < vocab_size for t in tokens):
-                log.warning("dropping tokens outside the vocabulary from replica %d",
-                            message.replica_id)
-                continue
-            self._take(request, tokens, [logprobs.get(row) for row in rows.get(handle, ())],
-                       finished.get(handle), prompt_logprobs.get(handle))
-        if message.down is not None:
-            self._engine_down(placement, message.down)
+            mine = rows.get(handle, ())
+            self._take(request, [token_ids[row] for row in mine],
+                       [logprobs.get(row) for row in mine], finished.get(handle),
+                       prompt_logprobs.get(handle))
 
     def _take(self, request: FrontRequest, tokens: list[int],
               logprobs: list[TokenLogprobs | None], fin: Finished | None,
               plps: HandlePromptLogprobs | None) -> None:
-        """What one step made for one request: its tokens (stop strings checked), its
-        ending if the engine core ended it."""
-        new_tokens, new_logprobs = [], []
+        """What one step made for one request: its tokens (stop strings checked; held until
+        its stream wants them), its ending if the engine core ended it."""
         if request.stop_string is None:
             detok = request.detokenizer
             min_tokens = request.sampling.min_tokens
+            outputs = request.output_token_ids
             for token_id, lp in zip(tokens, logprobs, strict=True):
-                request.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                new_logprobs.append(lp)
-                matched = detok.update(token_id, len(request.output_token_ids) >= min_tokens)
+                outputs.append(token_id)
+                request.unsent_logprobs.append(lp)
+                matched = detok.update(token_id, len(outputs) >= min_tokens)
                 if matched is not None:
                     request.stop_string = matched
                     if fin is None:
                         # Its ending waits for the engine core's (the usage counts).
                         self._abort_on_engine(request)
                     break
-        prompt = None if plps is None else list(zip(plps.token_ids, plps.logprobs, plps.ranks,
-                                                    strict=False))
+        if plps is not None:
+            request.unsent_prompt_logprobs = list(zip(plps.token_ids, plps.logprobs,
+                                                      plps.ranks, strict=False))
         if fin is not None:
             if fin.error is not None and request.stop_string is None:
                 self._fail(request, fin.error, fin.server_fault, fin.invalid)
-                return
-            if request.stop_string is not None:
-                self._finish(request, FinishReason.STOP, request.stop_string, fin,
-                             new_tokens, new_logprobs, prompt)
+            elif request.stop_string is not None:
+                self._finish(request, FinishReason.STOP, request.stop_string, fin)
             else:
                 self._finish(request, FINISH_REASONS.get(fin.reason, FinishReason.ABORT),
-                             fin.stop_token_id, fin, new_tokens, new_logprobs, prompt)
+                             fin.stop_token_id, fin)
             return
-        if not new_tokens and prompt is None:
-            return
-        request.stream.put(RequestOutput(
-            request.request_id, new_tokens, request.detokenizer.take_delta(False),
-            new_logprobs, prompt_logprobs=prompt))
+        num_unsent = len(request.output_token_ids) - request.num_sent
+        if request.unsent_prompt_logprobs is not None or (
+                num_unsent and request.stream.wants(num_unsent)):
+            request.stream.put(self._unsent(request, False))
+
+    @staticmethod
+    def _unsent(request: FrontRequest, finished: bool) -> RequestOutput:
+        """What its stream has not been handed: tokens, their text, logprobs."""
+        out = RequestOutput(request.request_id, request.output_token_ids[request.num_sent:],
+                            request.detokenizer.take_delta(finished), request.unsent_logprobs,
+                            prompt_logprobs=request.unsent_prompt_logprobs)
+        request.num_sent = len(request.output_token_ids)
+        request.unsent_logprobs = []
+        request.unsent_prompt_logprobs = None
+        return out
 
     def _finish(self, request: FrontRequest, reason: FinishReason,
-                stop_reason: str | int | None, fin: Finished | None,
-                token_ids: list[int] | None = None,
-                logprobs: list[TokenLogprobs | None] | None = None,
-                prompt: list[tuple[int, TokenLogprobs, int]] | None = None) -> None:
+                stop_reason: str | int | None, fin: Finished | None) -> None:
         request.done = True
-        request.stream.put(RequestOutput(
-            request.request_id, token_ids or [], request.detokenizer.take_delta(True),
-            logprobs or [], reason, stop_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=0 if fin is None else fin.num_cached_tokens,
-            num_store_loaded_tokens=0 if fin is None else fin.num_store_loaded_tokens,
-            prompt_logprobs=prompt))
+        out = self._unsent(request, True)
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        out.num_prompt_tokens = len(request.prompt_token_ids)
+        out.num_output_tokens = len(request.output_token_ids)
+        if fin is not None:
+            out.num_cached_tokens = fin.num_cached_tokens
+            out.num_store_loaded_tokens = fin.num_store_loaded_tokens
+        request.stream.put(out)
 
     def _fail(self, request: FrontRequest, error: str, server_fault: bool = False,
               invalid: bool = False) -> None:

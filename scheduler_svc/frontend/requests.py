@@ -16,6 +16,7 @@ from scheduler_svc.frontend.grammar import CompiledGrammar
 from scheduler_svc.frontend.metrics import RequestTimer
 from scheduler_svc.frontend.params import SamplingParams
 from scheduler_svc.frontend.streams import OutputStream
+from services.wire import TokenLogprobs
 
 Placement = tuple[int, int]        # (replica id, engine core epoch)
 
@@ -35,6 +36,12 @@ class FrontRequest:
     deadline: float                    # time.monotonic() by which it must have a replica
     client_deadline: float | None = None   # its client's own (monotonic), if it set one
     output_token_ids: list[int] = field(default_factory=list)   # what its client has
+    # Of those, how many its stream was handed (the rest wait for the stream's interval:
+    # --stream-interval, or the end for a client that takes the whole output), and the
+    # logprobs and prompt logprobs not handed yet.
+    num_sent: int = 0
+    unsent_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    unsent_prompt_logprobs: list[tuple[int, TokenLogprobs, int]] | None = None
     placement: Placement | None = None  # where it runs; None: parked
     stop_string: str | None = None     # a stop string matched: ending, its abort sent
     dispatching: bool = False          # being routed (its prefix query is out)

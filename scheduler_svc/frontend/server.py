@@ -28,6 +28,7 @@ from scheduler_svc.frontend.validation import (
     default_max_prompt_bytes,
     max_request_bytes,
 )
+from services import heap
 from services.grpc_server import Health, bind, make_server
 from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -75,6 +76,7 @@ async def serve(launch: FrontendLaunch) -> int:
     except OSError as exc:
         log.error("%s", exc)
         return FATAL_EXIT
+    heap.settle()
     await server.start()
     await health.set_live()
     await health.set_ready(False)

@@ -73,6 +73,14 @@ class OutputStream:
         self._ready = asyncio.Event()
         self._held: RequestOutput | None = None
 
+    def wants(self, num_unsent_tokens: int) -> bool:
+        """Whether the front end should hand over the tokens it holds for this stream now:
+        `interval` of them, or the first ones (never, for a whole-output stream: it takes
+        them at the end)."""
+        if self.interval is None:
+            return False
+        return num_unsent_tokens >= self.interval or not self._sent_tokens
+
     def put(self, out: RequestOutput) -> None:
         self._waiting.append(out)
         self._num_waiting_tokens += len(out.new_token_ids)

@@ -3,11 +3,19 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from services.model_config import ModelConfig
-from services.wire import NewRequest, RunningRequest, SamplingSpec, StepInput, StepOutput
+from services.wire import (
+    DecodeRows,
+    NewRequest,
+    RunningRequest,
+    SamplingSpec,
+    StepInput,
+    StepOutput,
+)
 from tests.worker_svc.common import GREEDY, PROMPTS, assert_greedy_match, hf_greedy
 from worker_svc.launched_step import StageActivations
 from worker_svc.runner import ModelRunner
@@ -37,9 +45,12 @@ class _Request:
 class MiniScheduler:
     """Just enough of a scheduler to drive workers: token budget, chunked prefill, blocks."""
 
-    def __init__(self, token_budget: int, send_tokens: bool):
+    def __init__(self, token_budget: int, send_tokens: bool, compact: bool = False):
         self.token_budget = token_budget
         self.send_tokens = send_tokens        # pipeline parallel: ship sampled tokens to ranks
+        # Steady decodes as compact rows named by slot (services.wire.DecodeRows).
+        self.compact = compact
+        self.decode_rows: dict[int, list[str]] = {}     # step id -> its rows' request ids
         self.requests: dict[str, _Request] = {}
         self.next_block = 1
         self.step_id = 0
@@ -52,8 +63,8 @@ class MiniScheduler:
 
     def schedule(self) -> StepInput:
         budget = self.token_budget
-        new_requests, running = [], []
-        for req in self.requests.values():
+        new_requests, running, rows = [], [], []
+        for slot, req in enumerate(self.requests.values()):
             num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
             if req.done or num_new == 0:
                 continue
@@ -66,22 +77,35 @@ class MiniScheduler:
             if not req.sent:
                 new_requests.append(NewRequest(
                     req.request_id, list(req.token_ids), req.num_prompt_tokens, req.sampling,
-                    [list(req.block_ids)], req.num_computed_tokens, num_new))
+                    [list(req.block_ids)], req.num_computed_tokens, num_new,
+                    slot=slot if self.compact else -1))
                 req.sent = True
+            elif (self.compact and num_new == 1 and not new_block_ids
+                  and end == len(req.token_ids)):
+                rows.append((req.request_id, slot, req.num_computed_tokens))
             else:
                 running.append(RunningRequest(
                     req.request_id, req.num_computed_tokens, num_new, [new_block_ids],
                     req.unsent_token_ids if self.send_tokens else []))
             req.unsent_token_ids = []
             req.num_computed_tokens = end
-        step = StepInput(self.step_id, new_requests, running, self.finished)
+        decodes = None
+        if rows:
+            self.decode_rows[self.step_id] = [rid for rid, _, _ in rows]
+            decodes = DecodeRows(
+                slots=np.asarray([slot for _, slot, _ in rows], "<i4").tobytes(),
+                num_computed_tokens=np.asarray([c for _, _, c in rows], "<i4").tobytes())
+        step = StepInput(self.step_id, new_requests, running, self.finished, decodes=decodes)
         self.step_id += 1
         self.finished = []
         return step
 
     def update(self, output: StepOutput) -> None:
-        for request_id, token_id in zip(output.request_ids, output.sampled_token_ids,
-                                        strict=True):
+        rows = self.decode_rows.pop(output.step_id, [])
+        row_tokens = np.frombuffer(output.decode_token_ids, dtype="<i4").tolist()
+        assert len(row_tokens) == len(rows)
+        for request_id, token_id in [*zip(output.request_ids, output.sampled_token_ids,
+                                          strict=True), *zip(rows, row_tokens)]:
             req = self.requests[request_id]
             req.token_ids.append(token_id)
             req.unsent_token_ids.append(token_id)
@@ -133,6 +157,31 @@ def test_chunked_prefill_and_decode_match_hf_greedy(
     assert num_steps > NUM_NEW_TOKENS + 3
     # Back-to-back steps: the time between forwards is measured (prepare included) and small.
     assert all(0 < g < 1000 for g in gaps[1:]), gaps
+    for name in PROMPTS:
+        assert_greedy_match(scheduler.outputs(name), *hf_reference[name])
+
+
+@pytest.mark.parametrize("budget", [7, 64])
+def test_compact_decode_rows_match_hf_greedy(
+        runner: ModelRunner, hf_reference: dict[str, tuple[list[int], list]],
+        budget: int) -> None:
+    """Steady decodes as DecodeRows (slots and packed counts, tokens back packed), mixed with
+    prefill chunks and decodes that take a new block (RunningRequests): the same greedy
+    tokens as HF."""
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    scheduler = MiniScheduler(token_budget=budget, send_tokens=False, compact=True)
+    for name, prompt in PROMPTS.items():
+        scheduler.add(name, prompt, NUM_NEW_TOKENS)
+    num_rows = 0
+    while scheduler.has_work:
+        step = scheduler.schedule()
+        num_rows += 0 if step.decodes is None else len(step.decodes.slots) // 4
+        output = runner.execute(step)
+        assert isinstance(output, StepOutput)
+        # A decode row's token travels only in decode_token_ids.
+        assert not set(output.request_ids) & set(scheduler.decode_rows.get(step.step_id, []))
+        scheduler.update(output)
+    assert num_rows > NUM_NEW_TOKENS
     for name in PROMPTS:
         assert_greedy_match(scheduler.outputs(name), *hf_reference[name])
 

@@ -125,7 +125,8 @@ def _run_rank(tp_rank: int, tp_size: int, port: int, model_path: str, result_dir
 
 
 def _generate(runner: ModelRunner) -> dict[str, list[int]]:
-    scheduler = MiniScheduler(token_budget=7, send_tokens=False)   # several prefill chunks
+    # Several prefill chunks; steady decodes as compact rows (services.wire.DecodeRows).
+    scheduler = MiniScheduler(token_budget=7, send_tokens=False, compact=True)
     for name in ("The capital of France is", "Once upon a time, in a small village,"):
         scheduler.add(name, PROMPTS[name], 10)
     while scheduler.has_work:

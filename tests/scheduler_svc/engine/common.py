@@ -13,8 +13,12 @@ EOS = 2
 
 def make_scheduler(num_blocks: int = 64, **overrides: object) -> tuple[Scheduler,
                                                                         ReplicaBlockManager]:
-    knobs = {k: overrides.pop(k) for k in ("ship_sampled_tokens", "num_batches",
-                                           "async_scheduling") if k in overrides}
+    # Steady decodes travel as RunningRequests here (the helpers below name rows by id);
+    # tests of the compact rows (services.wire.DecodeRows) turn them on.
+    knobs = {"compact_decodes": False}
+    knobs.update({k: overrides.pop(k) for k in ("ship_sampled_tokens", "num_batches",
+                                                "async_scheduling", "compact_decodes")
+                  if k in overrides})
     cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "block_size": 4,
                              "max_model_len": 1024, **overrides})  # type: ignore[arg-type]
     sched = Scheduler(cfg, **knobs)  # type: ignore[arg-type]

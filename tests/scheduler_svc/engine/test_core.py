@@ -15,11 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvcache_svc.pools import KvCachePools
 from scheduler_svc.engine.config import EngineConfig, SchedulerConfig
 from scheduler_svc.engine.core import ReplicaEngine
+from scheduler_svc.engine.outputs import StepPacker
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from scheduler_svc.engine.wire import EngineStats, FrontendHello
 from services.kv_wire import (
@@ -92,12 +94,18 @@ class FakeWorker:
             return StepOutput(step.step_id, "fake", [], [], [], timings,
                               StepError(f"{type(exc).__name__}: {exc}", self.kv_written))
         ids, tokens = [], []
+        rows = [-1] * (len(step.decodes.slots) // 4 if step.decodes is not None else 0)
         for s in scheduled:
             if s.samples:
-                tokens.append(token_at(len(s.state.token_ids)))
-                s.state.token_ids.append(tokens[-1])
-                ids.append(s.state.request_id)
-        return StepOutput(step.step_id, "fake", ids, tokens, [None] * len(ids), timings)
+                token = token_at(len(s.state.token_ids))
+                s.state.token_ids.append(token)
+                if s.decode_row >= 0:      # a compact decode row (services.wire.DecodeRows)
+                    rows[s.decode_row] = token
+                else:
+                    tokens.append(token)
+                    ids.append(s.state.request_id)
+        return StepOutput(step.step_id, "fake", ids, tokens, [None] * len(ids), timings,
+                          decode_token_ids=np.asarray(rows, dtype="<i4").tobytes())
 
 
 class FakeTransport:
@@ -146,6 +154,7 @@ class RecordingHost:
         self.downs: list[str] = []
         self.hellos: dict[int, int] = {}      # front end -> its epoch
         self.num_ready = 0
+        self.ids: list[str] = []              # request ids by handle
 
     def outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -154,6 +163,26 @@ class RecordingHost:
                 q.put(out)
                 if out.finish_reason is not None:
                     del self.queues[out.request_id]
+
+    def packed(self, packer: StepPacker) -> None:
+        """A step's packed outputs, back as one RequestOutput per request (handles are the
+        requests' submission order here)."""
+        for p in packer.packers.values():
+            finished = {f.handle: f for f in p.finished}
+            tokens: dict[int, list[int]] = {}
+            for handle, token_id in zip(p.handles, p.token_ids, strict=True):
+                tokens.setdefault(handle, []).append(token_id)
+            for handle in tokens.keys() | finished.keys():
+                f = finished.get(handle)
+                ids = tokens.get(handle, [])
+                out = RequestOutput(self.ids[handle], ids, [None] * len(ids))
+                if f is not None:
+                    out.finish_reason = FinishReason(f.reason)
+                    out.stop_reason = f.stop_token_id
+                    out.num_cached_tokens = f.num_cached_tokens
+                    out.num_output_tokens = f.num_output_tokens
+                    out.error, out.server_fault, out.invalid = f.error, f.server_fault, f.invalid
+                self.outputs([out])
 
     def hello(self, hello: FrontendHello) -> bool:
         old = self.hellos.get(hello.frontend)
@@ -187,7 +216,9 @@ class Replica:
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, frontend: int = 0,
                ) -> "queue.SimpleQueue[RequestOutput]":
         request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), (EOS,),
-                          MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True, frontend=frontend)
+                          MAX_MODEL_LEN, BLOCK_SIZE, hash_blocks=True, frontend=frontend,
+                          handle=len(self.host.ids))
+        self.host.ids.append(request_id)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self.host.queues[request_id] = outputs
         assert self.engine.submit(request)

@@ -59,7 +59,8 @@ def with_store(num_chunks: int = 2, add: bool = True, layerwise: bool = False,
     put_chunks(store, PROMPT, BLOCK_SIZE, num_chunks)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048,
                                       block_size=BLOCK_SIZE, max_model_len=4096,
-                                      layerwise_loads=layerwise))
+                                      layerwise_loads=layerwise),
+                      compact_decodes=False)   # outputs by id, as in common.py
     sched.set_capacity(NUM_BLOCKS)
     request = make_request()
     if add:

@@ -139,7 +139,8 @@ class LoadingReplica:
     def submit(self, request_id: str, prompt: list[int], max_tokens: int,
                ) -> "queue.SimpleQueue[RequestOutput]":
         request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), (EOS,),
-                          MAX_MODEL_LEN, E_BLOCK, hash_blocks=True)
+                          MAX_MODEL_LEN, E_BLOCK, hash_blocks=True, handle=len(self.host.ids))
+        self.host.ids.append(request_id)
         outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self.host.queues[request_id] = outputs
         assert self.engine.submit(request)

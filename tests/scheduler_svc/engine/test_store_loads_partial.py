@@ -48,7 +48,8 @@ def test_a_prompt_held_to_its_end_loads_all_but_its_last_token(num_tokens: int) 
     store_all(store, prompt)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048,
                                       block_size=BLOCK_SIZE, max_model_len=4096,
-                                      layerwise_loads=False))
+                                      layerwise_loads=False),
+                      compact_decodes=False)   # outputs by id, as in common.py
     sched.set_capacity(NUM_BLOCKS)
     kv = new_kv(store)
     request = make_request(prompt=prompt)

@@ -129,7 +129,7 @@ class InputBatch:
         skipped = self.discarded_ids - finished
         updates = [self._check_running(r, held, seen) for r in step.running
                    if r.request_id not in skipped]
-        decodes = self._check_decodes(step, held, seen, skipped)
+        decodes = self._check_decodes(step, finished, seen, skipped)
 
         for request_id in step.finished_ids:
             self._drop(request_id)
@@ -168,11 +168,11 @@ class InputBatch:
                 scheduled.append(ScheduledRequest(state, start, 1, True, row))
         return scheduled
 
-    def _check_decodes(self, step: StepInput, held: set[str], seen: set[str],
+    def _check_decodes(self, step: StepInput, finished: set[str], seen: set[str],
                        skipped: set[str]) -> list[RequestState | None]:
         """The states of the step's decode rows, in order (None: a row to skip, its request
-        dropped by a failed step). Each must be held, named once in the step, where this
-        worker has it, and compute the one token at the end of what it holds."""
+        dropped by a failed step). Each must be held (and not finished by this step), named
+        once in the step, and compute the one token at the end of what this worker holds."""
         rows = step.decodes
         if rows is None:
             return []
@@ -183,33 +183,38 @@ class InputBatch:
                              f"{len(rows.num_computed_tokens)} of counts are not one int32 each")
         if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= MAX_SLOTS):
             raise ValueError(f"decode rows: a slot outside [0, {MAX_SLOTS})")
+        slot_list = slots.tolist()
+        if len(set(slot_list)) != len(slot_list):
+            raise ValueError("decode rows: a slot named twice in one step")
         skipped_slots = {self.discarded_slots[rid] for rid in skipped
                          if rid in self.discarded_slots}
         states: list[RequestState | None] = []
         by_slot, block_size, max_len = self.slots, self.block_size, self.max_model_len
-        for slot, start in zip(slots.tolist(), computed.tolist(), strict=True):
-            state = by_slot[slot] if slot < len(by_slot) else None
-            if state is None or state.request_id not in held:
+        num_slots = len(by_slot)
+        # A slot names one held request (`_drop` empties it), so distinct slots are distinct
+        # requests; `seen` holds the step's new and running ones.
+        for slot, start in zip(slot_list, computed.tolist(), strict=True):
+            state = by_slot[slot] if slot < num_slots else None
+            if state is None or (finished and state.request_id in finished):
                 if slot in skipped_slots:
                     states.append(None)
                     continue
                 raise ValueError(f"decode row of slot {slot}: no request held there")
-            rid = state.request_id
-            if rid in seen:
-                raise ValueError(f"request {rid!r} appears twice in one step")
-            seen.add(rid)
+            if seen and state.request_id in seen:
+                raise ValueError(f"request {state.request_id!r} appears twice in one step")
             end = start + 1
-            if start != state.num_computed_tokens or end != len(state.token_ids):
+            num_tokens = len(state.token_ids)
+            if start != state.num_computed_tokens or end != num_tokens:
                 # After a load, from any point of it (what every rank got), as a running one.
                 lowest = state.num_computed_tokens if state.load_start is None else \
                     state.load_start
-                if not lowest <= start <= state.num_computed_tokens or \
-                        end != len(state.token_ids):
-                    raise ValueError(f"request {rid!r}: a decode row from {start}, but this "
-                                     f"worker has computed {state.num_computed_tokens} of "
-                                     f"{len(state.token_ids)} known tokens")
+                if not lowest <= start <= state.num_computed_tokens or end != num_tokens:
+                    raise ValueError(f"request {state.request_id!r}: a decode row from {start}, "
+                                     f"but this worker has computed {state.num_computed_tokens} "
+                                     f"of {num_tokens} known tokens")
             if end > max_len or end > len(state.block_ids[0]) * block_size:
-                self._check_span(rid, start, 1, len(state.token_ids), len(state.block_ids[0]))
+                self._check_span(state.request_id, start, 1, num_tokens,
+                                 len(state.block_ids[0]))
             states.append(state)
         return states
 

@@ -22,6 +22,7 @@ from services.wire import PromptLogprobs, StepInput, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.kv_saver import PendingSave
 from worker_svc.load_ticket import LoadTicket
+from worker_svc.sampler import DeviceLogprobs
 from worker_svc.step_clock import GpuSpan, StepClock
 
 
@@ -46,6 +47,7 @@ class SampledTokens:
     host_tokens: torch.Tensor | None = None             # their copy on the host
     copied: torch.cuda.Event | None = None              # host_tokens complete
     positions: list[int] = field(default_factory=list)  # each row's PENDING index
+    device_logprobs: DeviceLogprobs | None = None       # read into `logprobs` at finish
 
     def ready(self) -> bool:
         """Whether the tokens can be read without waiting for the device."""

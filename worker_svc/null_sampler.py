@@ -116,11 +116,22 @@ class NullSampler:
                ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Tokens and logprobs (None where not asked) of the rows that sample, in order. Masks
         are checked as worker_svc.token_mask checks them (ValueError fails the step)."""
-        token_ids = [self.token(s.state) for s in sampling]
+        eos_ids, eos_step = self.eos_ids, self.eos_step
+        token_ids = []
+        for s in sampling:
+            state = s.state
+            ids, num_prompt = state.token_ids, state.num_prompt_tokens
+            # The common case of `token` inline (this loop is the null model's whole step).
+            token_id = ids[(len(ids) - num_prompt) % num_prompt]
+            if eos_step or token_id in eos_ids:
+                token_id = self.token(state)
+            token_ids.append(token_id)
         if masks:
             rows = mask_rows(masks, [s.state.request_id for s in sampling], self.vocab_size)
             for row, mask in zip(rows, masks, strict=True):
                 token_ids[row] = first_allowed(mask.bitmask)
+        if all(s.state.plain_greedy for s in sampling):
+            return token_ids, [None] * len(token_ids)
         logprobs: list[TokenLogprobs | None] = [
             None if (n := s.state.sampling.num_logprobs) is None
             else plausible_logprobs(t, n, self.vocab_size)

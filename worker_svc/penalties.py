@@ -53,9 +53,8 @@ def adjust_logits(logits: torch.Tensor, specs: Sequence[SamplingSpec],
         row_index = [i for i, bias in biased for _ in bias]
         token_index = [t for _, bias in biased for t, _ in bias]
         values = [v for _, bias in biased for _, v in bias]
-        out.index_put_((torch.tensor(row_index, device=device),
-                        torch.tensor(token_index, device=device)),
-                       torch.tensor(values, dtype=out.dtype, device=device), accumulate=True)
+        out.index_put_((_on(row_index, torch.int64, device), _on(token_index, torch.int64, device)),
+                       _on(values, out.dtype, device), accumulate=True)
     repeats = any(spec.repetition_penalty != 1.0 for spec in specs)
     counts_outputs = any(spec.frequency_penalty or spec.presence_penalty for spec in specs)
     if not (repeats or counts_outputs):
@@ -85,8 +84,14 @@ def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+def _on(values: list[int] | list[float], dtype: torch.dtype, device: torch.device
+        ) -> torch.Tensor:
+    """A host list on `device`, queued behind the device's work (not waiting for it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _on(values, torch.float32, device)[:, None]
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int,

@@ -1,13 +1,13 @@
-"""Launch-ahead bookkeeping: greedy tokens sampled on the device that the host has not read.
+"""Launch-ahead bookkeeping: tokens sampled on the device that the host has not read.
 
-A greedy step's sampled ids stay on the device, their copy to the host in flight, and each
-sampling request holds a placeholder (`PENDING`) in its token ids. If the next step arrives
+A step's sampled ids (greedy or not) stay on the device, their copy to the host in flight, and
+each sampling request holds a placeholder (`PENDING`) in its token ids. If the next step arrives
 before that copy is read, its input ids take those tokens straight from the device (a decode's
 input is the token just sampled), so the GPU never waits for the host; when the earlier step
 finishes, its tokens are written over the placeholders.
 
 Owned by one `ModelRunner` (worker_svc.runner): `input_ids` when it prepares a first-stage
-step, `hold` from worker_svc.step_output when a greedy step samples, `resolve` at that step's
+step, `hold` from worker_svc.step_output when a step samples, `resolve` at that step's
 finish, `clear` whenever the input batch is dropped.
 """
 
@@ -52,6 +52,16 @@ class PendingTokens:
             source = torch.tensor(fill_from).to(device, non_blocking=True)
             input_ids.index_copy_(0, rows, self._step.device_tokens.index_select(0, source))
         return input_ids
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request's latest token is still on the device."""
+        return request_id in self._rows
+
+    def resolve_latest(self) -> None:
+        """Wait for the latest step's tokens and write them over their placeholders (its own
+        finish resolves it again, to the same tokens)."""
+        if self._step is not None:
+            self.resolve(self._step)
 
     def hold(self, sampled: SampledTokens, tokens: torch.Tensor, device: torch.device) -> None:
         """`tokens` ([len(sampled.sampling)] int64, on `device`) are a step's sampled ids:

@@ -13,6 +13,7 @@ float64). Logprobs are always those of the raw model distribution (vLLM's defaul
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -84,12 +85,25 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     """
     if all(is_plain_greedy(s) for s in specs):
         return (argmax or argmax_float)(logits).tolist(), [None] * len(specs)
+    token_ids, logprobs = sample_on_device(logits, specs, generators, histories)
+    return token_ids.tolist(), [None] * len(specs) if logprobs is None else logprobs.lists()
+
+
+def sample_on_device(logits: torch.Tensor, specs: Sequence[SamplingSpec],
+                     generators: Sequence[SeededUniforms | None],
+                     histories: Sequence[TokenHistory] | None = None,
+                     ) -> tuple[torch.Tensor, "DeviceLogprobs | None"]:
+    """`sample` without waiting for the device: the token ids stay there ([rows] int64) and
+    the logprobs of the rows that asked are device tensors whose copy to the host has
+    started (None: no row asked). Only host lists travel to the device, without a blocking
+    copy; nothing is read back. The launch-ahead path of a step that is not plain greedy
+    (worker_svc.step_output)."""
     raw = logits = logits.float()
     adjusted_rows = [i for i, spec in enumerate(specs) if adjusts_logits(spec)]
     if adjusted_rows:
         if histories is None:
             raise ValueError("penalties need the requests' token histories")
-        rows = torch.tensor(adjusted_rows, device=logits.device)
+        rows = to_device(adjusted_rows, torch.int64, logits.device)
         logits = raw.clone()
         logits[rows] = adjust_logits(raw.index_select(0, rows),
                                      [specs[i] for i in adjusted_rows],
@@ -100,11 +114,18 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     else:
         token_ids = logits.argmax(dim=-1)              # [rows]; first maximum wins ties
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.int64, logits.device)
             token_ids[rows] = _sample_random(
                 logits.index_select(0, rows), [specs[i] for i in random_rows],
                 [generators[i] for i in random_rows])
-    return token_ids.tolist(), _logprobs(raw, token_ids, specs)
+    return token_ids, DeviceLogprobs.of(raw, token_ids, specs)
+
+
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host list on `device`, queued behind the device's work rather than waiting
+    for it (a blocking copy to a GPU first waits for the forward queued before it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
@@ -113,31 +134,30 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
     ids."""
     vocab = logits.shape[-1]
     device = logits.device
-    temperatures = torch.tensor([spec.temperature for spec in specs], dtype=torch.float32,
-                                device=device)
+    temperatures = to_device([spec.temperature for spec in specs], torch.float32, device)
     x = logits / temperatures[:, None]                 # [rows, vocab]
 
     top_ks = [spec.top_k if 0 < spec.top_k < vocab else vocab for spec in specs]
     if min(top_ks) < vocab:
         top_values = x.topk(min(max(k for k in top_ks if k < vocab), vocab), dim=-1).values
-        kth = torch.tensor([k - 1 if k < vocab else 0 for k in top_ks], device=device)
+        kth = to_device([k - 1 if k < vocab else 0 for k in top_ks], torch.int64, device)
         threshold = top_values.gather(1, kth[:, None])  # [rows, 1]
-        threshold[torch.tensor(top_ks, device=device) >= vocab] = float("-inf")
+        # (masked_fill, not a boolean index: that would read the mask back to the host)
+        threshold = threshold.masked_fill(
+            (to_device(top_ks, torch.int64, device) >= vocab)[:, None], float("-inf"))
         x = x.masked_fill(x < threshold, float("-inf"))
     probs = x.softmax(dim=-1)                          # [rows, vocab]
 
     min_p_rows = [i for i, spec in enumerate(specs) if spec.min_p > 0.0]
     if min_p_rows:
-        rows = torch.tensor(min_p_rows, device=device)
-        min_ps = torch.tensor([specs[i].min_p for i in min_p_rows], dtype=torch.float32,
-                              device=device)
+        rows = to_device(min_p_rows, torch.int64, device)
+        min_ps = to_device([specs[i].min_p for i in min_p_rows], torch.float32, device)
         probs[rows] = apply_min_p(probs.index_select(0, rows), min_ps)
 
     top_p_rows = [i for i, spec in enumerate(specs) if spec.top_p < 1.0]
     if top_p_rows:
-        rows = torch.tensor(top_p_rows, device=device)
-        top_ps = torch.tensor([specs[i].top_p for i in top_p_rows], dtype=torch.float32,
-                              device=device)
+        rows = to_device(top_p_rows, torch.int64, device)
+        top_ps = to_device([specs[i].top_p for i in top_p_rows], torch.float32, device)
         probs[rows] = _apply_top_p(probs.index_select(0, rows), top_ps)
 
     uniforms = torch.empty(len(specs), dtype=torch.float64)
@@ -149,49 +169,88 @@ def _sample_random(logits: torch.Tensor, specs: Sequence[SamplingSpec],
             uniforms[i] = generator.next()
     cdf = probs.double().cumsum(dim=-1)                # [rows, vocab], not normalized
     # The draws are made on the host (seeded streams, torch's CPU generator), then moved.
-    targets = uniforms.to(device)[:, None] * cdf[:, -1:]
+    targets = uniforms.to(device, non_blocking=True)[:, None] * cdf[:, -1:]
     # right=True: the first token whose cdf exceeds the target, never a zero-probability one.
     token_ids = torch.searchsorted(cdf, targets, right=True)[:, 0].clamp_(max=vocab - 1)
     # A row with no finite mass (NaN or inf logits) would pick an arbitrary token: take its
     # argmax instead, which is what any temperature tends to.
     broken = ~(cdf[:, -1] > 0) | ~torch.isfinite(cdf[:, -1])
-    if bool(broken.any()):
-        token_ids[broken] = logits[broken].argmax(dim=-1)
-    return token_ids
+    if device.type == "cpu":           # reading `broken` is free here; on a GPU it would wait
+        if bool(broken.any()):
+            token_ids[broken] = logits[broken].argmax(dim=-1)
+        return token_ids
+    return torch.where(broken, logits.argmax(dim=-1), token_ids)
 
 
 def _apply_top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Zero every token outside each row's nucleus: the most likely tokens whose mass before
     them is below top_p (so at least one survives). probs: [rows, vocab]; top_ps: [rows]."""
-    values = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
-    if bool(((values.cumsum(dim=-1) - values)[:, -1] < top_ps).any()):
-        # Some nucleus may reach past the candidates: rank the whole vocabulary (rare, slow).
+    if probs.device.type != "cpu":
+        # Rank the whole vocabulary: fast on a GPU, and no read-back to ask whether to.
         values = probs.sort(dim=-1, descending=True).values
+    else:
+        values = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+        if bool(((values.cumsum(dim=-1) - values)[:, -1] < top_ps).any()):
+            # Some nucleus may reach past the candidates: the whole vocabulary (rare, slow).
+            values = probs.sort(dim=-1, descending=True).values
     mass_before = values.cumsum(dim=-1) - values                       # [rows, candidates]
     num_keep = (mass_before < top_ps[:, None]).sum(dim=-1)             # [rows], >= 1
     cut = values.gather(1, (num_keep - 1)[:, None])                    # [rows, 1]
     return probs.masked_fill(probs < cut, 0.0)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-              specs: Sequence[SamplingSpec]) -> list[TokenLogprobs | None]:
-    """log_softmax of the raw logits: the sampled token's logprob and the top-n alternatives."""
-    wanted = [i for i, spec in enumerate(specs) if spec.num_logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(specs)
-    if not wanted:
+@dataclass(slots=True)
+class DeviceLogprobs:
+    """The logprobs a step's rows asked for (log_softmax of the raw logits: the sampled
+    token's and the top-n alternatives'), on their way to the host: `lists` reads them."""
+
+    num_rows: int
+    rows: list[int]                   # the rows that asked, ascending
+    counts: list[int]                 # each such row's top-n
+    sampled: torch.Tensor             # [len(rows)] float32
+    top_values: torch.Tensor | None   # [len(rows), max n]; None when every n is 0
+    top_ids: torch.Tensor | None
+    copied: torch.cuda.Event | None   # the copies above are on the host (a GPU's)
+
+    @staticmethod
+    def of(logits: torch.Tensor, token_ids: torch.Tensor,
+           specs: Sequence[SamplingSpec]) -> "DeviceLogprobs | None":
+        wanted = [i for i, spec in enumerate(specs) if spec.num_logprobs is not None]
+        if not wanted:
+            return None
+        rows = to_device(wanted, torch.int64, logits.device)
+        logprobs = logits.index_select(0, rows).log_softmax(dim=-1)      # [wanted, vocab]
+        counts = [specs[i].num_logprobs or 0 for i in wanted]
+        sampled = logprobs.gather(1, token_ids.index_select(0, rows)[:, None])[:, 0]
+        top_values = top_ids = None
+        if max(counts):
+            top_values, top_ids = logprobs.topk(max(counts), dim=-1)
+        # One copy to the host for the whole batch, started now, read at `lists`.
+        sampled, top_values, top_ids = (_to_host(t) for t in (sampled, top_values, top_ids))
+        copied = None
+        if logits.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return DeviceLogprobs(len(specs), wanted, counts, sampled, top_values, top_ids, copied)
+
+    def lists(self) -> list[TokenLogprobs | None]:
+        """Per row of the step, its logprobs or None (waits for the copy: call at finish)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        sampled = self.sampled.tolist()
+        result: list[TokenLogprobs | None] = [None] * self.num_rows
+        for j, (i, n) in enumerate(zip(self.rows, self.counts, strict=True)):
+            result[i] = TokenLogprobs(
+                logprob=sampled[j],
+                top_token_ids=self.top_ids[j, :n].tolist() if self.top_ids is not None else [],
+                top_logprobs=(self.top_values[j, :n].tolist()
+                              if self.top_values is not None else []))
         return result
-    rows = torch.tensor(wanted, device=logits.device)
-    logprobs = logits.index_select(0, rows).log_softmax(dim=-1)         # [wanted, vocab]
-    sampled = logprobs.gather(1, token_ids[rows][:, None])[:, 0].tolist()
-    max_top = max(specs[i].num_logprobs or 0 for i in wanted)
-    top_values, top_ids = None, None
-    if max_top:
-        # One copy to the host for the whole batch (on a GPU each small .tolist() would wait).
-        top_values, top_ids = (t.cpu() for t in logprobs.topk(max_top, dim=-1))
-    for j, i in enumerate(wanted):
-        n = specs[i].num_logprobs or 0
-        result[i] = TokenLogprobs(
-            logprob=sampled[j],
-            top_token_ids=top_ids[j, :n].tolist() if top_ids is not None else [],
-            top_logprobs=top_values[j, :n].tolist() if top_values is not None else [])
-    return result
+
+
+def _to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """Start `tensor`'s copy to pinned host memory (a GPU's); a CPU tensor is itself."""
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

@@ -4,8 +4,9 @@ order, logprobs, timings) or the one that reports a failed step.
 
 Called by `ModelRunner` (worker_svc.runner): `sample_step` at launch, after the forward;
 `step_output` at finish; `failed_output` for the server's answer to a step that raised.
-Greedy steps keep their tokens on the device (worker_svc.pending_tokens); any other step is
-sampled on the host's terms by worker_svc.sampler and appended to its requests at once. The
+Sampled tokens stay on the device (worker_svc.pending_tokens), greedy or not, and so do
+logprobs until the step finishes: launch never waits for the forward it queued, except where
+a request's penalties need the token of the step before, still on the device. The
 timings come from worker_svc.step_clock.
 """
 
@@ -16,10 +17,10 @@ from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLo
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.launched_step import LaunchedStep, SampledTokens
 from worker_svc.model.llama import LlamaModel
-from worker_svc.penalties import TokenHistory
+from worker_svc.penalties import TokenHistory, has_penalties
 from worker_svc.pending_tokens import PendingTokens
 from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import sample
+from worker_svc.sampler import sample_on_device
 from worker_svc.step_clock import step_timings
 from worker_svc.token_mask import apply_token_masks
 
@@ -47,17 +48,20 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     if launched.step.token_masks:    # structured output (worker_svc.token_mask)
         apply_token_masks(logits, launched.step.token_masks,
                           [s.state.request_id for s in sampling])
-    if not all(s.state.plain_greedy for s in sampling):
-        specs = [s.state.sampling for s in sampling]
-        token_ids, sampled.logprobs = sample(
-            logits, specs, [s.state.generator for s in sampling],
-            histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
-                       for s in sampling])
-        sampled.token_ids = token_ids
-        for s, token_id in zip(sampling, token_ids, strict=True):
-            s.state.token_ids.append(token_id)
+    if all(s.state.plain_greedy for s in sampling):
+        pending.hold(sampled, model.elementwise.argmax(logits), device)  # [rows] int64
         return
-    pending.hold(sampled, model.elementwise.argmax(logits), device)  # [rows] int64
+    # Penalties count the request's earlier tokens: one still on the device (the step
+    # before, launched ahead) is waited for. Nothing else here reads the device.
+    if any(has_penalties(s.state.sampling) and pending.holds(s.state.request_id)
+           for s in sampling):
+        pending.resolve_latest()
+    token_ids, logprobs = sample_on_device(
+        logits, [s.state.sampling for s in sampling], [s.state.generator for s in sampling],
+        histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
+                   for s in sampling])
+    pending.hold(sampled, token_ids, device)
+    sampled.device_logprobs = logprobs
 
 
 def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) -> StepOutput:
@@ -73,6 +77,8 @@ def step_output(launched: LaunchedStep, worker_id: str, pending: PendingTokens) 
         token_ids = sampled.token_ids
         if token_ids is None:
             token_ids = pending.resolve(sampled)
+        if sampled.device_logprobs is not None:
+            sampled.logprobs = sampled.device_logprobs.lists()
         sampling = sampled.sampling
         if row_tokens is not None:
             rows = np.fromiter((s.decode_row for s in sampling), np.int64, len(sampling))

@@ -73,7 +73,7 @@ def apply_token_masks(logits: torch.Tensor, masks: Sequence[TokenMask],
     vocab_size = logits.shape[-1]
     rows = mask_rows(masks, request_ids, vocab_size)
     allowed = unpack_masks(masks, vocab_size, logits.device)          # [masks, vocab]
-    index = torch.tensor(rows, device=logits.device)
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)
     masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, index, masked)
     return logits

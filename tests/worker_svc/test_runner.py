@@ -18,6 +18,7 @@ from services.wire import (
 )
 from tests.worker_svc.common import GREEDY, PROMPTS, assert_greedy_match, hf_greedy
 from worker_svc.launched_step import StageActivations
+from worker_svc.pending_tokens import PENDING
 from worker_svc.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -228,6 +229,65 @@ def test_seeded_request_resumes_identically_after_preemption(runner: ModelRunner
         return scheduler.outputs("s")
 
     assert run(preempt_after=3) == run(preempt_after=None)
+
+
+SAMPLED_SPECS = {
+    "seeded": SamplingSpec(temperature=0.9, top_p=0.9, top_k=40, seed=11, num_logprobs=None),
+    "logprobs": SamplingSpec(temperature=0.7, top_p=1.0, top_k=-1, seed=12, num_logprobs=2),
+    "penalties": SamplingSpec(temperature=0.8, top_p=1.0, top_k=-1, seed=13, num_logprobs=None,
+                              repetition_penalty=1.3, frequency_penalty=0.5),
+    "greedy": GREEDY,
+}
+
+
+def _sampled_run(runner: ModelRunner, ahead: bool) -> tuple[dict[str, list[int]], list]:
+    """Every SAMPLED_SPECS request decodes 6 tokens, one step each after a joint prefill;
+    `ahead`: each step launched before the one before it finished (async scheduling: the
+    step names the token still being sampled, its placeholder included)."""
+    runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    prompt = PROMPTS["Once upon a time, in a small village,"]
+    names = list(SAMPLED_SPECS)
+    blocks = {n: [1 + 8 * i + b for b in range(8)] for i, n in enumerate(names)}
+    out: dict[str, list[int]] = {n: [] for n in names}
+    logprobs = []
+    steps = [StepInput(0, [NewRequest(n, prompt, len(prompt), SAMPLED_SPECS[n], [blocks[n]], 0,
+                                      len(prompt)) for n in names], [], [])]
+    steps += [StepInput(k, [], [RunningRequest(n, len(prompt) + k - 1, 1, [[]], [])
+                                for n in names], []) for k in range(1, 6)]
+
+    def take(launched) -> None:  # type: ignore[no-untyped-def]
+        output = runner.finish(launched)
+        for n, t, lp in zip(output.request_ids, output.sampled_token_ids, output.logprobs,
+                            strict=True):
+            out[n].append(t)
+            if lp is not None:
+                logprobs.append(lp)
+
+    previous = None
+    for step in steps:
+        launched = runner.launch(step)
+        if ahead:
+            # Launch never read the device for this step: its tokens are placeholders.
+            assert all(runner.input_batch.requests[n].token_ids[-1] == PENDING for n in names)
+        if previous is not None:
+            take(previous)
+        previous = launched
+        if not ahead:
+            take(previous)
+            previous = None
+    if previous is not None:
+        take(previous)
+    return out, logprobs
+
+
+def test_sampled_steps_launch_ahead_as_greedy_ones_do(runner: ModelRunner) -> None:
+    """Seeded, logprobs and penalty requests: their tokens stay on the device at launch (the
+    next step takes them from there), and the tokens and logprobs are those of a run that
+    finished every step before the next."""
+    ahead, ahead_logprobs = _sampled_run(runner, ahead=True)
+    waited, waited_logprobs = _sampled_run(runner, ahead=False)
+    assert ahead == waited and all(len(tokens) == 6 for tokens in ahead.values())
+    assert ahead_logprobs == waited_logprobs and len(ahead_logprobs) == 6
 
 
 def test_pipeline_stages_match_hf_greedy(

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from process_tree import read_stat  # noqa: E402
+from process_tree import TreeCpu, read_stat  # noqa: E402
 
 from services.launcher import ClusterSpec, ServiceProcesses  # noqa: E402
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -258,20 +258,24 @@ def cpu_seconds(pid: int) -> float:
 
 
 class CpuUse:
-    """CPU seconds each service process used over an interval: what the split's own parts
+    """CPU seconds each service used over an interval, its process and all their descendants
+    (the scheduler's engine cores and front ends are its children): what the split's own parts
     (scheduler, kvcache_svc) take from the workers' cores (`batch_client_process` reports the
     client's). Robust to a noisy machine, unlike wall times."""
 
     def __init__(self, procs: ServiceProcesses) -> None:
-        self.pids = {name: p.pid for name, p in procs.procs.items()}
-        self.start = self._read()
-
-    def _read(self) -> dict[str, float]:
-        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.trees = {name: TreeCpu([p.pid]) for name, p in procs.procs.items()}
+        self.start = {name: tree.snapshot() for name, tree in self.trees.items()}
 
     def since_start(self) -> dict[str, float]:
-        end = self._read()
-        return {name: end[name] - self.start[name] for name in end}
+        """Per service: the CPU its processes used since the start (one started in between
+        counts from 0; one that ended in between is lost)."""
+        used = {}
+        for name, tree in self.trees.items():
+            before = self.start[name]
+            used[name] = sum(cpu - before.get(key, (label, 0.0))[1]
+                             for key, (label, cpu) in tree.snapshot().items())
+        return used
 
 
 class ForwardGaps:

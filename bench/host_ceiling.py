@@ -29,7 +29,7 @@ run: output tok/s; CPU microseconds per generated token of every process of the 
 launcher's services and all their descendants, found in /proc and labelled by command line
 (bench/process_tree.py), and of the clients together; plans per step (kvcache_svc's admin
 `Stats.num_plans` over ServerInfo's engine steps; steady decode alone is counted by
-tests/scheduler_svc/engine/test_plan_rate.py); and the idle share: the workers' summed gaps
+tests/scheduler_svc/engine/test_scheduler_pool.py); and the idle share: the workers' summed gaps
 between forwards (ServerInfo, splitserve_runs.ForwardGaps) over the wall time (with the null
 worker: the emulated device's idle time). CPU time, not wall time, is the robust figure on a
 shared machine. The JSON result goes to bench/results/.

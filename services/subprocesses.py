@@ -5,6 +5,7 @@ started with their settings on stdin, and gone when their parent is.
 it (settings never go on a command line, where `ps` shows them to everyone). The child calls
 `read_settings` once, then `die_with_parent`: Linux kills it the moment the parent dies, however
 the parent died, so a SIGKILLed scheduler leaves no engine or front end holding its ports.
+`start_child` is that whole start, as a child's `main` makes it.
 """
 
 import ctypes
@@ -13,8 +14,20 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Protocol, TypeVar
+
+from services import cluster_token
+from services.codec import Codec, DecodeError
 
 log = logging.getLogger(__name__)
+
+
+class ChildSettings(Protocol):
+    parent_pid: int
+    log_level: str
+
+
+Settings = TypeVar("Settings", bound=ChildSettings)
 
 PR_SET_PDEATHSIG = 1      # prctl(2)
 
@@ -53,6 +66,25 @@ def die_with_parent(parent: int) -> None:
         pass
     if os.getppid() != parent:
         os._exit(1)                        # the parent died before the request took effect
+
+
+def start_child(settings_type: type[Settings], child_log: logging.Logger) -> Settings | None:
+    """A child's start: SIGINT left to the parent (which stops its children), the cluster
+    secret joined, its settings read from stdin and decoded, its life tied to the parent's,
+    logging at the settings' level. None (after logging why) when it cannot start."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cluster_token.join(child_log) is None:
+        return None
+    try:
+        settings = Codec(settings_type).decode(read_settings())
+    except (DecodeError, ValueError) as exc:
+        logging.basicConfig()
+        child_log.error("bad %s on stdin: %s", settings_type.__name__, exc)
+        return None
+    die_with_parent(settings.parent_pid)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return settings
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:

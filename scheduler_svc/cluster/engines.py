@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.wire import EngineLaunch, EngineReport, EngineStats, EngineStop
@@ -92,3 +93,17 @@ class EngineProcess:
         if self.exited() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def stop_all(engines: list[EngineProcess], stop: Callable[[EngineProcess], None],
+             timeout_s: float) -> None:
+    """Every engine core still there told to stop (`stop`), then killed if still there after
+    `timeout_s`."""
+    for engine in engines:
+        if engine.exited() is None:
+            stop(engine)
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        while engine.exited() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine.kill()

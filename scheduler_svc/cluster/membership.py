@@ -15,9 +15,9 @@ replica down: its engine core is told to stop, tells its front ends, and they mo
 requests to another replica. An engine core that says it went down, or whose process exits,
 takes its replica down the same way (its ranks register again). A worker registering again
 with a newer epoch is a new member (its old replica goes down); an older or equal epoch is
-refused. The monitor also probes kvcache_svc, which with a ready replica decides readiness,
-and drops the pool of an engine core that died without dropping it. One GPU, one worker: see
-placement.gpu_holder.
+refused. The monitor also watches kvcache_svc (kv_watch.py), which with a ready replica
+decides readiness, and drops the pool of an engine core that died without dropping it. One
+GPU, one worker: see placement.gpu_holder.
 """
 
 import logging
@@ -29,7 +29,8 @@ from typing import Protocol
 
 import zmq
 
-from scheduler_svc.cluster.engines import EngineProcess
+from scheduler_svc.cluster.engines import EngineProcess, stop_all
+from scheduler_svc.cluster.kv_watch import KvWatch
 from scheduler_svc.cluster.placement import (
     GONE_STATES,
     Placement,
@@ -38,12 +39,13 @@ from scheduler_svc.cluster.placement import (
     ReplicaState,
     WorkerRecord,
     WorkerState,
+    engine_config_for,
     free_address,
     gpu_holder,
     gpu_taken_message,
     kv_blocks_problem,
-    rendezvous_address,
     replica_dtype,
+    request_token_limit,
     split_layers,
 )
 from scheduler_svc.cluster.wire import ClusterState, ReplicaEntry
@@ -52,13 +54,9 @@ from scheduler_svc.engine.config import EngineConfig, SchedulerConfig
 from scheduler_svc.engine.wire import EngineReport
 from services.channels import RequestClient
 from services.codec import Codec
-from services.kv_groups import max_tokens_per_request
-from services.kv_store_wire import KvSlice, StoreStats
+from services.kv_store_wire import KvSlice
 from services.kv_wire import (
-    DropPool,
     FromKvCache,
-    PrefixQuery,
-    PrefixReply,
 )
 from services.model_config import ModelConfig
 
@@ -67,7 +65,6 @@ log = logging.getLogger(__name__)
 MAX_DOWN_REPLICAS = 16     # down replicas kept for ServerInfo
 MAX_GONE_ENGINES = 64      # engine cores that went down, kept in the state for front ends
 MONITOR_INTERVAL_S = 0.5
-KV_PROBE_TIMEOUT_MS = 1000
 
 
 class EngineControl(Protocol):
@@ -96,11 +93,9 @@ class Membership:
         self._next_replica_id = 0
         self._layer_ranges = split_layers(model.num_layers, config.pp_size)
         self.epoch = time.time_ns()     # this instance; kvcache_svc drops older ones' pools
-        self.kv_reachable = False       # set by the monitor's probe
-        self.kv_store_stats: StoreStats | None = None   # the store's, from the same probe
+        self.kv = KvWatch()             # kvcache_svc, as the monitor's probe finds it
         self.draining = False           # SIGTERM: the front ends take no new requests
         self._gone: deque[tuple[int, int]] = deque(maxlen=MAX_GONE_ENGINES)
-        self._pools_to_drop: list[int] = []     # engine cores that died holding a pool
         self._seq = 0                   # +1 per change of the cluster's state
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="cluster-monitor",
@@ -139,17 +134,13 @@ class Membership:
                 self._replica_lost_locked(old.replica_id, f"worker {worker_id} registered "
                                           f"again (epoch {old.epoch} -> {epoch})")
             replica = self._forming_replica_locked()
-            rank = replica.ranks.index(None)
-            pp_rank, tp_rank = divmod(rank, self.config.tp_size)
             record = WorkerRecord(worker_id, epoch, device, memory_bytes, step_address,
-                                  replica.replica_id, pp_rank, tp_rank, cpu_level=cpu_level,
-                                  device_uuid=device_uuid)
+                                  replica.replica_id, pp_rank=-1, tp_rank=-1,
+                                  cpu_level=cpu_level, device_uuid=device_uuid)
+            pp_rank, tp_rank = replica.seat(record, self.config.tp_size)
             if not replica.dtype:
                 replica.dtype = replica_dtype(self.config.dtype, preferred_dtype)
-            replica.ranks[rank] = record
             self.workers[worker_id] = record
-            if rank == 0 and len(replica.ranks) > 1:
-                replica.dist_init_method = rendezvous_address(step_address)
             first, end = self._layer_ranges[pp_rank]
             log.info("worker %s (epoch %d, %s %s) -> replica %d pp_rank %d tp_rank %d layers "
                      "[%d, %d), %s", worker_id, epoch, device, cpu_level, replica.replica_id,
@@ -207,15 +198,8 @@ class Membership:
         log.info("replica %d: ranks measured %s KV blocks; using %d%s", replica.replica_id,
                  [w.num_kv_blocks for w in replica.workers], num_blocks,
                  " (--num-kv-blocks)" if self.config.num_kv_blocks else " (minimum)")
-        engine_config = EngineConfig(
-            replica_id=replica.replica_id, scheduler=self.sched_config, num_kv_blocks=num_blocks,
-            kv_timeout_s=self.config.kv_timeout_s,
-            step_timeout_s=self.config.step_timeout_s,
-            ship_sampled_tokens=self.config.pp_size > 1,
-            max_batches_in_flight=self.config.max_batches_in_flight or self.config.pp_size,
-            async_scheduling=self.config.async_scheduling, scheduler_epoch=self.epoch,
-            store_slices=store_slices(replica.workers),
-            eos_token_ids=tuple(self.model.eos_token_ids), vocab_size=self.model.vocab_size)
+        engine_config = engine_config_for(replica, num_blocks, self.config, self.sched_config,
+                                          self.model, self.epoch)
         replica.engine = self.engines.start_engine(replica, engine_config)
         replica.state = ReplicaState.STARTING
 
@@ -266,7 +250,7 @@ class Membership:
                 elif engine.down_reason is None:
                     # Told to stop (its replica was lost) and killed, or killed before it was
                     # up: it never dropped its pool.
-                    self._pools_to_drop.append(replica.replica_id)
+                    self.kv.drop_pool_of(replica.replica_id)
         if changed:
             self.on_change()
 
@@ -275,7 +259,7 @@ class Membership:
         self._mark_down_locked(replica.replica_id, reason)
         self._gone.append((replica.replica_id, engine.epoch))
         if not dropped:
-            self._pools_to_drop.append(replica.replica_id)
+            self.kv.drop_pool_of(replica.replica_id)
         self._retire_locked()
 
     def heartbeat(self, worker_id: str, epoch: int, num_kv_chunks_stored: int = 0,
@@ -342,7 +326,7 @@ class Membership:
 
     def is_ready(self) -> bool:
         """Readiness: a replica can serve and kvcache_svc answers."""
-        return self.kv_reachable and bool(self.ready_replicas())
+        return self.kv.reachable and bool(self.ready_replicas())
 
     def cluster_state(self) -> ClusterState:
         """What the front ends route by (the hub answers every report with it)."""
@@ -353,7 +337,7 @@ class Membership:
                      if r.engine is not None and r.engine.command_address is not None]
             gone = list(self._gone)
             seq = self._seq
-        return ClusterState(seq=seq, ready=ready, kv_reachable=self.kv_reachable,
+        return ClusterState(seq=seq, ready=ready, kv_reachable=self.kv.reachable,
                             draining=self.draining, max_kv_tokens=self.max_kv_tokens(),
                             served_dtype=self.served_dtype(), gone=gone)
 
@@ -366,8 +350,7 @@ class Membership:
             while not self._stop.wait(MONITOR_INTERVAL_S):
                 try:
                     self._check_heartbeats()
-                    self._probe_kvcache(probe)
-                    self._drop_pools(probe)
+                    self._watch_kvcache(probe)
                 except Exception:  # never let the monitor die
                     log.exception("cluster monitor pass failed")
         finally:
@@ -389,23 +372,9 @@ class Membership:
         if lost:
             self.on_change()
 
-    def _probe_kvcache(self, probe: RequestClient[FromKvCache]) -> None:
-        reply = probe.call(PrefixQuery(block_hashes=[]), timeout_ms=KV_PROBE_TIMEOUT_MS)
-        reachable = isinstance(reply, PrefixReply)
-        if isinstance(reply, PrefixReply):
-            self.kv_store_stats = reply.store
-        if reachable != self.kv_reachable:
-            log.warning("kvcache_svc %s", "reachable" if reachable else "unreachable")
-            self.kv_reachable = reachable
+    def _watch_kvcache(self, probe: RequestClient[FromKvCache]) -> None:
+        if self.kv.probe(probe):
             self.on_change()
-
-    def _drop_pools(self, probe: RequestClient[FromKvCache]) -> None:
-        """The pools of engine cores that died holding them: their blocks describe KV that
-        no longer exists (an engine core that goes down drops its own)."""
-        with self._lock:
-            drop, self._pools_to_drop = self._pools_to_drop, []
-        for replica_id in drop:
-            probe.call(DropPool(replica_id=replica_id), timeout_ms=KV_PROBE_TIMEOUT_MS)
 
     def max_kv_tokens(self) -> int | None:
         """Tokens one request can hold on the smallest replica that served, or that will: with
@@ -417,14 +386,7 @@ class Membership:
             blocks.append(self.config.num_kv_blocks)
         if not blocks:
             return None
-        sc = self.sched_config
-        max_step = sc.token_budget
-        if sc.chunked_prefill and sc.long_prefill_token_threshold > 0:
-            max_step = min(max_step, sc.long_prefill_token_threshold)
-        # Every KV group counted; a sliding group holds at most a window of blocks (the
-        # replica's scheduler checks again, with the KV store's chunks kept).
-        return max_tokens_per_request(sc.kv_group_windows, min(blocks) - 1, sc.block_size,
-                                      max_step)
+        return request_token_limit(self.sched_config, min(blocks))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stops the monitor, then every engine core: told to stop (it drops its pool),
@@ -433,20 +395,6 @@ class Membership:
         if self._monitor.is_alive():
             self._monitor.join(timeout=5)
         engines = [r.engine for r in list(self.replicas.values()) if r.engine is not None]
-        for engine in engines:
-            if engine.exited() is None:
-                self.engines.stop_engine(engine, "the scheduler is shutting down")
-        deadline = time.monotonic() + timeout_s
-        for engine in engines:
-            while engine.exited() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            engine.kill()
+        stop_all(engines, lambda e: self.engines.stop_engine(e, "the scheduler is shutting down"),
+                 timeout_s)
 
-
-def store_slices(workers: list[WorkerRecord]) -> tuple[KvSlice, ...]:
-    """The replica's slices of its KV in the store, in rank order; empty (no loads) unless
-    every rank uses the store."""
-    slices = [w.kv_slice for w in workers]
-    if any(kv_slice is None for kv_slice in slices):
-        return ()
-    return tuple(kv_slice for kv_slice in slices if kv_slice is not None)

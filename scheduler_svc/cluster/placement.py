@@ -1,5 +1,6 @@
 """What a replica is made of: worker records, their placement as (pp_rank, tp_rank), the
-stage layer ranges, the replica's rendezvous and the address its ranks send outputs to. Plain
+stage layer ranges, the replica's rendezvous and the address its ranks send outputs to, the
+configuration its engine core starts with and the longest request its pool holds. Plain
 data and arithmetic; `Membership` (membership.py) decides who goes where and when a replica
 starts or goes down.
 """
@@ -11,7 +12,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from scheduler_svc.config import ServerConfig
+from scheduler_svc.engine.config import EngineConfig, SchedulerConfig
+from services.kv_groups import max_tokens_per_request
 from services.kv_store_wire import KvSlice
+from services.model_config import ModelConfig
 
 if TYPE_CHECKING:   # plain data: the engine core's handle is only named here
     from scheduler_svc.cluster.engines import EngineProcess
@@ -169,6 +174,16 @@ class Replica:
     def is_full(self) -> bool:
         return all(w is not None for w in self.ranks)
 
+    def seat(self, record: WorkerRecord, tp_size: int) -> tuple[int, int]:
+        """`record` takes the next free rank; its (pp_rank, tp_rank), set in it. Rank 0 of a
+        multi-rank replica names its rendezvous."""
+        rank = self.ranks.index(None)
+        record.pp_rank, record.tp_rank = divmod(rank, tp_size)
+        self.ranks[rank] = record
+        if rank == 0 and len(self.ranks) > 1:
+            self.dist_init_method = rendezvous_address(record.step_address)
+        return record.pp_rank, record.tp_rank
+
 
 def gpu_holder(workers: Iterable[WorkerRecord], device_uuid: str,
                worker_id: str) -> WorkerRecord | None:
@@ -194,3 +209,37 @@ def replica_dtype(configured: str, preferred: str) -> str:
     if configured != "auto":
         return configured
     return preferred if preferred in ("float32", "bfloat16") else "float32"
+
+
+def store_slices(workers: list[WorkerRecord]) -> tuple[KvSlice, ...]:
+    """The replica's slices of its KV in the store, in rank order; empty (no loads) unless
+    every rank uses the store."""
+    slices = [w.kv_slice for w in workers]
+    if any(kv_slice is None for kv_slice in slices):
+        return ()
+    return tuple(kv_slice for kv_slice in slices if kv_slice is not None)
+
+
+def engine_config_for(replica: Replica, num_blocks: int, config: ServerConfig,
+                      sched_config: SchedulerConfig, model: ModelConfig,
+                      scheduler_epoch: int) -> EngineConfig:
+    """What the replica's engine core runs with, its pool `num_blocks` blocks."""
+    return EngineConfig(
+        replica_id=replica.replica_id, scheduler=sched_config, num_kv_blocks=num_blocks,
+        kv_timeout_s=config.kv_timeout_s, step_timeout_s=config.step_timeout_s,
+        ship_sampled_tokens=config.pp_size > 1,
+        max_batches_in_flight=config.max_batches_in_flight or config.pp_size,
+        async_scheduling=config.async_scheduling, scheduler_epoch=scheduler_epoch,
+        store_slices=store_slices(replica.workers),
+        eos_token_ids=tuple(model.eos_token_ids), vocab_size=model.vocab_size)
+
+
+def request_token_limit(sched_config: SchedulerConfig, num_blocks: int) -> int:
+    """Tokens one request can hold in a pool of `num_blocks` blocks: every KV group counted,
+    a sliding group holding at most a window of blocks (the replica's scheduler checks again,
+    with the KV store's chunks kept)."""
+    sc = sched_config
+    max_step = sc.token_budget
+    if sc.chunked_prefill and sc.long_prefill_token_threshold > 0:
+        max_step = min(max_step, sc.long_prefill_token_threshold)
+    return max_tokens_per_request(sc.kv_group_windows, num_blocks - 1, sc.block_size, max_step)

@@ -29,5 +29,5 @@ def cluster_stats_reply(membership: Membership,
         replicas=replicas, num_migrations=sum(f.num_migrations for f in frontends),
         num_parked=sum(f.num_parked for f in frontends),
         num_requests_total=sum(f.num_requests_total for f in frontends),
-        kv_reachable=membership.kv_reachable, kv_store=membership.kv_store_stats,
+        kv_reachable=membership.kv.reachable, kv_store=membership.kv.store_stats,
         frontends=sorted(frontends, key=lambda f: f.frontend))

@@ -12,7 +12,7 @@ end), front ends' hellos, readiness, counters, and its going down.
         plan  = scheduler.schedule()          # draft (None: no plan call needed)
         reply = kvcache.plan(plan)            # one batched call, when blocks change
         step  = scheduler.apply_plan(reply)   # StepInput diff
-        send step to every rank; wait for the last stage's StepOutput
+        send step to every rank; wait for the last stage's StepOutput (ranks.py)
         host.packed(scheduler.update_packed(output)); apply the KV loads every rank reported
 Failures, and who handles them:
 - kvcache_svc stops answering, or answers as a new instance (another epoch, the pool gone):
@@ -42,6 +42,7 @@ from typing import Protocol
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.inbox import Abort, Add, Command, Deliver, EngineInbox, Hello
 from scheduler_svc.engine.outputs import StepPacker
+from scheduler_svc.engine.ranks import EngineError, Ranks, StepFailedOnRank
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput
 from scheduler_svc.engine.scheduler import Scheduler
 from scheduler_svc.engine.step_window import StepTimes
@@ -54,23 +55,13 @@ from services.kv_wire import (
     PlanReply,
 )
 from services.wire import (
-    CacheReady,
-    InitCache,
-    KvLoaded,
     StepError,
     StepInput,
-    StepOutput,
-    WorkerFailure,
 )
 
 log = logging.getLogger(__name__)
 
 KV_RETRY_S = 0.5          # between attempts to reach a lost kvcache_svc
-POLL_S = 0.2              # how often blocking waits look for a fail-over
-
-
-class EngineError(RuntimeError):
-    """The replica cannot continue (a worker or kvcache_svc stopped answering)."""
 
 
 class EngineHost(Protocol):
@@ -114,6 +105,7 @@ class ReplicaEngine:
         self._in_flight: deque[tuple[int, float, float]] = deque()  # (step id, t0, t_sent)
         self.scheduler.set_capacity(config.num_kv_blocks)
         self._connect = connect
+        self._ranks: Ranks                     # made on the engine's thread, with its transport
         self._host = host
         self._inbox = EngineInbox()           # from other threads (inbox.py)
         self._thread = threading.Thread(target=self._run, name=f"replica-{config.replica_id}",
@@ -173,6 +165,8 @@ class ReplicaEngine:
 
     def _run(self) -> None:
         io = self._connect()
+        self._ranks = Ranks(io, self.scheduler.loads, self.config.step_timeout_s,
+                            self._check_down)
         try:
             self._bring_up(io)
             self.ready.set()
@@ -249,21 +243,7 @@ class ReplicaEngine:
         if not isinstance(ack, KvAck) or ack.error is not None:
             raise EngineError(f"kvcache_svc did not configure the pool: {ack}")
         self._pool_made(ack)
-        io.send_to_ranks(InitCache(num_blocks=cfg.num_kv_blocks,
-                                   block_size=cfg.scheduler.block_size))
-        ready = 0
-        deadline = time.monotonic() + cfg.step_timeout_s
-        while ready < io.num_ranks:
-            self._check_down()
-            msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
-            if msg is None:
-                if time.monotonic() > deadline:
-                    raise EngineError("workers did not allocate their KV cache in time")
-                continue
-            if isinstance(msg, WorkerFailure):
-                raise EngineError(f"worker {msg.worker_id} failed: {msg.message}")
-            if isinstance(msg, CacheReady):
-                ready += 1
+        self._ranks.init_caches(cfg.num_kv_blocks, cfg.scheduler.block_size)
         log.info("replica %d ready: %d KV blocks of %d tokens", cfg.replica_id,
                  cfg.num_kv_blocks, cfg.scheduler.block_size)
 
@@ -343,7 +323,11 @@ class ReplicaEngine:
 
     def _receive_oldest(self, io: EngineTransport) -> None:
         step_id, started, sent = self._in_flight.popleft()
-        output = self._wait_output(io, step_id)
+        try:
+            output = self._ranks.wait_output(step_id)
+        except StepFailedOnRank as exc:
+            self._fail_step(step_id, StepError(str(exc)[:4096], kv_written=False))
+            raise
         received = time.perf_counter()
         self.num_steps += 1
         if output.error is not None:
@@ -379,42 +363,8 @@ class ReplicaEngine:
 
     def _await_loads(self, io: EngineTransport) -> None:
         """Nothing in flight but loads: the ranks' messages for 5 ms (then new requests)."""
-        msg = io.recv_from_ranks(timeout_ms=5)
-        if isinstance(msg, KvLoaded):
-            self.scheduler.loads.report(msg)
-        elif isinstance(msg, WorkerFailure):
-            raise EngineError(f"worker {msg.worker_id} failed step {msg.step_id}: {msg.message}")
-        elif msg is not None:
-            log.warning("ignoring stale worker message %s", type(msg).__name__)
+        self._ranks.poll_loads()
         self._finish_loads(io.num_ranks)
-
-    def _wait_output(self, io: EngineTransport, step_id: int) -> StepOutput:
-        """The step's output; every rank's KvLoaded that comes meanwhile goes to the
-        scheduler's loads (for this step or another)."""
-        deadline = time.monotonic() + self.config.step_timeout_s
-        while True:
-            self._check_down()
-            msg = io.recv_from_ranks(timeout_ms=int(POLL_S * 1000))
-            if msg is None:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"no output for step {step_id} within "
-                                      f"{self.config.step_timeout_s:.0f}s")
-                continue
-            if isinstance(msg, WorkerFailure):
-                reason = f"worker {msg.worker_id} failed step {msg.step_id}: {msg.message}"
-                if msg.step_id == step_id and not msg.peer_lost:
-                    # The step's own requests end (INTERNAL), as on a one-rank replica: handed
-                    # back, a request that makes every step fail would take each replica it
-                    # lands on down in turn. The rest move on when the replica goes down, and
-                    # so do all of them when a peer rank was lost (not the step's fault).
-                    self._fail_step(step_id, StepError(reason[:4096], kv_written=False))
-                raise EngineError(reason)
-            if isinstance(msg, StepOutput) and msg.step_id == step_id:
-                return msg
-            if isinstance(msg, KvLoaded):
-                self.scheduler.loads.report(msg)
-            else:
-                log.warning("ignoring stale worker message %s", type(msg).__name__)
 
     # ---------------------------------------------------------------- kvcache_svc recovery
 

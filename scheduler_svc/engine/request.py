@@ -34,7 +34,8 @@ class RequestStatus(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """One request's sampling and token-level stop settings, as the engine core uses them
-    (validated by the front end: scheduler_svc.frontend.validation)."""
+    (validated by the front end: scheduler_svc.frontend.validation; the front end's
+    SamplingParams extends these with its text-side settings)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,7 +1,7 @@
 """Token-level endings, checked by the engine core as each sampled token is appended: EOS, a
-stop token id, the length (max_tokens or the context), all after `min_tokens` outputs. A
-grammar's completion is the scheduler's to check (scheduler_svc.engine.grammar). Stop strings
-are the front end's (they need text): it aborts the request when one matches.
+stop token id, the length (max_tokens or the context), all after `min_tokens` outputs, then a
+grammar's completion (scheduler_svc.engine.grammar). Stop strings are the front end's (they
+need text): it aborts the request when one matches.
 
 Also the outputs those checks produce: `token_output` for a token that does not end the
 request, `final_output` for the last one (with the request's ending and usage counts).
@@ -11,17 +11,20 @@ from scheduler_svc.engine.request import FinishReason, Request, RequestOutput
 from services.wire import TokenLogprobs
 
 
-def stop_check(request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+def token_ending(request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
     """Whether `request` ends with `token_id`, just appended: (reason, the stop token id when
-    one of those ended it), or (None, None)."""
+    one of those ended it), or (None, None). A grammar advances by the token here."""
     sampling = request.sampling
-    if request.num_output_tokens >= sampling.min_tokens:
+    num_tokens = len(request.token_ids)
+    if num_tokens - request.num_prompt_tokens >= sampling.min_tokens:
         if not sampling.ignore_eos and token_id in request.eos_token_ids:
             return FinishReason.STOP, None
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP, token_id
-    if request.num_tokens >= request.max_num_tokens:
+    if num_tokens >= request.max_num_tokens:
         return FinishReason.LENGTH, None
+    if request.grammar is not None and request.grammar.advance(token_id):
+        return FinishReason.STOP, None          # the grammar is complete
     return None, None
 
 

@@ -4,31 +4,18 @@ hand: it needs the addresses its cluster chose for it."""
 
 import asyncio
 import logging
-import signal
 import sys
 
 from scheduler_svc.cluster.wire import FrontendLaunch
 from scheduler_svc.frontend.server import serve
-from services import cluster_token, subprocesses
-from services.codec import Codec, DecodeError
+from services import subprocesses
 
 log = logging.getLogger("scheduler_svc.frontend")
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the cluster stops its front ends
-    if cluster_token.join(log) is None:
-        return 2
-    try:
-        launch = Codec(FrontendLaunch).decode(subprocesses.read_settings())
-    except (DecodeError, ValueError) as exc:
-        logging.basicConfig()
-        log.error("bad FrontendLaunch on stdin: %s", exc)
-        return 2
-    subprocesses.die_with_parent(launch.parent_pid)
-    logging.basicConfig(level=launch.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(launch))
+    launch = subprocesses.start_child(FrontendLaunch, log)
+    return 2 if launch is None else asyncio.run(serve(launch))
 
 
 if __name__ == "__main__":

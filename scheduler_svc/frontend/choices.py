@@ -24,7 +24,8 @@ import secrets
 from collections.abc import AsyncIterator
 
 from scheduler_svc.engine.request import FinishReason
-from scheduler_svc.frontend.core import Frontend, PreparedRequest
+from scheduler_svc.frontend.core import Frontend
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.streams import RequestOutput
 from scheduler_svc.frontend.validation import MAX_CHOICE_SUFFIX, InvalidRequest
 from services.merge_streams import merge_streams

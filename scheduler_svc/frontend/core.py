@@ -2,19 +2,18 @@
 request to a replica's engine core and turns each step message that comes back into text for
 the client's stream. No protobuf here; `servicer.py` adapts it to gRPC.
 
-Everything runs on the front end's event loop but two kinds of work: chat templates are
-rendered and text is tokenized (and grammars compiled) on a small thread pool, so a long
-prompt never holds the loop, and the prefix query of routing runs on the router's thread. The
-prompt's size is checked on the loop first, so no thread is handed more than
-`Limits.max_prompt_bytes` bytes.
+Everything runs on the front end's event loop but two kinds of work: prompts are rendered and
+tokenized (and grammars compiled) on a small thread pool (scheduler_svc.frontend.prompts), and
+the prefix query of routing runs on the router's thread.
 
 A request's life here: `generate` registers it (parked) and dispatches it: the router picks a
 ready replica from the cluster's state and the request goes to its engine core as token ids.
-Each `EngineOutputs` the engine core sends for this front end (`take_outputs`) appends each
-request's token, detokenizes it and checks its stop strings (a match aborts it on the engine
-core, and the tokens computed after it are never sent), then puts the output on the request's
-stream. An engine core that goes down (its own last message, or the cluster's state listing
-it gone) has its requests dispatched again from prompt + the tokens their clients have.
+Each `EngineOutputs` the engine core sends for this front end (`take_outputs`) is fanned out
+to its requests (scheduler_svc.frontend.requests): each appends its tokens, detokenizes them
+and checks its stop strings (a match aborts it on the engine core, and the tokens computed
+after it are never sent), then puts the output on its stream. An engine core that goes down
+(its own last message, or the cluster's state listing it gone) has its requests dispatched
+again from prompt + the tokens their clients have.
 """
 
 import asyncio
@@ -23,10 +22,8 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from scheduler_svc.cluster.wire import ClusterState, FrontendReport, ReplicaEntry
 from scheduler_svc.engine.request import FinishReason
@@ -34,43 +31,31 @@ from scheduler_svc.engine.wire import (
     EngineAbort,
     EngineOutputs,
     EngineRequest,
-    Finished,
-    HandlePromptLogprobs,
     engine_request_id,
-    unpack_ints,
 )
 from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
-from scheduler_svc.frontend.grammar import CompiledGrammar, Grammars
+from scheduler_svc.frontend.grammar import Grammars
 from scheduler_svc.frontend.links import EngineLinks
 from scheduler_svc.frontend.metrics import RequestMetrics, RequestTimer
-from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import TOKENIZER_THREADS, PreparedRequest, PromptInput, Prompts
 from scheduler_svc.frontend.requests import FrontRequest, LiveRequests, Placement
 from scheduler_svc.frontend.router import Router
 from scheduler_svc.frontend.streams import OutputStream, RequestOutput
-from scheduler_svc.frontend.structured_output import StructuredOutput, StructuredOutputError
-from scheduler_svc.frontend.tokenizer import ChatMessage, TemplateError, TextTokenizer
+from scheduler_svc.frontend.tokenizer import TextTokenizer
 from scheduler_svc.frontend.validation import (
     InvalidRequest,
     Limits,
     RawSampling,
     validate_cache_salt,
-    validate_chat,
     validate_model,
     validate_prompt,
-    validate_prompt_text,
     validate_request_id,
     validate_sampling,
 )
-from services.wire import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 MAX_GONE = 1024           # engine cores remembered as down
-
-# Prompts tokenized at once; more wait for a thread. HF tokenizers release the GIL while
-# encoding, so these run beside the loop rather than taking turns with it.
-TOKENIZER_THREADS = 2
 
 
 class Draining(RuntimeError):
@@ -88,27 +73,6 @@ class RequestFailed(RuntimeError):
     def __init__(self, message: str, server_fault: bool = False) -> None:
         super().__init__(message)
         self.server_fault = server_fault
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """Exactly one of the three is set."""
-
-    text: str | None = None
-    token_ids: Sequence[int] | None = None    # copied to a list once its length is checked
-    chat: list[ChatMessage] | None = None
-    # With chat only: the template's `tools` and `documents` (JSON objects), None = not given.
-    tools: list[dict[str, Any]] | None = None
-    documents: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    cache_salt: bytes = b""     # the tenant's prefix-cache salt, UTF-8; empty = unsalted
-    grammar: CompiledGrammar | None = None   # sampling.structured_output, compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +104,7 @@ class Frontend:
         # How long a request may wait for a ready replica (at start, or after its replica
         # was lost with no other left), unless the client's deadline comes first.
         self.replica_wait_s = replica_wait_s
-        self._tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
-                                                 thread_name_prefix="tokenize")
+        self.prompts = Prompts(tokenizer, limits, grammars, tokenizer_threads)
         self.metrics = metrics
         self.grammars = grammars
         self.num_requests_total = 0
@@ -166,7 +129,7 @@ class Frontend:
                 and not state.draining and not self.draining)
 
     def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 
     def report(self) -> FrontendReport:
         return FrontendReport(frontend=self.index, epoch=self.epoch, num_live=len(self.live),
@@ -176,51 +139,6 @@ class Frontend:
 
     # ------------------------------------------------------------------ prompts
 
-    async def render(self, prompt: PromptInput,
-                     add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The prompt text and its token ids (token-id input has no text). Sizes and roles are
-        checked here on the loop; rendering and tokenizing run on the tokenizer threads."""
-        if prompt.token_ids is not None:
-            validate_prompt(prompt.token_ids, self.limits)   # before copying a huge list
-            return "", list(prompt.token_ids)
-        if prompt.chat is not None:
-            validate_chat(prompt.chat, self.limits, prompt.tools, prompt.documents)
-        else:
-            validate_prompt_text(prompt.text or "", self.limits)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self._render_blocking, prompt,
-                                          add_generation_prompt)
-
-    def _render_blocking(self, prompt: PromptInput,
-                         add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """On a tokenizer thread."""
-        if prompt.chat is not None:
-            try:
-                text = self.tokenizer.render_chat(prompt.chat, add_generation_prompt,
-                                                  prompt.tools, prompt.documents)
-            except TemplateError as exc:
-                raise InvalidRequest(str(exc)) from exc
-            validate_prompt_text(text, self.limits, "rendered chat")
-            return text, self.tokenizer.encode(text)
-        text = prompt.text or ""
-        return text, self.tokenizer.encode(text) if text else []
-
-    async def detokenize(self, sequences: Sequence[Sequence[int]],
-                         skip_special_tokens: bool) -> list[str]:
-        """Each sequence's text, decoded on its own, on the tokenizer threads (a vocabulary's
-        worth of one-token sequences takes tens of milliseconds)."""
-        vocab_size = self.limits.vocab_size
-        for i, ids in enumerate(sequences):
-            bad = next((t for t in ids if t >= vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(f"sequences[{i}]: token id {bad} is outside the "
-                                     f"vocabulary (0..{vocab_size - 1})")
-        lists = [list(ids) for ids in sequences]
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenize_pool, lambda: self.tokenizer.tokenizer.decode_batch(
-                lists, skip_special_tokens=skip_special_tokens))
-
     async def prepare(self, request_id: str, model: str, prompt: PromptInput,
                       raw: RawSampling, cache_salt: str = "") -> PreparedRequest:
         validate_model(model, self.limits)
@@ -229,7 +147,7 @@ class Frontend:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
-        _, token_ids = await self.render(prompt)
+        _, token_ids = await self.prompts.render(prompt)
         # Again: another request may have taken the id while this one was tokenized.
         if request_id in self.live:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
@@ -239,23 +157,8 @@ class Frontend:
         sampling = validate_sampling(raw, len(token_ids), limits)
         grammar = None
         if sampling.structured_output is not None:
-            grammar = await self.compile_grammar(sampling.structured_output)
+            grammar = await self.prompts.compile_grammar(sampling.structured_output)
         return PreparedRequest(request_id, token_ids, sampling, salt, grammar)
-
-    async def compile_grammar(self, spec: StructuredOutput) -> CompiledGrammar:
-        """The constraint's grammar: from the cache, or compiled on a tokenizer thread (a
-        large schema takes long enough to stall every other client on the loop)."""
-        if self.grammars is None:
-            raise InvalidRequest("structured_output is not served by this scheduler")
-        grammars = self.grammars
-        grammar = grammars.cached(spec)
-        if grammar is not None:
-            return grammar
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._tokenize_pool, grammars.compile, spec)
-        except StructuredOutputError as exc:
-            raise InvalidRequest(str(exc)) from None
 
     # ------------------------------------------------------------------ a request's life
 
@@ -329,7 +232,7 @@ class Frontend:
         if request.done:
             return
         self._abort_on_engine(request)
-        self._finish(request, FinishReason.ABORT, None, None)
+        request.finish(FinishReason.ABORT, None, None)
 
     def cancel_id(self, request_id: str) -> bool:
         """Abort by the client's id; False if no such request is live here."""
@@ -406,11 +309,10 @@ class Frontend:
         if len(outputs) >= s.min_tokens and (
                 (not s.ignore_eos and last in self.facts.eos_token_ids)
                 or last in s.stop_token_ids):
-            self._finish(request, FinishReason.STOP,
-                         last if last in s.stop_token_ids else None, None)
+            request.finish(FinishReason.STOP, last if last in s.stop_token_ids else None, None)
             return True
         if len(outputs) >= s.max_tokens or len(request.token_ids) >= self.limits.max_model_len:
-            self._finish(request, FinishReason.LENGTH, None, None)
+            request.finish(FinishReason.LENGTH, None, None)
             return True
         return False
 
@@ -435,7 +337,7 @@ class Frontend:
         ready = bool(self._ready())
         for request in self.live.parked():
             if now >= request.deadline:
-                self._fail(request, "no replica became ready before the request's deadline")
+                request.fail("no replica became ready before the request's deadline")
             elif ready:
                 self._dispatch_soon(request)
 
@@ -452,7 +354,7 @@ class Frontend:
             if request.done:                        # its client has every output
                 continue
             if request.stop_string is not None:     # its ending was only waiting on counts
-                self._finish(request, FinishReason.STOP, request.stop_string, None)
+                request.finish(FinishReason.STOP, request.stop_string, None)
                 continue
             self.live.park(request)
             self._set_deadline(request, now)
@@ -467,112 +369,7 @@ class Frontend:
     def take_outputs(self, message: EngineOutputs) -> None:
         """One engine core's step message for this front end's requests."""
         placement = (message.replica_id, message.engine_epoch)
-        try:
-            handles_array = unpack_ints(message.handles, "<i8", message.num_rows, "handles")
-            tokens_array = unpack_ints(message.token_ids, "<i4", message.num_rows, "token_ids")
-        except ValueError as exc:
-            log.warning("dropping a malformed step message from replica %d: %s",
-                        message.replica_id, exc)
-            return
-        if message.num_rows and (int(tokens_array.min()) < 0
-                                 or int(tokens_array.max()) >= self.facts.vocab_size):
-            log.warning("dropping a step message with tokens outside the vocabulary from "
-                        "replica %d", message.replica_id)
-            return
-        handles, token_ids = handles_array.tolist(), tokens_array.tolist()
-        if not (message.finished or message.logprobs or message.prompt_logprobs
-                or len(set(handles)) != len(handles)):
-            # A plain decode step: one token for each request it names.
-            live = self.live
-            for handle, token_id in zip(handles, token_ids):
-                request = live.get(handle)
-                if request is not None and not request.done and request.placement == placement:
-                    self._take(request, [token_id], [None], None, None)
-        else:
-            self._take_message(message, placement, handles, token_ids)
+        for request in self.live.take_outputs(message, placement, self.facts.vocab_size):
+            self._abort_on_engine(request)      # a stop string matched
         if message.down is not None:
             self._engine_down(placement, message.down)
-
-    def _take_message(self, message: EngineOutputs, placement: Placement, handles: list[int],
-                      token_ids: list[int]) -> None:
-        """A step message with endings, logprobs or several rows of one request."""
-        logprobs = {r.row: r.logprobs for r in message.logprobs}
-        finished = {f.handle: f for f in message.finished}
-        prompt_logprobs = {p.handle: p for p in message.prompt_logprobs}
-        rows: dict[int, list[int]] = {}
-        for row, handle in enumerate(handles):
-            rows.setdefault(handle, []).append(row)
-        for handle in rows.keys() | finished.keys():
-            request = self.live.get(handle)
-            if request is None or request.done or request.placement != placement:
-                continue      # cancelled, or moved off that engine core: a stale output
-            mine = rows.get(handle, ())
-            self._take(request, [token_ids[row] for row in mine],
-                       [logprobs.get(row) for row in mine], finished.get(handle),
-                       prompt_logprobs.get(handle))
-
-    def _take(self, request: FrontRequest, tokens: list[int],
-              logprobs: list[TokenLogprobs | None], fin: Finished | None,
-              plps: HandlePromptLogprobs | None) -> None:
-        """What one step made for one request: its tokens (stop strings checked; held until
-        its stream wants them), its ending if the engine core ended it."""
-        if request.stop_string is None:
-            detok = request.detokenizer
-            min_tokens = request.sampling.min_tokens
-            outputs = request.output_token_ids
-            for token_id, lp in zip(tokens, logprobs, strict=True):
-                outputs.append(token_id)
-                request.unsent_logprobs.append(lp)
-                matched = detok.update(token_id, len(outputs) >= min_tokens)
-                if matched is not None:
-                    request.stop_string = matched
-                    if fin is None:
-                        # Its ending waits for the engine core's (the usage counts).
-                        self._abort_on_engine(request)
-                    break
-        if plps is not None:
-            request.unsent_prompt_logprobs = list(zip(plps.token_ids, plps.logprobs,
-                                                      plps.ranks, strict=False))
-        if fin is not None:
-            if fin.error is not None and request.stop_string is None:
-                self._fail(request, fin.error, fin.server_fault, fin.invalid)
-            elif request.stop_string is not None:
-                self._finish(request, FinishReason.STOP, request.stop_string, fin)
-            else:
-                self._finish(request, FINISH_REASONS.get(fin.reason, FinishReason.ABORT),
-                             fin.stop_token_id, fin)
-            return
-        num_unsent = len(request.output_token_ids) - request.num_sent
-        if request.unsent_prompt_logprobs is not None or (
-                num_unsent and request.stream.wants(num_unsent)):
-            request.stream.put(self._unsent(request, False))
-
-    @staticmethod
-    def _unsent(request: FrontRequest, finished: bool) -> RequestOutput:
-        """What its stream has not been handed: tokens, their text, logprobs."""
-        out = RequestOutput(request.request_id, request.output_token_ids[request.num_sent:],
-                            request.detokenizer.take_delta(finished), request.unsent_logprobs,
-                            prompt_logprobs=request.unsent_prompt_logprobs)
-        request.num_sent = len(request.output_token_ids)
-        request.unsent_logprobs = []
-        request.unsent_prompt_logprobs = None
-        return out
-
-    def _finish(self, request: FrontRequest, reason: FinishReason,
-                stop_reason: str | int | None, fin: Finished | None) -> None:
-        request.done = True
-        out = self._unsent(request, True)
-        out.finish_reason, out.stop_reason = reason, stop_reason
-        out.num_prompt_tokens = len(request.prompt_token_ids)
-        out.num_output_tokens = len(request.output_token_ids)
-        if fin is not None:
-            out.num_cached_tokens = fin.num_cached_tokens
-            out.num_store_loaded_tokens = fin.num_store_loaded_tokens
-        request.stream.put(out)
-
-    def _fail(self, request: FrontRequest, error: str, server_fault: bool = False,
-              invalid: bool = False) -> None:
-        request.done = True
-        request.stream.put(RequestOutput(request.request_id, [], "", [], FinishReason.ABORT,
-                                         error=error, server_fault=server_fault,
-                                         invalid=invalid))

@@ -3,22 +3,31 @@ has, its detokenizer and stream) and where it runs (a replica's engine core, or 
 is parked waiting for one).
 
 The front end (core.py) adds a request when its stream opens and removes it when the stream
-ends; it places, parks and moves it. The engine core holds the request's scheduling state;
+ends; it places, parks and moves it. Each engine core step message for this front end is
+fanned out here (`LiveRequests.take_outputs`): every request it names appends its tokens,
+detokenizes them and checks its stop strings (`FrontRequest.take`), and hands its stream
+what the stream wants. The engine core holds the request's scheduling state;
 what is here is enough to run it again anywhere: prompt + outputs so far (a lost replica's
 requests move token-exact). Everything here runs on the front end's event loop: no locks.
 """
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from scheduler_svc.engine.request import FinishReason
+from scheduler_svc.engine.wire import EngineOutputs, Finished, HandlePromptLogprobs, unpack_ints
 from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
 from scheduler_svc.frontend.grammar import CompiledGrammar
 from scheduler_svc.frontend.metrics import RequestTimer
 from scheduler_svc.frontend.params import SamplingParams
-from scheduler_svc.frontend.streams import OutputStream
+from scheduler_svc.frontend.streams import OutputStream, RequestOutput
 from services.wire import TokenLogprobs
 
+log = logging.getLogger(__name__)
+
 Placement = tuple[int, int]        # (replica id, engine core epoch)
+FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +62,75 @@ class FrontRequest:
     def token_ids(self) -> list[int]:
         """Prompt + outputs so far: what an engine core runs it from."""
         return self.prompt_token_ids + self.output_token_ids
+
+    # What one step made for it, on its way to its stream.
+
+    def take(self, tokens: list[int], logprobs: list[TokenLogprobs | None],
+             fin: Finished | None, plps: HandlePromptLogprobs | None) -> bool:
+        """Its tokens from one step (stop strings checked; held until its stream wants them),
+        its prompt logprobs, its ending if the engine core ended it. True when a stop string
+        matched before the engine core ended it: the caller aborts it there (the ending waits
+        for the engine core's, with the usage counts)."""
+        abort = False
+        if self.stop_string is None:
+            detok = self.detokenizer
+            min_tokens = self.sampling.min_tokens
+            outputs = self.output_token_ids
+            for token_id, lp in zip(tokens, logprobs, strict=True):
+                outputs.append(token_id)
+                self.unsent_logprobs.append(lp)
+                matched = detok.update(token_id, len(outputs) >= min_tokens)
+                if matched is not None:
+                    self.stop_string = matched
+                    abort = fin is None
+                    break
+        if plps is not None:
+            self.unsent_prompt_logprobs = list(zip(plps.token_ids, plps.logprobs, plps.ranks,
+                                                   strict=False))
+        if fin is not None:
+            if fin.error is not None and self.stop_string is None:
+                self.fail(fin.error, fin.server_fault, fin.invalid)
+            elif self.stop_string is not None:
+                self.finish(FinishReason.STOP, self.stop_string, fin)
+            else:
+                self.finish(FINISH_REASONS.get(fin.reason, FinishReason.ABORT),
+                            fin.stop_token_id, fin)
+            return abort
+        num_unsent = len(self.output_token_ids) - self.num_sent
+        if self.unsent_prompt_logprobs is not None or (
+                num_unsent and self.stream.wants(num_unsent)):
+            self.stream.put(self.unsent(False))
+        return abort
+
+    def unsent(self, finished: bool) -> RequestOutput:
+        """What its stream has not been handed: tokens, their text, logprobs."""
+        out = RequestOutput(self.request_id, self.output_token_ids[self.num_sent:],
+                            self.detokenizer.take_delta(finished), self.unsent_logprobs,
+                            prompt_logprobs=self.unsent_prompt_logprobs)
+        self.num_sent = len(self.output_token_ids)
+        self.unsent_logprobs = []
+        self.unsent_prompt_logprobs = None
+        return out
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None,
+               fin: Finished | None) -> None:
+        """Its last output, with its ending and usage counts (the engine core's `fin`)."""
+        self.done = True
+        out = self.unsent(True)
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        out.num_prompt_tokens = len(self.prompt_token_ids)
+        out.num_output_tokens = len(self.output_token_ids)
+        if fin is not None:
+            out.num_cached_tokens = fin.num_cached_tokens
+            out.num_store_loaded_tokens = fin.num_store_loaded_tokens
+        self.stream.put(out)
+
+    def fail(self, error: str, server_fault: bool = False, invalid: bool = False) -> None:
+        """It ends without finishing: `error` says why."""
+        self.done = True
+        self.stream.put(RequestOutput(self.request_id, [], "", [], FinishReason.ABORT,
+                                      error=error, server_fault=server_fault,
+                                      invalid=invalid))
 
 
 class LiveRequests:
@@ -125,3 +203,54 @@ class LiveRequests:
 
     def placements(self) -> set[Placement]:
         return set(self._num_on)
+
+    # A step message, fanned out.
+
+    def take_outputs(self, message: EngineOutputs, placement: Placement,
+                     vocab_size: int) -> list[FrontRequest]:
+        """One engine core's step message (it came from `placement`) for these requests:
+        each live one placed there takes its share (`FrontRequest.take`). The requests a stop
+        string ended, for the caller to abort on the engine core. A malformed message is
+        dropped whole (logged)."""
+        try:
+            handles_array = unpack_ints(message.handles, "<i8", message.num_rows, "handles")
+            tokens_array = unpack_ints(message.token_ids, "<i4", message.num_rows, "token_ids")
+        except ValueError as exc:
+            log.warning("dropping a malformed step message from replica %d: %s",
+                        message.replica_id, exc)
+            return []
+        if message.num_rows and (int(tokens_array.min()) < 0
+                                 or int(tokens_array.max()) >= vocab_size):
+            log.warning("dropping a step message with tokens outside the vocabulary from "
+                        "replica %d", message.replica_id)
+            return []
+        handles, token_ids = handles_array.tolist(), tokens_array.tolist()
+        aborts = []
+        if not (message.finished or message.logprobs or message.prompt_logprobs
+                or len(set(handles)) != len(handles)):
+            # A plain decode step: one token for each request it names.
+            by_handle = self._by_handle
+            for handle, token_id in zip(handles, token_ids):
+                request = by_handle.get(handle)
+                if (request is not None and not request.done
+                        and request.placement == placement
+                        and request.take([token_id], [None], None, None)):
+                    aborts.append(request)
+            return aborts
+        # Endings, logprobs or several rows of one request.
+        logprobs = {r.row: r.logprobs for r in message.logprobs}
+        finished = {f.handle: f for f in message.finished}
+        prompt_logprobs = {p.handle: p for p in message.prompt_logprobs}
+        rows: dict[int, list[int]] = {}
+        for row, handle in enumerate(handles):
+            rows.setdefault(handle, []).append(row)
+        for handle in rows.keys() | finished.keys():
+            request = self._by_handle.get(handle)
+            if request is None or request.done or request.placement != placement:
+                continue      # cancelled, or moved off that engine core: a stale output
+            mine = rows.get(handle, ())
+            if request.take([token_ids[row] for row in mine],
+                            [logprobs.get(row) for row in mine], finished.get(handle),
+                            prompt_logprobs.get(handle)):
+                aborts.append(request)
+        return aborts

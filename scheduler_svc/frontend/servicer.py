@@ -17,11 +17,11 @@ from scheduler_svc.frontend.choices import choice_ids, generate_choices
 from scheduler_svc.frontend.core import (
     Draining,
     Frontend,
-    PromptInput,
     QueueFull,
     RequestFailed,
 )
 from scheduler_svc.frontend.links import ClusterLink
+from scheduler_svc.frontend.prompts import PromptInput
 from scheduler_svc.frontend.streams import RequestOutput
 from scheduler_svc.frontend.structured_output import (
     StructuredOutput,
@@ -213,7 +213,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
         try:
             validate_model(request.model, self.frontend.limits)
-            text, ids = await self.frontend.render(
+            text, ids = await self.frontend.prompts.render(
                 prompt_from_pb(request), add_generation_prompt=not request.no_generation_prompt)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -223,7 +223,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                          context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
         try:
             validate_model(request.model, self.frontend.limits)
-            texts = await self.frontend.detokenize([s.ids for s in request.sequences],
+            texts = await self.frontend.prompts.detokenize([s.ids for s in request.sequences],
                                                    request.skip_special_tokens)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -31,7 +31,7 @@ from tests.scheduler_svc.cluster.fakes import (
 @pytest.fixture
 def membership(model_path: Path, ctx: zmq.Context) -> Iterator[Membership]:
     m = make_membership(model_path, ctx, FakeEngines(exit_on_stop=False))
-    m.kv_reachable = True
+    m.kv.reachable = True
     yield m
     for replica in m.replicas.values():     # the fake processes exit: no wait at shutdown
         if replica.engine is not None:

@@ -34,7 +34,7 @@ def engines() -> FakeEngines:
 @pytest.fixture
 def cluster(model_path: Path, ctx: zmq.Context, engines: FakeEngines) -> Iterator[Membership]:
     c = make_membership(model_path, ctx, engines, heartbeat_timeout_s=0.5)
-    c.kv_reachable = True
+    c.kv.reachable = True
     yield c
     c.shutdown()
 
@@ -53,6 +53,11 @@ class Probe:
     def call(self, message: object, timeout_ms: int) -> None:
         self.sent.append(message)
         return None
+
+
+def drops(probe: Probe) -> list[object]:
+    """The pools the monitor's pass dropped (it probes reachability first)."""
+    return [m for m in probe.sent if isinstance(m, DropPool)]
 
 
 # ---------------------------------------------------------------- an engine core's life
@@ -122,8 +127,8 @@ def test_an_engine_core_that_says_it_went_down_takes_its_replica_down(
     cluster.check_engines()
     assert cluster.cluster_state().gone == [(0, engine.epoch)]    # listed once
     probe = Probe()
-    cluster._drop_pools(probe)  # type: ignore[arg-type]
-    assert probe.sent == []                            # it dropped its own pool
+    cluster._watch_kvcache(probe)  # type: ignore[arg-type]
+    assert drops(probe) == []                          # it dropped its own pool
 
 
 def test_an_engine_core_that_exits_unannounced_takes_its_replica_down(
@@ -136,8 +141,8 @@ def test_an_engine_core_that_exits_unannounced_takes_its_replica_down(
     assert replica.state == ReplicaState.DOWN
     assert cluster.cluster_state().gone == [(0, engine.epoch)]
     probe = Probe()
-    cluster._drop_pools(probe)  # type: ignore[arg-type]
-    assert probe.sent == [DropPool(replica_id=0)]      # its pool outlived it
+    cluster._watch_kvcache(probe)  # type: ignore[arg-type]
+    assert drops(probe) == [DropPool(replica_id=0)]    # its pool outlived it
 
 
 def test_silent_worker_takes_its_replica_down(cluster: Membership,
@@ -221,8 +226,8 @@ def test_kvcache_reachability_is_the_probes_and_decides_readiness(
     assert cluster.is_ready()
     changes: list[int] = []
     cluster.on_change = lambda: changes.append(1)
-    cluster._probe_kvcache(Probe())  # type: ignore[arg-type]   # no answer
-    assert not cluster.kv_reachable and not cluster.is_ready() and changes == [1]
+    cluster._watch_kvcache(Probe())  # type: ignore[arg-type]   # no answer
+    assert not cluster.kv.reachable and not cluster.is_ready() and changes == [1]
     assert not cluster.cluster_state().kv_reachable
 
 
@@ -386,5 +391,5 @@ def test_a_killed_engine_cores_pool_is_dropped(cluster: Membership,
     cluster.check_engines()                            # killed
     assert proc(engine).num_kills == 1
     probe = Probe()
-    cluster._drop_pools(probe)  # type: ignore[arg-type]
-    assert probe.sent == [DropPool(replica_id=0)]
+    cluster._watch_kvcache(probe)  # type: ignore[arg-type]
+    assert drops(probe) == [DropPool(replica_id=0)]

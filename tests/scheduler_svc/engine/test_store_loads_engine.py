@@ -29,8 +29,8 @@ from services.wire import (
     ToWorker,
     WorkerFailure,
 )
-from tests.scheduler_svc.engine import test_core as engine_tests
-from tests.scheduler_svc.engine.test_core import (
+from tests.scheduler_svc.engine import engine_harness
+from tests.scheduler_svc.engine.engine_harness import (
     EOS,
     MAX_MODEL_LEN,
     FakeTransport,
@@ -42,7 +42,7 @@ from tests.scheduler_svc.engine.test_core import (
 )
 from tests.scheduler_svc.engine.test_store_loads import SLICES, put_chunks
 
-E_BLOCK = engine_tests.BLOCK_SIZE      # 4
+E_BLOCK = engine_harness.BLOCK_SIZE      # 4
 E_CHUNK = 16
 E_PROMPT = list(range(10, 50))         # 40 tokens: 2 whole chunks (32 tokens) in the store
 
@@ -110,7 +110,7 @@ class LoadingTransport(FakeTransport):
     def recv_from_ranks(self, timeout_ms: int) -> FromWorker | None:
         message = self._next_ready()
         if message is None and self._sent and self.worker.gate.is_set():
-            time.sleep(engine_tests.STEP_S)
+            time.sleep(engine_harness.STEP_S)
             self.replies.extend(self.loading_worker.answer_all(self._sent.popleft()))
             message = self._next_ready()
         if message is None:

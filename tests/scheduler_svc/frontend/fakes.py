@@ -20,10 +20,11 @@ from scheduler_svc.engine.wire import (
     engine_request_id,
     pack_ints,
 )
-from scheduler_svc.frontend.core import Frontend, ModelFacts, PreparedRequest
+from scheduler_svc.frontend.core import Frontend, ModelFacts
 from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
 from scheduler_svc.frontend.metrics import RequestTimer
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.requests import FrontRequest, Placement
 from scheduler_svc.frontend.router import Router
 from scheduler_svc.frontend.streams import OutputStream, RequestOutput

@@ -9,8 +9,8 @@ import pytest
 
 from scheduler_svc.engine.request import FinishReason
 from scheduler_svc.frontend.choices import generate_choices, split_choices
-from scheduler_svc.frontend.core import PreparedRequest
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.streams import RequestOutput
 from scheduler_svc.frontend.validation import (
     InvalidRequest,

@@ -19,13 +19,12 @@ from scheduler_svc.engine.wire import EngineRequest, GrammarVocabulary, engine_r
 from scheduler_svc.frontend.core import (
     Draining,
     Frontend,
-    PreparedRequest,
-    PromptInput,
     QueueFull,
     RequestFailed,
 )
 from scheduler_svc.frontend.grammar import CompiledGrammar
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest, PromptInput
 from scheduler_svc.frontend.structured_output import OutputKind, StructuredOutput
 from scheduler_svc.frontend.tokenizer import ChatMessage, TextTokenizer
 from scheduler_svc.frontend.validation import InvalidRequest, Limits, RawSampling
@@ -86,10 +85,10 @@ def test_oversized_text_is_refused_before_tokenizing() -> None:
             await frontend.prepare("", "", PromptInput(text="x" * 15_000_000), RawSampling())
         assert time.monotonic() - start < 1.0
         with pytest.raises(InvalidRequest, match="chat content is 1001 bytes"):
-            await frontend.render(PromptInput(chat=[ChatMessage("user", "y" * 1001)]))
+            await frontend.prompts.render(PromptInput(chat=[ChatMessage("user", "y" * 1001)]))
         # A chat whose rendering outgrows the limit is refused before it is encoded.
         with pytest.raises(InvalidRequest, match="rendered chat is 1006 bytes"):
-            await frontend.render(PromptInput(chat=[ChatMessage("user", "y" * 1000)]))
+            await frontend.prompts.render(PromptInput(chat=[ChatMessage("user", "y" * 1000)]))
     asyncio.run(run())
     frontend.close()
     assert tokenizer.num_encoded == 0 and tokenizer.num_rendered == 1
@@ -122,7 +121,7 @@ def test_tokenizing_leaves_the_event_loop_free(tokenizer: TextTokenizer) -> None
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.05)
         start = time.perf_counter()
-        _, ids = await frontend.render(PromptInput(text=text))
+        _, ids = await frontend.prompts.render(PromptInput(text=text))
         took = time.perf_counter() - start
         task.cancel()
         assert len(ids) > 100_000

@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from scheduler_svc.engine.request import FinishReason
-from scheduler_svc.frontend.core import Frontend, PreparedRequest
+from scheduler_svc.frontend.core import Frontend
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.tokenizer import TextTokenizer
 from services.wire import TokenLogprobs
 from tests.scheduler_svc.frontend.fakes import (

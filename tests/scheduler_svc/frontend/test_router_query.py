@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 from scheduler_svc.frontend import router as router_module
-from scheduler_svc.frontend.core import Frontend, PreparedRequest
+from scheduler_svc.frontend.core import Frontend
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.router import Router
 from services.kv_wire import PrefixReply, ReplicaPrefix
 from tests.scheduler_svc.frontend.fakes import (

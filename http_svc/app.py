@@ -2,12 +2,17 @@
 
     POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with stream: true
     GET  /v1/models                              the served model
+    POST /v1/responses                           OpenAI's Responses API (http_svc.responses)
     POST /tokenize, /detokenize                  through the scheduler's tokenizer
-    GET  /health                                 200 only while a replica can serve, else 503
+    GET  /tokenizer_info                         what a remote tokenizer needs (vLLM's)
+    GET  /health, GET|POST /ping                 200 only while a replica can serve, else 503
     GET  /version
+    GET  /metrics                                Prometheus (http_svc.metrics)
 
 Routes only parse and answer: a body is read up to `max_body_bytes` (413 past it), parsed
-into its request model (400 naming the field) and handed to `OpenAIServing`. Every error is
+into its request model (400 naming the field; fields it does not declare are ignored with a
+rate-limited warning, http_svc.ignored) and handed to `OpenAIServing`. Every response
+carries an X-Request-Id (http_svc.request_ids). Every error is
 an OpenAI-style error object (`http_svc.errors`), unknown paths included. The scheduler
 channel and the readiness watch live as long as the app (its lifespan).
 """
@@ -26,20 +31,29 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from http_svc.auth import ApiKeyMiddleware
 from http_svc.config import HttpConfig
 from http_svc.disconnect import ClientGone, unless_disconnected
 from http_svc.errors import ApiError, bad_request, from_validation
+from http_svc.ignored import warn_ignored
+from http_svc.metrics import install as install_metrics
+from http_svc.metrics import scheduler_url
 from http_svc.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    ignored_fields,
 )
 from http_svc.readiness import Readiness
+from http_svc.request_ids import RequestIdMiddleware
+from http_svc.responses import ResponsesRequest, responses
 from http_svc.scheduler_client import SchedulerClient
 from http_svc.serving import OpenAIServing
 from http_svc.streaming import EventStream
+from services.api_keys import ApiKeys
+from services.service_flags import METRICS_PORT
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +89,11 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
 
 def parse(body: dict[str, Any], model: type[M]) -> M:
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc) from None
+    warn_ignored(model.__name__, ignored_fields(parsed))
+    return parsed
 
 
 def respond(result: dict[str, Any] | EventStream) -> Response:
@@ -90,10 +106,10 @@ def respond(result: dict[str, Any] | EventStream) -> Response:
 def build_app(config: HttpConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = SchedulerClient(config.scheduler_address)
+        client = SchedulerClient(config.scheduler_address, config.scheduler_ssl_ca)
         readiness = Readiness(client.channel, client.forget_model)
         readiness.start()
-        app.state.serving = OpenAIServing(client, readiness)
+        app.state.serving = OpenAIServing(client, readiness, config)
         try:
             yield
         finally:
@@ -101,6 +117,10 @@ def build_app(config: HttpConfig) -> FastAPI:
             await client.close()
 
     app = FastAPI(title="splitserve", version=package_version(), lifespan=lifespan)
+    install_metrics(app, scheduler_url(config.scheduler_metrics, config.scheduler_address,
+                                       METRICS_PORT))
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(config.api_keys))   # http_svc.auth
+    app.add_middleware(RequestIdMiddleware)
     version = package_version()
 
     def serving(request: Request) -> OpenAIServing:
@@ -138,6 +158,15 @@ def build_app(config: HttpConfig) -> FastAPI:
         body = parse(await read_json(request, config.max_body_bytes), ChatCompletionRequest)
         return respond(await unless_disconnected(request, serving(request).chat(body)))
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = parse(await read_json(request, config.max_body_bytes), ResponsesRequest)
+        return respond(await unless_disconnected(request, responses(serving(request), body)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        return JSONResponse(await serving(request).tokenizer_info())
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return JSONResponse(await serving(request).models())
@@ -155,6 +184,7 @@ def build_app(config: HttpConfig) -> FastAPI:
         return JSONResponse(await serving(request).detokenize(body))
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])    # vLLM's (SageMaker's) health check
     async def health(request: Request) -> Response:
         readiness = serving(request).readiness
         if not readiness.ready:

@@ -1,14 +1,17 @@
 """Chat requests onto what the public gRPC API carries (`ChatMessages`): messages of a role
-and a text, with a message's name, tool calls and tool call id, and the request's tools and
-documents, which the scheduler passes to the model's chat template as HF's
-apply_chat_template does.
+and a text, with a message's name, tool calls and tool call id, and the request's tools,
+documents and chat_template_kwargs, which the scheduler passes to the model's chat template
+as HF's apply_chat_template does.
 
 A message's content is a string, null (an empty text) or a list of parts; only text parts
 are taken, joined with newlines as vLLM joins them for string-content templates. Image,
-audio, file and other parts are refused with a 400 naming the part. A per-request chat
-template or template arguments cannot be carried (the scheduler's template is fixed at its
-start, `--chat-template`), nor can a tool choice that forces a call: a request that gives any
-of them a value is refused (400, naming it) rather than rendered without it.
+audio, file and other parts are refused with a 400 naming the part. OpenAI's `developer`
+role is the system role of the models' templates (it replaced `system` for OpenAI's reasoning
+models), and is sent as `system`. A per-request chat template cannot be carried (the
+scheduler's template is fixed at its start, `--chat-template`; vLLM refuses one too unless
+told to trust it), nor can continue_final_message: a request that gives either a value is
+refused (400, naming it) rather than rendered without it. Which tool choices are served is
+`http_svc.tools`.
 """
 
 import json
@@ -21,8 +24,8 @@ from http_svc.protocol import ChatMessageParam
 
 WHY_TEMPLATE = "the scheduler renders chats with the template it was started with"
 
-# Chat parameters the gRPC API cannot carry to the template, with what counts as not given.
-TEMPLATE_INPUTS = ("chat_template", "chat_template_kwargs")
+# Roles the front end renames for the templates.
+ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,45 +37,46 @@ class ChatExtras:
     messages: tuple[tuple[str, str, str], ...]
     tools_json: str = ""
     documents_json: str = ""
+    template_kwargs_json: str = ""
 
 
 def refuse_template_inputs(request: Any) -> None:
-    """400 for a non-empty chat_template or chat_template_kwargs, for continue_final_message
-    and for a tool_choice that asks for a tool."""
-    for name in TEMPLATE_INPUTS:
-        if getattr(request, name, None):
-            raise not_supported(name, WHY_TEMPLATE)
+    """400 for a non-empty chat_template and for continue_final_message."""
+    if getattr(request, "chat_template", None):
+        raise not_supported("chat_template", WHY_TEMPLATE)
     if getattr(request, "continue_final_message", False):
         raise not_supported("continue_final_message")
-    choice = getattr(request, "tool_choice", None)
-    if choice not in (None, "none", "auto"):
-        raise not_supported("tool_choice", "a call cannot be forced yet; use \"auto\"")
 
 
 def flatten_messages(messages: Sequence[ChatMessageParam]) -> list[tuple[str, str]]:
     """Each message as (role, text). The role is checked by the scheduler (a closed set)."""
-    return [(message.role, _text(message.content, f"messages[{i}].content"))
+    return [(ROLE_ALIASES.get(message.role, message.role),
+             _text(message.content, f"messages[{i}].content"))
             for i, message in enumerate(messages)]
 
 
 def chat_extras(request: Any) -> ChatExtras | None:
-    """The request's tools, documents and messages' tool fields; None when it has none."""
+    """The request's tools, documents, template arguments and messages' tool fields; None
+    when it has none."""
     tools = getattr(request, "tools", None) or None
     documents = getattr(request, "documents", None) or None
+    kwargs = getattr(request, "chat_template_kwargs", None) or None
     per_message = tuple((m.name or "", m.tool_call_id or "",
                          json.dumps(m.tool_calls) if m.tool_calls else "")
                         for m in request.messages)
-    if tools is None and documents is None and not any(any(x) for x in per_message):
+    if (tools is None and documents is None and kwargs is None
+            and not any(any(x) for x in per_message)):
         return None
     return ChatExtras(per_message, json.dumps(tools) if tools else "",
-                      json.dumps(documents) if documents else "")
+                      json.dumps(documents) if documents else "",
+                      json.dumps(kwargs) if kwargs else "")
 
 
 def extras_num_bytes(extras: ChatExtras | None) -> int:
     """UTF-8 bytes the extras add to the prompt (they count toward its limit)."""
     if extras is None:
         return 0
-    texts = [extras.tools_json, extras.documents_json,
+    texts = [extras.tools_json, extras.documents_json, extras.template_kwargs_json,
              *(part for message in extras.messages for part in message)]
     return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 

@@ -1,7 +1,7 @@
 """The HTTP front end's configuration, parsed once by `__main__` from its flags (with
 SPLITSERVE_* fallbacks, services.service_flags.add_http_flags)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,3 +12,17 @@ class HttpConfig:
     max_body_bytes: int = 32 << 20            # request bodies past this are refused (413)
     drain_timeout_s: float = 30.0             # after SIGTERM, open responses may finish
     log_level: str = "info"
+    # vLLM's flags: the format tool calls are parsed from (http_svc.tool_parsers), whether
+    # tool_choice "auto" (the default with tools) is served, and the reasoning format.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    # Clients' API keys (services.api_keys; empty: open), the API's TLS files, and the CA to
+    # trust the scheduler's TLS port with (None: plaintext to the scheduler).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    scheduler_ssl_ca: str | None = None
+    # The scheduler's /metrics URL, served again at ours ("": the scheduler host's default
+    # metrics port; "off": ours only). http_svc.metrics.
+    scheduler_metrics: str = ""

@@ -25,6 +25,8 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestErr
 # The scheduler's status codes (proto/splitserve/v1/generation.proto) as HTTP statuses.
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,       # no or a wrong API key (services.api_keys)
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,    # too many live requests: try again later
     grpc.StatusCode.UNAVAILABLE: 503,           # no ready replica, draining, scheduler down

@@ -152,14 +152,27 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
 
 
 def chat_choice(index: int, role: str, text: str, logprobs: dict[str, Any] | None,
-                chunk: Chunk, sampling: Sampling) -> dict[str, Any]:
-    return {"index": index, "message": {"role": role, "content": text},
-            "logprobs": logprobs, "finish_reason": chunk.finish_reason,
+                chunk: Chunk, sampling: Sampling, message: dict[str, Any] | None = None,
+                finish_reason: str | None = None) -> dict[str, Any]:
+    """`message`: the reply read into its fields (http_svc.replies), instead of `text`;
+    `finish_reason`: instead of the chunk's ("tool_calls" where the reply made calls)."""
+    return {"index": index, "message": message or {"role": role, "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason or chunk.finish_reason,
             "stop_reason": stop_reason(chunk, sampling)}
 
 
-def chat_delta(index: int, text: str, logprobs: dict[str, Any] | None, chunk: Chunk,
-               sampling: Sampling) -> dict[str, Any]:
-    """A streamed chat choice after the first (which carries only the role)."""
-    return {"index": index, "delta": {"content": text}, "logprobs": logprobs,
-            "finish_reason": chunk.finish_reason, "stop_reason": stop_reason(chunk, sampling)}
+def chat_delta(index: int, delta: str | dict[str, Any], logprobs: dict[str, Any] | None,
+               chunk: Chunk, sampling: Sampling,
+               finish_reason: str | None = None) -> dict[str, Any]:
+    """A streamed chat choice after the first (which carries only the role): `delta` is the
+    content text, or the delta's fields (content, reasoning_content, tool_calls)."""
+    fields = {"content": delta} if isinstance(delta, str) else delta or {"content": ""}
+    return {"index": index, "delta": fields, "logprobs": logprobs,
+            "finish_reason": finish_reason or chunk.finish_reason,
+            "stop_reason": stop_reason(chunk, sampling)}
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """vLLM's continuous usage stats: one choice's tokens so far, on each streamed chunk."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

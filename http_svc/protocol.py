@@ -2,9 +2,11 @@
 OpenAI's API and vLLM's OpenAI server. Only the shape lives here; what each value means for
 the engine, and which ones it cannot honour yet, is `http_svc.sampling` and `http_svc.chat`.
 
-Every model forbids fields it does not declare, so an unknown field is a 400 that names it
-(vLLM only logs those). Parameters the engine does not have yet are declared anyway: the
-mapping refuses them by name unless their value is the neutral one.
+Lenient where vLLM is lenient: a field a model does not declare is ignored, and
+`ignored_fields` names them for one (rate-limited) warning, as vLLM logs them. Strict where it
+is strict: a declared field with a value the engine cannot honour is a 400 that names it
+(parameters the engine does not have yet are declared for that: the mapping refuses them by
+name unless their value is the neutral one).
 """
 
 from typing import Annotated, Any, Literal
@@ -15,12 +17,31 @@ TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]   # the API's token ids are ui
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request model that keeps undeclared fields aside (`model_extra`) instead of refusing
+    them; the name stays from when they were refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(model: BaseModel, path: str = "") -> list[str]:
+    """The undeclared fields of `model` and of the request models inside it, as field paths
+    (`messages[0].audio`)."""
+    found = [f"{path}.{k}" if path else k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        where = f"{path}.{name}" if path else name
+        if isinstance(value, BaseModel):
+            found += ignored_fields(value, where)
+        elif isinstance(value, list):
+            found += [f for i, v in enumerate(value) if isinstance(v, BaseModel)
+                      for f in ignored_fields(v, f"{where}[{i}]")]
+    return found
 
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = False           # a last chunk with the usage, no choices
-    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk (not yet)
+    # vLLM: usage on every chunk too (with include_usage), each choice's tokens so far
+    continuous_usage_stats: bool | None = False
 
 
 class GenerationFields(StrictModel):
@@ -54,6 +75,9 @@ class GenerationFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = None       # prefix-cache salt (GenerateRequest.cache_salt)
+    # OpenAI's bookkeeping fields, accepted and ignored as vLLM ignores them.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
 
 
 class CompletionRequest(GenerationFields):
@@ -66,6 +90,9 @@ class CompletionRequest(GenerationFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM: the tokenizer's own special tokens (a BOS) around the prompt
+    # (http_svc.special_tokens)
+    add_special_tokens: bool = True
 
 
 class ChatMessageParam(StrictModel):
@@ -75,6 +102,8 @@ class ChatMessageParam(StrictModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier reply's reasoning, sent back by clients; not shown to the template (vLLM).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -94,6 +123,8 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False    # vLLM: false for chat (the template has them)
+    reasoning_effort: str | None = None   # OpenAI reasoning models: accepted, ignored
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -101,6 +132,7 @@ class TokenizeCompletionRequest(StrictModel):
 
     model: str | None = None
     prompt: str
+    add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
@@ -115,6 +147,7 @@ class TokenizeChatRequest(StrictModel):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
     return_token_strs: bool | None = False
 
 

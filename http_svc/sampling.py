@@ -2,8 +2,10 @@
 maps them: the one place that says which parameters the engine honours, with what defaults,
 and which it does not have yet.
 
-Defaults, as vLLM's (with no generation config of the model's own): temperature 1.0, top_p
-1.0, top_k 0 (off), min_tokens 0; completions' max_tokens 16 (null: the rest of the context);
+Defaults, as vLLM's: temperature, top_p, top_k, min_p and repetition_penalty left unset go
+to the scheduler unset, which takes them from the model's generation_config.json
+(--generation-config) or else vLLM's defaults (1.0, 1.0, off, 0, 1.0); min_tokens 0;
+completions' max_tokens 16 (null: the rest of the context);
 chat's max_completion_tokens (or the deprecated max_tokens) the rest of the context; `stop` a
 string or a list; chat's logprobs a bool with top_logprobs alternatives, completions' logprobs
 the number of alternatives. Seeds are int64 as in vLLM; the engine takes their 64 bits.
@@ -13,7 +15,8 @@ logit_bias keys are token ids written as strings, values clamped to [-100, 100] 
 them. `n` choices come from one scheduler request (SamplingParams.n).
 
 `NOT_YET` lists what the engine cannot do yet. Such a parameter is accepted at its neutral
-value (`suffix: null`, `best_of: 1`) and otherwise refused with a 400 that names it.
+value (`suffix: null`) and otherwise refused with a 400 that names it. `best_of` is served
+when it equals `n` and refused by name above it, as vLLM V1 does.
 When the engine gains one, its line leaves `NOT_YET` and one line in `_sampling`
 carries it.
 """
@@ -39,9 +42,13 @@ MAX_N = 64                  # choices per prompt, as the scheduler takes them
 class Sampling:
     """What a GenerateRequest's `sampling` (and `keep_special_tokens`) will carry."""
 
-    temperature: float
-    top_p: float
-    top_k: int                       # -1 or 0: off
+    # None in the five sampling knobs below: the client left it unset, and so does the
+    # GenerateRequest; the scheduler fills it from the model's generation_config.json
+    # (--generation-config) or else vLLM's default (temperature 1, top_p 1, top_k off,
+    # min_p 0, repetition_penalty 1).
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None                # -1 or 0: off
     seed: int | None                 # uint64; None: the engine picks one
     max_tokens: int | None           # None: the rest of the context after the prompt
     min_tokens: int
@@ -52,10 +59,10 @@ class Sampling:
     keep_special_tokens: bool
     structured: Structured | None = None   # response_format / guided_* (http_svc.structured)
     n: int = 1                       # choices per prompt
-    min_p: float = 0.0
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids sorted
     prompt_logprobs: int | None = None   # alternatives per prompt token; None: none
 
@@ -81,7 +88,6 @@ def _falsy(value: Any) -> bool:
 
 
 NOT_YET: tuple[NotYet, ...] = (
-    NotYet("best_of", lambda v: v in (None, 1), "1", lambda v: v >= 1, ">= 1"),
     NotYet("suffix", _falsy, "null"),
     NotYet("include_stop_str_in_output", _falsy, "false"),
     NotYet("guided_grammar", _unset, "null"),
@@ -102,8 +108,6 @@ def refuse_not_yet(request: GenerationFields) -> None:
     options = request.stream_options
     if options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    if options is not None and options.continuous_usage_stats:
-        raise not_supported("stream_options.continuous_usage_stats", "only false is accepted")
 
 
 def completion_sampling(request: CompletionRequest) -> Sampling:
@@ -113,10 +117,21 @@ def completion_sampling(request: CompletionRequest) -> Sampling:
         raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
                           "logprobs")
     sampling = _sampling(request, request.max_tokens, "max_tokens", logprobs)
+    _check_best_of(request.best_of, sampling.n)
     if request.echo and logprobs is not None:   # the echoed prompt's logprobs (vLLM)
         sampling = dataclasses.replace(
             sampling, prompt_logprobs=max(sampling.prompt_logprobs or 0, logprobs))
     return sampling
+
+
+def _check_best_of(best_of: int | None, n: int) -> None:
+    """vLLM V1's best_of: served when it equals n (each of the n choices is returned, none
+    ranked away); fewer than n is invalid, more is not served (V1 has no ranking either)."""
+    if best_of is None or best_of == n:
+        return
+    if best_of < n:
+        raise bad_request(f"best_of must be >= n ({n}), got {best_of}", "best_of")
+    raise not_supported("best_of", f"only best_of == n ({n}) is served, got {best_of}")
 
 
 def chat_sampling(request: ChatCompletionRequest) -> Sampling:
@@ -136,14 +151,12 @@ def chat_sampling(request: ChatCompletionRequest) -> Sampling:
 
 def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name: str,
               logprobs: int | None) -> Sampling:
-    temperature = 1.0 if request.temperature is None else request.temperature
-    if not (math.isfinite(temperature) and temperature >= 0):
+    temperature, top_p, top_k = request.temperature, request.top_p, request.top_k
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = 1.0 if request.top_p is None else request.top_p
-    if not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if request.top_k is None else request.top_k
-    if not -1 <= top_k <= INT32_MAX:
+    if top_k is not None and not -1 <= top_k <= INT32_MAX:
         raise bad_request(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}", "top_k")
     if max_tokens is not None and not 1 <= max_tokens <= INT32_MAX:
         raise bad_request(f"{max_tokens_name} must be at least 1, got {max_tokens}",
@@ -175,7 +188,7 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
         max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos,
         logprobs=logprobs, keep_special_tokens=not request.skip_special_tokens, n=n,
-        min_p=_bounded(request.min_p, "min_p", 0.0, 0.0, 1.0),
+        min_p=_bounded(request.min_p, "min_p", None, 0.0, 1.0),
         presence_penalty=_bounded(request.presence_penalty, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_bounded(request.frequency_penalty, "frequency_penalty", 0.0,
                                    -2.0, 2.0),
@@ -184,7 +197,8 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
         structured=structured_output(request))
 
 
-def _bounded(value: float | None, name: str, default: float, low: float, high: float) -> float:
+def _bounded(value: float | None, name: str, default: float | None, low: float, high: float,
+             ) -> float | None:
     if value is None:
         return default
     if not (math.isfinite(value) and low <= value <= high):
@@ -192,9 +206,9 @@ def _bounded(value: float | None, name: str, default: float, low: float, high: f
     return value
 
 
-def _repetition_penalty(value: float | None) -> float:
+def _repetition_penalty(value: float | None) -> float | None:
     if value is None:
-        return 1.0
+        return None
     if not (math.isfinite(value) and value > 0):
         raise bad_request(f"repetition_penalty must be > 0, got {value}", "repetition_penalty")
     return value

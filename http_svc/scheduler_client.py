@@ -7,6 +7,9 @@ reconnects, since a restarted scheduler may serve another model): the ModelInfo 
 the vocabulary's texts, one per token id, each decoded on its own as vLLM decodes logprob
 tokens (fetched once, in slices, through Detokenize). For a few seconds: the KV capacity of
 the smallest replica (ServerInfo), which bounds "the rest of the context".
+
+Every call carries the key the HTTP client presented (http_svc.auth) as the scheduler's API
+key metadata; the channel is TLS when a CA to trust the scheduler with is given.
 """
 
 import asyncio
@@ -17,10 +20,13 @@ from typing import Any
 
 import grpc
 
+from http_svc.auth import presented_key
 from http_svc.chat import ChatExtras
 from http_svc.errors import ApiError, from_grpc
 from http_svc.sampling import Sampling
 from http_svc.structured import to_pb as structured_to_pb
+from services import tls
+from services.api_keys import call_metadata
 from services.grpc_server import CHANNEL_OPTIONS
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -43,6 +49,7 @@ class ModelCard:
     max_model_len: int        # context length in tokens
     vocab_size: int
     max_prompt_bytes: int     # longest text prompt (or chat content) in UTF-8 bytes
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +102,12 @@ class Chunk:
 def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
     s = spec.sampling
     sampling = pb.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_tokens=s.min_tokens,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        min_tokens=s.min_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos)
+    # Knobs the client left unset stay unset: the scheduler applies the model's defaults.
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if (value := getattr(s, name)) is not None:
+            setattr(sampling, name, value)
     if s.seed is not None:
         sampling.seed = s.seed
     if s.max_tokens is not None:
@@ -107,14 +118,10 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
         sampling.structured_output.CopyFrom(structured_to_pb(s.structured))
     if s.n != 1:
         sampling.n = s.n
-    if s.min_p:
-        sampling.min_p = s.min_p
     if s.presence_penalty:
         sampling.presence_penalty = s.presence_penalty
     if s.frequency_penalty:
         sampling.frequency_penalty = s.frequency_penalty
-    if s.repetition_penalty != 1.0:
-        sampling.repetition_penalty = s.repetition_penalty
     sampling.logit_bias.update(s.logit_bias)
     if s.prompt_logprobs is not None:
         sampling.prompt_logprobs = s.prompt_logprobs
@@ -141,6 +148,7 @@ def chat_to_pb(prompt: Prompt) -> pb.ChatMessages:
             message.name, message.tool_call_id = name, tool_call_id
             message.tool_calls_json = tool_calls_json
         chat.tools_json, chat.documents_json = extras.tools_json, extras.documents_json
+        chat.chat_template_kwargs_json = extras.template_kwargs_json
     return chat
 
 
@@ -196,12 +204,15 @@ class GenerationCall:
 
 
 class SchedulerClient:
-    """Built inside the event loop that serves HTTP (grpc.aio channels belong to one)."""
+    """Built inside the event loop that serves HTTP (grpc.aio channels belong to one).
+    `ssl_ca`: a PEM file of the CA(s) to trust the scheduler's TLS port with (None:
+    plaintext)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, ssl_ca: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address,
-                                                 options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
+        self.channel = grpc.aio.insecure_channel(address, options=options) if ssl_ca is None \
+            else grpc.aio.secure_channel(address, tls.channel_credentials(ssl_ca), options)
         self._stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._card: ModelCard | None = None
         self._vocabulary: tuple[ModelCard, list[str]] | None = None
@@ -218,7 +229,7 @@ class SchedulerClient:
         if self._card is None:
             info = await self._unary(self._stub.ModelInfo, pb.ModelInfoRequest())
             self._card = ModelCard(info.model, info.max_model_len, info.vocab_size,
-                                   info.max_prompt_bytes)
+                                   info.max_prompt_bytes, tuple(info.eos_token_ids))
         return self._card
 
     async def kv_capacity(self) -> int | None:
@@ -235,9 +246,10 @@ class SchedulerClient:
     def generate(self, spec: GenerateSpec, whole: bool = False) -> GenerationCall:
         """`whole`: the client wants the completion only when it is done (a non-streaming
         request with one choice): GenerateOnce, so that no message is sent per token."""
+        metadata = call_metadata(presented_key.get())
         if whole:
-            return GenerationCall(self._stub.GenerateOnce(spec_to_pb(spec)))
-        return GenerationCall(self._stub.Generate(spec_to_pb(spec)))
+            return GenerationCall(self._stub.GenerateOnce(spec_to_pb(spec), metadata=metadata))
+        return GenerationCall(self._stub.Generate(spec_to_pb(spec), metadata=metadata))
 
     async def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True,
                        ) -> tuple[list[int], str]:
@@ -271,7 +283,8 @@ class SchedulerClient:
 
     async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request: Any) -> Any:
         try:
-            return await method(request, timeout=UNARY_TIMEOUT_S)
+            return await method(request, timeout=UNARY_TIMEOUT_S,
+                                metadata=call_metadata(presented_key.get()))
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from None
 

@@ -10,7 +10,12 @@ sent as token ids with the room it leaves, as vLLM computes it.
 
 Streamed responses wait for each generation's first chunk before answering, so that a
 refusal by the scheduler (a prompt too long for the context, say) is an HTTP error status and
-not an error event in a 200 stream.
+not an error event in a 200 stream. With continuous usage stats the prompt is tokenized first
+too, so every event can count it.
+
+A chat reply is read into content, reasoning and tool calls (`http_svc.replies`) as the
+request's tool choice (`http_svc.tools`) and the server's `--reasoning-parser` say; a choice
+that made calls finishes with "tool_calls" where it stopped on its own.
 """
 
 import asyncio
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from http_svc.chat import chat_extras, extras_num_bytes, flatten_messages, refuse_template_inputs
+from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
 from http_svc.outputs import (
     Collected,
@@ -40,6 +46,8 @@ from http_svc.protocol import (
     TokenizeCompletionRequest,
 )
 from http_svc.readiness import Readiness
+from http_svc.reasoning import REASONING_PARSERS
+from http_svc.replies import ReplyReader
 from http_svc.sampling import Sampling, chat_sampling, completion_sampling
 from http_svc.scheduler_client import (
     GenerateSpec,
@@ -48,8 +56,10 @@ from http_svc.scheduler_client import (
     Prompt,
     SchedulerClient,
 )
+from http_svc.special_tokens import SpecialTokens
 from http_svc.streaming import EventStream, Started, StreamHead, chat_events, completion_events
 from http_svc.structured import param_of
+from http_svc.tools import ToolPlan, plan_tools
 
 # Ids one /detokenize may carry: the scheduler reads requests of at least 1 MiB, and a
 # token id takes at most 5 bytes.
@@ -66,10 +76,36 @@ def _whole(stream: bool | None, sampling: Sampling) -> bool:
     message either way)."""
     return not stream and sampling.n == 1 and sampling.logprobs is None
 
+
+def _continuous(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """vLLM's continuous usage stats: asked for with include_usage, on a stream."""
+    options = body.stream_options
+    return bool(body.stream and options and options.include_usage
+                and options.continuous_usage_stats)
+
+
+def _with_tools(sampling: Sampling, plan: ToolPlan) -> Sampling:
+    """The sampling a tool plan needs: the forcing grammar, the parser's special tokens."""
+    if plan.structured is not None:
+        if sampling.structured is not None:
+            raise bad_request(f"tool_choice {plan.mode!r} forces the output's form, as "
+                              f"{sampling.structured.param} does: set one of them",
+                              "tool_choice")
+        sampling = dataclasses.replace(sampling, structured=plan.structured)
+    if plan.keep_special_tokens:
+        sampling = dataclasses.replace(sampling, keep_special_tokens=True)
+    return sampling
+
+
 class OpenAIServing:
-    def __init__(self, client: SchedulerClient, readiness: Readiness) -> None:
+    def __init__(self, client: SchedulerClient, readiness: Readiness,
+                 config: HttpConfig | None = None) -> None:
         self.client = client
         self.readiness = readiness
+        self.config = config or HttpConfig()
+        self.special = SpecialTokens(client)
+        name = self.config.reasoning_parser
+        self.reasoning = REASONING_PARSERS[name] if name else None
 
     # -- checks shared by every endpoint ----------------------------------------------------
 
@@ -166,10 +202,11 @@ class OpenAIServing:
         if echoes is not None and sampling.logprobs is not None:
             first_ids = [(p.token_ids or (await self.client.tokenize(p))[0] or (0,))[0]
                          for p in prompts]
-        if sampling.max_tokens is None:
-            prompts = [p if p.token_ids is not None
-                       else Prompt(token_ids=tuple((await self.client.tokenize(p))[0]))
-                       for p in prompts]
+        continuous = _continuous(body)
+        if sampling.max_tokens is None or continuous or not body.add_special_tokens:
+            prompts = [p if p.token_ids is not None else Prompt(token_ids=tuple(
+                await self.special.text_ids(p.text or "", body.add_special_tokens)))
+                for p in prompts]
         vocab = await self._vocabulary(sampling)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
@@ -182,7 +219,8 @@ class OpenAIServing:
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
                                      bool(options and options.include_usage), echoes,
-                                     first_ids)
+                                     first_ids, [len(p.token_ids or ()) for p in prompts]
+                                     if continuous else None)
         try:
             per_prompt = await asyncio.gather(*(_collect(c, sampling.n) for c in calls))
         finally:
@@ -222,6 +260,8 @@ class OpenAIServing:
         card = await self._model(body.model)
         sampling = chat_sampling(body)
         refuse_template_inputs(body)
+        plan = plan_tools(body, self.config)
+        sampling = _with_tools(sampling, plan)
         messages = tuple(flatten_messages(body.messages))
         extras = chat_extras(body)
         self._check_text(sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
@@ -229,14 +269,17 @@ class OpenAIServing:
         self._require_ready()
         with grpc_fields_named("messages", "top_logprobs", param_of(sampling.structured)):
             return await self._chat(body, card, sampling, Prompt(chat=messages,
-                                                                 chat_extras=extras))
+                                                                 chat_extras=extras), plan)
 
     async def _chat(self, body: ChatCompletionRequest, card: ModelCard, sampling: Sampling,
-                    prompt: Prompt) -> Body | EventStream:
+                    prompt: Prompt, plan: ToolPlan) -> Body | EventStream:
         messages = prompt.chat or ()
-        if sampling.max_tokens is None or not body.add_generation_prompt:
+        num_prompt_tokens = None
+        if (sampling.max_tokens is None or not body.add_generation_prompt or _continuous(body)
+                or body.add_special_tokens):
             ids, _ = await self.client.tokenize(prompt, body.add_generation_prompt)
-            prompt = Prompt(token_ids=tuple(ids))
+            ids = await self.special.chat_ids(ids, body.add_special_tokens)
+            prompt, num_prompt_tokens = Prompt(token_ids=tuple(ids)), len(ids)
             sampling = await self._fill(sampling, len(ids), card)
         role = "assistant" if body.add_generation_prompt else messages[-1][0]
         # vLLM's chat echo: the last message's content, where it has the reply's role.
@@ -251,7 +294,9 @@ class OpenAIServing:
             (started,) = await _start([call])
             options = body.stream_options
             return chat_events(head, role, started, sampling, vocab,
-                               bool(options and options.include_usage), echo)
+                               bool(options and options.include_usage), echo,
+                               lambda: ReplyReader(plan, self.reasoning),
+                               num_prompt_tokens if _continuous(body) else None)
         try:
             results = await _collect(call, sampling.n)
         finally:
@@ -262,8 +307,12 @@ class OpenAIServing:
             if vocab is not None and sampling.logprobs is not None:
                 logprobs = chat_logprobs(vocab, result.logprobs, sampling.logprobs)
             assert result.last is not None
+            reader = ReplyReader(plan, self.reasoning)
+            reply = reader.read(echo + result.text)
+            finish = ("tool_calls" if reader.made_calls and result.last.finish_reason == "stop"
+                      else None)
             choices.append(chat_choice(i, role, echo + result.text, logprobs, result.last,
-                                       sampling))
+                                       sampling, reply.message(role), finish))
         response = {"id": head.id, "object": "chat.completion", "created": head.created,
                     "model": head.model, "choices": choices,
                     "usage": usage_body([r.usage for r in results], sampling.n)}
@@ -286,11 +335,23 @@ class OpenAIServing:
                              + extras_num_bytes(extras), card, "messages")
             ids, _ = await self.client.tokenize(Prompt(chat=messages, chat_extras=extras),
                                                 body.add_generation_prompt)
+            ids = await self.special.chat_ids(ids, body.add_special_tokens)
         else:
             self._check_text(len(body.prompt.encode("utf-8", "surrogatepass")), card, "prompt")
-            ids, _ = await self.client.tokenize(Prompt(text=body.prompt))
+            ids = await self.special.text_ids(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": card.max_model_len, "tokens": ids,
                 "token_strs": None}
+
+    async def tokenizer_info(self) -> Body:
+        """vLLM's /tokenizer_info, from what the gRPC API tells of the tokenizer: enough for
+        a remote tokenizer (lm-eval's) to know the context and the end of a turn."""
+        card = await self._model(None)
+        eos = await self.client.detokenize([[i] for i in card.eos_token_ids])
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": card.max_model_len, "vocab_size": card.vocab_size,
+                "eos_token": eos[0] if eos else None,
+                "eos_token_id": card.eos_token_ids[0] if card.eos_token_ids else None,
+                "eos_token_ids": list(card.eos_token_ids)}
 
     async def detokenize(self, body: DetokenizeRequest) -> Body:
         card = await self._model(body.model)

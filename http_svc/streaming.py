@@ -6,11 +6,13 @@ choice; prompt i's choice j is the response's choice i * n + j (as vLLM numbers 
 `echo`, a choice's first event starts with the prompt text.
 
 Chat streams open with a chunk per choice that carries only the role; each scheduler chunk that
-brings
-text, logprobs or the finish reason becomes one event (a chunk that only held back half a
-character is skipped). With `stream_options.include_usage` a last event carries the usage
-and no choices. An error after the stream began is sent as an event holding the error object
-(the `openai` client raises it), then `[DONE]`.
+brings text, logprobs or the finish reason becomes one event (a chunk that only held back half
+a character is skipped), its text read by a `ReplyReader` (http_svc.replies) into content,
+reasoning_content and tool_calls deltas (text that may begin a tool call or a think tag waits
+for the next chunk). With `stream_options.include_usage` a last event carries the usage and
+no choices; with `continuous_usage_stats` too, every event carries its choice's usage so far
+(vLLM's). An error after the stream began is sent as an event holding the error object (the
+`openai` client raises it), then `[DONE]`.
 
 The stream owns its generation calls: however it ends (finished, failed, or the client gone,
 which cancels it), every call is cancelled, so the scheduler aborts what is still running.
@@ -18,7 +20,7 @@ which cancels it), every call is cancelled, so the scheduler aborts what is stil
 
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,10 @@ from http_svc.outputs import (
     completion_choice,
     completion_logprobs,
     echo_logprobs,
+    running_usage,
     usage_body,
 )
+from http_svc.replies import ReplyReader, merge
 from http_svc.sampling import Sampling
 from http_svc.scheduler_client import Chunk, GenerationCall, TokenLogprob, Usage
 from services.merge_streams import merge_streams
@@ -107,12 +111,15 @@ async def _merged(streams: Sequence[Started], n: int) -> AsyncIterator[tuple[int
 def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,
                       vocab: Sequence[str] | None, include_usage: bool,
                       echoes: Sequence[str] | None = None,
-                      first_ids: Sequence[int] | None = None) -> EventStream:
+                      first_ids: Sequence[int] | None = None,
+                      prompt_tokens: Sequence[int] | None = None) -> EventStream:
     """`echoes`: each prompt's text, to start its choices' text with (echo); `first_ids`:
     each prompt's first token, where the echo comes with logprobs (then the prompt's tokens
-    lead each choice's logprobs, their logprobs from choice 0's first chunk)."""
+    lead each choice's logprobs, their logprobs from choice 0's first chunk);
+    `prompt_tokens`: each prompt's length, for usage on every event (continuous usage)."""
     n = sampling.n
     num_choices = len(streams) * n
+    counts = [0] * num_choices         # tokens generated so far per choice
     num_chars = [0] * num_choices      # text sent so far per choice: logprobs' text_offset
     usages: list[Usage | None] = [None] * num_choices
     echo_pending = [bool(echoes)] * num_choices
@@ -143,7 +150,10 @@ def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sa
                                                    num_chars[i])
             num_chars[i] += len(chunk.text)
             usages[i] = chunk.usage or usages[i]
-            yield head.event([completion_choice(i, text, logprobs, chunk, sampling)])
+            counts[i] += len(chunk.token_ids)
+            extra = {} if prompt_tokens is None else {
+                "usage": running_usage(prompt_tokens[i // n], counts[i])}
+            yield head.event([completion_choice(i, text, logprobs, chunk, sampling)], **extra)
         if include_usage:
             yield head.event([], usage=usage_body(_all(usages), n))
 
@@ -152,23 +162,40 @@ def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sa
 
 
 def chat_events(head: StreamHead, role: str, started: Started, sampling: Sampling,
-                vocab: Sequence[str] | None, include_usage: bool, echo: str = "") -> EventStream:
-    """`echo`: the last message's content, to start every choice's content with."""
+                vocab: Sequence[str] | None, include_usage: bool, echo: str = "",
+                reader: Callable[[], ReplyReader] = ReplyReader,
+                prompt_tokens: int | None = None) -> EventStream:
+    """`echo`: the last message's content, to start every choice's content with; `reader`
+    makes each choice's ReplyReader; `prompt_tokens`: the prompt's length, for usage on
+    every event (continuous usage)."""
     n = sampling.n
+    readers = [reader() for _ in range(n)]
+    counts = [0] * n
+
+    def usage(i: int) -> dict[str, Any]:
+        return {} if prompt_tokens is None else {"usage": running_usage(prompt_tokens,
+                                                                        counts[i])}
 
     async def events() -> AsyncIterator[bytes]:
         for i in range(n):
             yield head.event([{"index": i, "delta": {"role": role, "content": echo},
-                               "logprobs": None, "finish_reason": None}])
+                               "logprobs": None, "finish_reason": None}], **usage(i))
         usages: list[Usage | None] = [None] * n
         async for i, chunk in merged([started], n):
-            if not (chunk.text or chunk.logprobs or chunk.finish_reason):
+            delta = readers[i].feed(chunk.text)
+            if chunk.finish_reason:
+                delta = merge(delta, readers[i].finish())
+            if not (delta or chunk.logprobs or chunk.finish_reason):
                 continue
             logprobs = None
             if vocab is not None and sampling.logprobs is not None:
                 logprobs = chat_logprobs(vocab, chunk.logprobs, sampling.logprobs)
             usages[i] = chunk.usage or usages[i]
-            yield head.event([chat_delta(i, chunk.text, logprobs, chunk, sampling)])
+            counts[i] += len(chunk.token_ids)
+            finish = ("tool_calls" if chunk.finish_reason == "stop" and readers[i].made_calls
+                      else None)
+            yield head.event([chat_delta(i, delta, logprobs, chunk, sampling, finish)],
+                             **usage(i))
         if include_usage:
             yield head.event([], usage=usage_body(_all(usages), n))
 

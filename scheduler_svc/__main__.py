@@ -18,7 +18,7 @@ from scheduler_svc.cluster.server import serve
 from scheduler_svc.config import REQUEST_OVERHEAD_BYTES, ServerConfig
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.engine.wire import MAX_FRONTENDS
-from services import cluster_token
+from services import cluster_token, tls
 from services.flags import FlagParser
 from services.model_config import default_model_path
 from services.service_flags import add_scheduler_flags
@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         p.error("--async-scheduling needs --pp 1 (pipeline stages use the batch queue)")
     if a.async_scheduling is None:
         a.async_scheduling = a.pp == 1
+    if (tls_error := tls.files_error(a.ssl_certfile, a.ssl_keyfile)) is not None:
+        p.error(tls_error)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = str(a.model or default_model_path())
@@ -75,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         metrics_port=None if a.metrics_port < 0 else a.metrics_port,
         async_scheduling=a.async_scheduling, max_prompt_bytes=a.max_prompt_bytes,
         stream_interval=a.stream_interval, chat_template=a.chat_template,
-        num_frontends=a.frontends)
+        tokenizer_path=a.tokenizer, generation_config=a.generation_config,
+        num_frontends=a.frontends, api_keys=tuple(a.api_key), ssl_certfile=a.ssl_certfile,
+        ssl_keyfile=a.ssl_keyfile, seed=a.seed)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,

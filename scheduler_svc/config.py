@@ -3,7 +3,7 @@ once in `__main__` into a frozen `ServerConfig` and passed down (to a front-end 
 stdin, scheduler_svc.frontend.launch). The engine core's own are in
 scheduler_svc.engine.config."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # What a request carries besides its prompt (id, stop strings, chat framing), for the gRPC
 # receive bound of the client port.
@@ -42,4 +42,11 @@ class ServerConfig:
     max_prompt_bytes: int | None = None   # text prompt limit in UTF-8 bytes; None = derived
     chat_template: str | None = None      # --chat-template's value (a file or a template);
                                           # None = the model's own
+    tokenizer_path: str | None = None     # --tokenizer: HF dir or GGUF; None = the model's
+    generation_config: str = "auto"       # --generation-config: auto, vllm or a directory
     num_frontends: int = 1                # front-end processes sharing the client port
+    # The client port's API keys (services.api_keys; empty: open) and TLS files (None: none).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    seed: int | None = None               # --seed: seeds unseeded random requests' seeds

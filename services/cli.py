@@ -1,8 +1,14 @@
-"""`splitserve`: start a local cluster (`up`) or talk to one (`generate`).
+"""`splitserve`: start a local cluster (`serve`, `up`) or talk to one (`generate`).
 
+    splitserve serve MODEL [-tp 2] [--dtype half] [--config serve.yaml] ...
     splitserve up [--model PATH] [--port 50051] [--http-port 8000] [--dtype auto|...] ...
     splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
     splitserve generate "Tell me a story" [--max-tokens 64] [--json]
+
+`serve MODEL` is `up --model MODEL`, as vLLM's `vllm serve` is spelled: both take vLLM's
+names too (`--tensor-parallel-size`/`-tp`, `--pipeline-parallel-size`/`-pp`,
+`--[no-]enable-prefix-caching`, `--seed`, `--dtype half|float`) and `--config FILE`, a YAML
+mapping of flag names to values under the command line (services.config_file).
 
 `up` owns the cluster's shape (model, ports, tp/pp/replicas, device, threads, logs) and passes
 every other flag, as given, to the service that defines it (scheduler_svc, worker_svc,
@@ -16,6 +22,7 @@ add workers by hand).
 
 import argparse
 import json
+import os
 import signal
 import sys
 import textwrap
@@ -25,7 +32,8 @@ from pathlib import Path
 
 import grpc
 
-from services import cluster_token
+from services import api_keys, cluster_token
+from services.config_file import ConfigFileError
 from services.flags import FlagParser
 from services.launcher import (
     SET_BY_LAUNCHER,
@@ -35,6 +43,7 @@ from services.launcher import (
     plan_devices,
 )
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
+from services.serve_args import expand_command, prefix_caching
 from services.service_flags import (
     HTTP_PORT,
     add_http_flags,
@@ -163,7 +172,10 @@ def _generate(a: argparse.Namespace) -> int:
         token_ids: list[int] = []
         finish = ""
         try:
-            for chunk in stub.Generate(request, timeout=a.timeout):
+            # A cluster with API keys: the first of SPLITSERVE_API_KEY's (services.api_keys).
+            key = os.environ.get(api_keys.ENV, "").split(",")[0].strip() or None
+            metadata = api_keys.call_metadata(key)
+            for chunk in stub.Generate(request, timeout=a.timeout, metadata=metadata):
                 token_ids.extend(chunk.token_ids)
                 if not a.json:
                     print(chunk.text, end="", flush=True)
@@ -224,16 +236,23 @@ def forward_flags(extra: Sequence[str],
 
 
 def forwarded_help(own: Mapping[str, object], parsers: Mapping[str, FlagParser]) -> str:
-    """`up --help`'s word on the flags it passes on, named by service."""
-    paragraphs = ["Any other flag goes as given to the service that defines it (to each, if "
-                  "several do). `python -m scheduler_svc --help`, `python -m worker_svc --help`, "
-                  "`python -m kvcache_svc --help` and `python -m http_svc --help` say what each "
-                  "does and its SPLITSERVE_* variable."]
+    """`up --help`'s part on the flags it passes on: each with its help, under every service
+    that defines it (one that several define goes to each, in each one's sense)."""
+    intro = textwrap.fill(
+        "Any other flag goes as given to the service that defines it (to each, if several "
+        "do). Each also reads its SPLITSERVE_* variable when the flag is not given.", 78,
+        break_on_hyphens=False)
+    sections = [intro]
+    not_forwarded = {*own, *SET_BY_LAUNCHER}
     for name, p in parsers.items():
-        flags = dict.fromkeys(action.option_strings[0] for option, action in p.flags.items()
-                              if option not in own and option not in SET_BY_LAUNCHER)
-        paragraphs.append(f"{name}: {', '.join(flags)}")
-    return "\n\n".join(textwrap.fill(text, 78, break_on_hyphens=False) for text in paragraphs)
+        actions = [a for a in dict.fromkeys(p.flags.values())
+                   if not not_forwarded & set(a.option_strings)]
+        formatter = argparse.HelpFormatter("splitserve up", max_help_position=32, width=100)
+        formatter.start_section(f"forwarded to {name}")
+        formatter.add_arguments(actions)
+        formatter.end_section()
+        sections.append(formatter.format_help().strip("\n"))
+    return "\n\n".join(sections)
 
 
 def add_up_flags(up: FlagParser) -> FlagParser:
@@ -257,8 +276,16 @@ def add_up_flags(up: FlagParser) -> FlagParser:
                 help="workers' device: auto (cuda when torch sees a GPU, else cpu), cpu, "
                      "cuda (worker i on cuda:i; one GPU per worker, so tp x pp x replicas "
                      "must not exceed the GPUs) or cuda:N (one worker, on GPU N)")
-    up.add_flag("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
-    up.add_flag("--pp", type=int, default=1, help="pipeline stages per replica")
+    up.add_flag("--tp", "--tensor-parallel-size", "-tp", type=int, default=1,
+                help="tensor-parallel ranks per replica")
+    up.add_flag("--pp", "--pipeline-parallel-size", "-pp", type=int, default=1,
+                help="pipeline stages per replica")
+    up.add_flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                help="vLLM's name: --no-enable-prefix-caching is the scheduler's "
+                     "--no-prefix-caching (default: on)")
+    up.add_flag("--config", metavar="FILE",
+                help="YAML mapping of flag names (with or without dashes; _ or -) to values; "
+                     "the command line wins")
     up.add_flag("--replicas", type=int, default=1)
     up.add_flag("--threads", type=int, default=0,
                 help="threads per worker (0: this machine's CPUs divided among the workers)")
@@ -278,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="start kvcache_svc, scheduler_svc, the workers and the HTTP API",
         formatter_class=argparse.RawDescriptionHelpFormatter))   # the epilog's own lines
     up.set_defaults(func=_up)
+    serve = add_up_flags(sub.add_parser(
+        "serve", help="vLLM's spelling of up: `serve MODEL` is `up --model MODEL`",
+        usage="splitserve serve [MODEL] [flags]",
+        description="MODEL: a GGUF file or HF directory (as up's --model).",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    serve.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running cluster")
     gen.add_argument("prompt")
@@ -293,20 +326,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def command_flags() -> dict[str, argparse.Action]:
+    """Every option string `up` and `serve` take, their own or forwarded, to its action
+    (`up`'s own first: those it does not forward)."""
+    flags: dict[str, argparse.Action] = {}
+    for p in service_parsers().values():
+        for option, action in p.flags.items():
+            flags.setdefault(option, action)
+    return {**flags, **add_up_flags(FlagParser(add_help=False)).flags}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command's arguments; for `up`, also the flags it forwards (`scheduler_args`,
-    `worker_args`, `kvcache_args`, `http_args`)."""
+    """The command's arguments; for `up` and `serve`, also the flags they forward
+    (`scheduler_args`, `worker_args`, `kvcache_args`, `http_args`)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("up", "serve"):
+        try:
+            argv = expand_command(argv, command_flags())
+        except ConfigFileError as exc:
+            parser.exit(2, f"splitserve {argv[0]}: error: {exc}\n")
     args, extra = parser.parse_known_args(argv)
-    if args.command != "up":
+    if args.command not in ("up", "serve"):
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args
     try:
         forwarded = forward_flags(extra, service_parsers())
     except ForwardError as exc:
-        parser.exit(2, f"splitserve up: error: {exc}\n")
-    args.scheduler_args = forwarded["scheduler_svc"]
+        parser.exit(2, f"splitserve {args.command}: error: {exc}\n")
+    try:
+        args.scheduler_args = prefix_caching(args.enable_prefix_caching,
+                                             forwarded["scheduler_svc"])
+    except ValueError as exc:
+        parser.exit(2, f"splitserve {args.command}: error: {exc}\n")
     args.worker_args = forwarded["worker_svc"]
     args.kvcache_args = forwarded["kvcache_svc"]
     args.http_args = forwarded["http_svc"]

@@ -44,11 +44,13 @@ def server_options(max_receive_bytes: int, reuse_port: bool = False) -> list[tup
 
 
 def make_server(max_receive_bytes: int = MAX_MESSAGE_BYTES,
-                cluster_token: str | None = None, reuse_port: bool = False) -> grpc.aio.Server:
+                cluster_token: str | None = None, reuse_port: bool = False,
+                first: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     """`cluster_token`: an internal listener's; every call but health checks must carry it
     (services.cluster_token.TokenInterceptor). None: a public listener. `reuse_port`: the
-    scheduler's front ends, which share the client port."""
-    interceptors: list[grpc.aio.ServerInterceptor] = [ParseErrorInterceptor()]
+    scheduler's front ends, which share the client port. `first`: interceptors that run
+    before the parse check (a public port's API keys: scheduler_svc.frontend.auth)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [*first, ParseErrorInterceptor()]
     if cluster_token is not None:
         interceptors.insert(0, TokenInterceptor(cluster_token))
     return grpc.aio.server(options=server_options(max_receive_bytes, reuse_port),
@@ -142,10 +144,13 @@ def _wrap(handler: Any) -> Any:
     return handler
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds host:port (port 0 picks one) and returns the port; fails loudly if taken."""
+def bind(server: grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds host:port (port 0 picks one) and returns the port; fails loudly if taken.
+    `credentials`: TLS (services.tls), else plaintext."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+                 else server.add_secure_port(f"{host}:{port}", credentials))
     except RuntimeError as exc:  # grpcio raises on a taken port; older versions returned 0
         raise OSError(f"cannot bind gRPC port {host}:{port}: {exc}") from exc
     if bound == 0:

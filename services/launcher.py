@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import cluster_token
+from services import cluster_token, tls
 from services.cpus import available_cpus
 from services.service_flags import METRICS_PORT
 
@@ -187,9 +187,24 @@ class ServiceProcesses:
         talks to."""
         s = self.spec
         scheduler_host = INTERNAL_HOST if s.host in ("0.0.0.0", "::") else s.host
+        metrics = (f"http://{scheduler_host}:{s.metrics_port}/metrics" if s.metrics_port > 0
+                   else "off")      # served again at http_svc's /metrics
         return ["--host", s.host, "--port", str(s.http_port),
                 "--scheduler", f"{scheduler_host}:{s.port}", "--log-level", s.log_level,
-                *s.http_args]
+                "--scheduler-metrics", metrics, *s.http_args, *self._scheduler_ca_args()]
+
+    def scheduler_ca(self) -> str | None:
+        """The CA to trust the scheduler's TLS client port with (services.tls): http_svc's
+        --scheduler-ssl-ca, else the scheduler's own --ssl-certfile (self-signed); None:
+        the port is plaintext."""
+        s = self.spec
+        return (tls.flag_value(s.http_args, "--scheduler-ssl-ca")
+                or tls.flag_value(s.scheduler_args, "--ssl-certfile"))
+
+    def _scheduler_ca_args(self) -> list[str]:
+        ca = self.scheduler_ca()
+        given = tls.flag_value(self.spec.http_args, "--scheduler-ssl-ca") is not None
+        return [] if ca is None or given else ["--scheduler-ssl-ca", ca]
 
     def start_http(self) -> None:
         """(Re)starts http_svc; it follows the scheduler's readiness on its own."""
@@ -261,7 +276,9 @@ class ServiceProcesses:
     def wait_ready(self, timeout_s: float) -> None:
         """Blocks until the scheduler reports a ready replica; raises if a child dies."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
+        ca = self.scheduler_ca()
+        with (grpc.insecure_channel(self.address) if ca is None else
+              grpc.secure_channel(self.address, tls.channel_credentials(ca))) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if dead := self.dead():

@@ -12,9 +12,12 @@ need several flags) stays in each service's `__main__`.
 import argparse
 from pathlib import Path
 
+from services.api_keys import AppendKeys, key_list
 from services.flags import FlagParser
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of --dtype, taken as the names they stand for.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # kvcache_svc's KV store: `splitserve up`'s --port + 6, after kvcache_svc's plan, admin and
 # events ports and the scheduler's metrics port (port + 2 .. port + 5).
 KV_STORE_PORT = 50057
@@ -32,11 +35,24 @@ def fraction(text: str) -> float:
     return value
 
 
+def dtype_name(text: str) -> str:
+    """A --dtype value: one of DTYPES, or vLLM's `half` / `float` for float16 / float32."""
+    return DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+
+
 def non_negative(text: str) -> float:
     """A duration or count that may be 0, not below."""
     value = float(text)
     if not value >= 0.0:
         raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def seed_value(text: str) -> int:
+    """A --seed: an integer in [0, 2**64)."""
+    value = int(text)
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 2**64)")
     return value
 
 
@@ -58,6 +74,13 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--chat-template", env="CHAT_TEMPLATE",
                help="chat template to use instead of the model's: a file, or the Jinja "
                     "template itself; one that does not compile stops the scheduler at start")
+    p.add_flag("--tokenizer", env="TOKENIZER",
+               help="tokenizer to use instead of the model's: an HF tokenizer directory "
+                    "(tokenizer.json, tokenizer_config.json) or a GGUF file")
+    p.add_flag("--generation-config", env="GENERATION_CONFIG", default="auto",
+               help="default sampling settings for requests that leave them unset: auto (the "
+                    "model directory's generation_config.json), vllm (none), or a directory "
+                    "holding a generation_config.json")
     p.add_flag("--host", env="HOST", default="127.0.0.1")
     p.add_flag("--port", env="PORT", type=int, default=50051)
     p.add_flag("--control-host", env="CONTROL_HOST", default="127.0.0.1",
@@ -68,8 +91,9 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="address workers use to reach this host (default: --host)")
     p.add_flag("--kvcache", env="KVCACHE", default="tcp://127.0.0.1:50053",
                help="kvcache_svc plan socket")
-    p.add_flag("--dtype", env="DTYPE", choices=DTYPES, default="auto",
-               help="compute dtype; auto: each replica takes what its workers compute best "
+    p.add_flag("--dtype", env="DTYPE", type=dtype_name, choices=DTYPES, default="auto",
+               help="compute dtype (half and float: vLLM's names of float16 and float32); "
+                    "auto: each replica takes what its workers compute best "
                     "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
                     "float32); float16 runs on GPU workers only")
     p.add_flag("--tp", env="TP", type=int, default=1, help="tensor-parallel ranks per replica")
@@ -124,8 +148,26 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="Prometheus /metrics HTTP port (-1: off, 0: any free port)")
     p.add_flag("--drain-timeout", env="DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds live requests may take to finish after SIGTERM")
+    p.add_flag("--seed", env="SEED", type=seed_value,
+               help="seeds the seeds drawn for random requests that bring none (vLLM's "
+                    "--seed): the same requests in the same order sample the same tokens "
+                    "(default: an unpredictable seed per request)")
+    add_edge_flags(p, "the client gRPC port", "")
     p.add_flag("--log-level", env="LOG_LEVEL", default="info")
     return p
+
+
+def add_edge_flags(p: FlagParser, port: str, env_prefix: str) -> None:
+    """Who may use a public API (services.api_keys) and its TLS: the scheduler's client port
+    and http_svc's API take the same flags (`splitserve up` passes them to both)."""
+    p.add_flag("--api-key", env="API_KEY", type=key_list, action=AppendKeys, default=(),
+               metavar="KEY", help=f"clients of {port} must present one of these keys as "
+               "'Authorization: Bearer KEY' (repeatable; comma-separated in the variable; "
+               "none: open)")
+    p.add_flag("--ssl-certfile", env=f"{env_prefix}SSL_CERTFILE",
+               help=f"PEM certificate (chain) of {port}: TLS on it (with --ssl-keyfile)")
+    p.add_flag("--ssl-keyfile", env=f"{env_prefix}SSL_KEYFILE",
+               help="PEM private key of --ssl-certfile")
 
 
 def add_worker_flags(p: FlagParser) -> FlagParser:
@@ -231,6 +273,24 @@ def add_http_flags(p: FlagParser) -> FlagParser:
                help="longest request body read; longer ones are refused (413)")
     p.add_flag("--drain-timeout", env="HTTP_DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds open responses may take to finish after SIGTERM")
+    add_edge_flags(p, "the HTTP API", "HTTP_")
+    p.add_flag("--scheduler-ssl-ca", env="HTTP_SCHEDULER_SSL_CA",
+               help="PEM CA certificate(s) to trust the scheduler's TLS client port with "
+                    "(TLS to the scheduler; its --ssl-certfile when self-signed)")
+    p.add_flag("--scheduler-metrics", env="HTTP_SCHEDULER_METRICS", default="",
+               help="the scheduler's Prometheus URL, served again at this port's /metrics "
+                    "(default: its host's port 50056; off: none)")
+    # Tool calling and reasoning, under vLLM's flag names (the parsers are http_svc's:
+    # http_svc.tool_parsers, http_svc.reasoning; it refuses a name it does not have).
+    p.add_flag("--tool-call-parser", env="HTTP_TOOL_CALL_PARSER", default=None,
+               help="the format the model writes tool calls in (hermes, llama3_json, "
+                    "mistral); replies carry them as tool_calls")
+    p.add_flag("--enable-auto-tool-choice", env="HTTP_ENABLE_AUTO_TOOL_CHOICE",
+               action="store_true", help='serve tool_choice "auto" (the default when a '
+               "request has tools): the model decides, --tool-call-parser reads its calls")
+    p.add_flag("--reasoning-parser", env="HTTP_REASONING_PARSER", default=None,
+               help="split the model's <think>...</think> into reasoning_content "
+                    "(deepseek_r1, qwen3)")
     p.add_flag("--log-level", env="LOG_LEVEL", default="info", type=str.lower,
                choices=["debug", "info", "warning", "error"])
     return p

@@ -37,6 +37,7 @@ MAX_LOGIT_BIAS = 1024              # token ids one request may bias
 MAX_LOGIT_BIAS_VALUE = 100.0       # |bias| added to a logit, as OpenAI's API bounds it
 MAX_REPETITION_PENALTY = 1e6       # any finite value > 0 is meaningful; this only bounds it
 MAX_SLOTS = 1 << 20                # a replica's request slots (NewRequest.slot)
+MAX_MIN_TOKENS_IDS = 2048          # ids masked until min_tokens: EOS ids + stop token ids
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
@@ -86,6 +87,11 @@ class SamplingSpec(_Wire, frozen=True):
     # Prompt logprobs: each prompt token's logprob (from the second on) plus this many top
     # alternatives, returned in StepOutput.prompt_logprobs by the steps that compute them.
     num_prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # min_tokens, as vLLM's sampler applies it: while the request has fewer outputs than
+    # this, the logits of `min_tokens_ids` (the model's EOS ids and the request's stop token
+    # ids, EOS even under ignore_eos) are -inf, so none of them can be sampled.
+    min_tokens: Annotated[int, Meta(ge=0, lt=1 << 31)] = 0
+    min_tokens_ids: Annotated[list[TokenId], Meta(max_length=MAX_MIN_TOKENS_IDS)] = []
 
 
 class NewRequest(_Wire):

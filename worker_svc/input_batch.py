@@ -285,7 +285,7 @@ class InputBatch:
                          request.num_new_tokens + request.num_load_tokens, num_tokens,
                          len(request.block_ids[0]))
         sampling = request.sampling
-        self._check_token_ids(rid, [token_id for token_id, _ in sampling.logit_bias])
+        self._check_token_ids(rid, [*(t for t, _ in sampling.logit_bias), *sampling.min_tokens_ids])
         generator = None
         if sampling.seed is not None and not is_greedy(sampling):
             generator = new_generator(sampling.seed, num_tokens - request.num_prompt_tokens)

@@ -8,7 +8,8 @@ token a request gets:
   prompt token after that (cyclically) that is not EOS (`echo_token`);
 - with an EOS step K > 0, the requests a stable hash of their client's id puts in the EOS
   share (`ends_early`) sample EOS as their K-th output token (1-based), so that finishes
-  happen;
+  happen, unless their min_tokens is K or more (then they echo on; stop token ids the echo
+  rule may pick are not held back: the null model keeps no logits);
 - a token mask (structured output) takes over: its first allowed token, so that the output
   keeps to the grammar and a completed grammar, which allows only its stop tokens, ends the
   request (one that never completes runs to max_tokens, as any request may);
@@ -107,6 +108,7 @@ class NullSampler:
         sampled so far, placeholders of tokens still pending included)."""
         output_index = len(state.token_ids) - state.num_prompt_tokens
         if (self.eos_step and output_index == self.eos_step - 1
+                and output_index >= state.sampling.min_tokens   # min_tokens holds EOS back
                 and ends_early(state.request_id, self.eos_share)):
             return self._eos_token
         return echo_token(state.token_ids, output_index, self.eos_ids, self._fallback,

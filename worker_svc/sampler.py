@@ -19,6 +19,7 @@ import torch
 
 from services.wire import SamplingSpec, TokenLogprobs
 from worker_svc.kernels.elementwise import argmax_float
+from worker_svc.min_tokens import Banned, ban
 from worker_svc.penalties import TokenHistory, adjust_logits, adjusts_logits, apply_min_p
 
 # Top-p first looks at this many most likely tokens; rows whose nucleus is larger fall back to
@@ -92,20 +93,25 @@ def sample(logits: torch.Tensor, specs: Sequence[SamplingSpec],
 def sample_on_device(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                      generators: Sequence[SeededUniforms | None],
                      histories: Sequence[TokenHistory] | None = None,
+                     banned: Banned | None = None,
                      ) -> tuple[torch.Tensor, "DeviceLogprobs | None"]:
     """`sample` without waiting for the device: the token ids stay there ([rows] int64) and
     the logprobs of the rows that asked are device tensors whose copy to the host has
     started (None: no row asked). Only host lists travel to the device, without a blocking
     copy; nothing is read back. The launch-ahead path of a step that is not plain greedy
-    (worker_svc.step_output)."""
+    (worker_svc.step_output). `banned`: logits entries that cannot be sampled (min_tokens,
+    worker_svc.min_tokens), masked after the raw logprobs are taken."""
     raw = logits = logits.float()
+    if banned is not None:
+        logits = ban(raw, banned)
     adjusted_rows = [i for i, spec in enumerate(specs) if adjusts_logits(spec)]
     if adjusted_rows:
         if histories is None:
             raise ValueError("penalties need the requests' token histories")
         rows = to_device(adjusted_rows, torch.int64, logits.device)
-        logits = raw.clone()
-        logits[rows] = adjust_logits(raw.index_select(0, rows),
+        base = logits
+        logits = base.clone() if base is raw else base
+        logits[rows] = adjust_logits(base.index_select(0, rows),
                                      [specs[i] for i in adjusted_rows],
                                      [histories[i] for i in adjusted_rows])
     random_rows = [i for i, spec in enumerate(specs) if not is_greedy(spec)]

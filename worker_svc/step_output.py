@@ -16,6 +16,7 @@ import torch
 from services.wire import StepError, StepInput, StepOutput, StepTimings, TokenLogprobs
 from worker_svc.input_batch import ScheduledRequest
 from worker_svc.launched_step import LaunchedStep, SampledTokens
+from worker_svc.min_tokens import ban, banned_entries
 from worker_svc.model.llama import LlamaModel
 from worker_svc.penalties import TokenHistory, has_penalties
 from worker_svc.pending_tokens import PendingTokens
@@ -48,7 +49,10 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     if launched.step.token_masks:    # structured output (worker_svc.token_mask)
         apply_token_masks(logits, launched.step.token_masks,
                           [s.state.request_id for s in sampling])
+    banned = banned_entries(sampling, device)    # min_tokens (worker_svc.min_tokens)
     if all(s.state.plain_greedy for s in sampling):
+        if banned is not None:
+            ban(logits, banned, in_place=True)
         pending.hold(sampled, model.elementwise.argmax(logits), device)  # [rows] int64
         return
     # Penalties count the request's earlier tokens: one still on the device (the step
@@ -59,7 +63,7 @@ def sample_step(model: LlamaModel, launched: LaunchedStep, layout: list[Schedule
     token_ids, logprobs = sample_on_device(
         logits, [s.state.sampling for s in sampling], [s.state.generator for s in sampling],
         histories=[TokenHistory(s.state.token_ids, s.state.num_prompt_tokens)
-                   for s in sampling])
+                   for s in sampling], banned=banned)
     pending.hold(sampled, token_ids, device)
     sampled.device_logprobs = logprobs
 

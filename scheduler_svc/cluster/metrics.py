@@ -15,7 +15,14 @@ existing dashboards work; the cluster's own have a `splitserve:` prefix. Two kin
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -33,6 +40,10 @@ class ClusterMetrics:
         where the front ends write their request metrics (None: none)."""
         self.registry = CollectorRegistry()
         self.registry.register(_ClusterCollector(snapshot, model_name))
+        # This process's own (process_*, python_*), as vLLM's /metrics has its server's.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         if multiprocess_dir is not None:
             MultiProcessCollector(self.registry, path=multiprocess_dir)
 
@@ -62,14 +73,7 @@ class _ClusterCollector(Collector):
         labels = ["model_name"]
         values = [self.model_name]
         stats = self.snapshot()
-        ready, started = ready_engines(stats), started_engines(stats)
-        running = sum(e.num_running for e in ready)
-        waiting = sum(e.num_waiting for e in ready) + stats.num_parked
-        used = sum(e.num_usable_blocks - e.num_free_blocks for e in ready)
-        total = sum(e.num_usable_blocks for e in ready)
-        preemptions = sum(e.num_preemptions for e in started)
-        queries = sum(e.num_prompt_tokens_admitted for e in started)
-        hits = sum(e.num_cached_tokens_admitted for e in started)
+        ready = ready_engines(stats)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -81,22 +85,60 @@ class _ClusterCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in a running batch.", running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to run (including those "
-                    "waiting for a ready replica).", waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use over ready "
-                    "replicas (1 = full).", used / total if total else 0.0)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                      "cache.", queries)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      hits)
-        yield counter("vllm:num_preemptions", "Requests preempted (recompute).", preemptions)
         yield counter("splitserve:num_migrations", "Requests moved off a lost replica.",
                       stats.num_migrations)
         yield gauge("splitserve:replicas_up", "Replicas ready to serve.", len(ready))
         yield gauge("splitserve:kvcache_reachable", "1 if kvcache_svc answered the last probe.",
                     1.0 if stats.kv_reachable else 0.0)
         yield from store_metrics(stats, labels, values, counter)
+        yield from engine_metrics(stats, self.model_name)
+
+
+def engine_metrics(stats: ClusterStatsReply, model_name: str) -> Iterator[Metric]:
+    """vLLM's per-engine families, labelled `engine` (the replica id) as vLLM labels its
+    engine cores': ready replicas' load and KV use, started ones' counters. Requests parked
+    in the front ends (on no replica yet) wait under engine "none"."""
+    labels = ["model_name", "engine"]
+    replicas = [(str(r.replica_id), r.state == "ready", r.engine) for r in stats.replicas
+                if r.engine is not None]
+    families = {
+        "vllm:num_requests_running": GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in the replica's running batch.",
+            labels=labels),
+        "vllm:num_requests_waiting": GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to run (engine \"none\": for a "
+            "replica).", labels=labels),
+        "vllm:kv_cache_usage_perc": GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "Fraction of the replica's KV blocks in use (1 = full).",
+            labels=labels),
+        # vLLM's older name of the same, which its reference dashboard reads.
+        "vllm:gpu_cache_usage_perc": GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc", "Fraction of the replica's KV blocks in use (1 = full).",
+            labels=labels),
+        "vllm:prefix_cache_queries": CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            labels=labels),
+        "vllm:prefix_cache_hits": CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+            labels=labels),
+        "vllm:num_preemptions": CounterMetricFamily(
+            "vllm:num_preemptions", "Requests preempted (recomputed later).",
+            labels=labels),
+    }
+    for engine, ready, e in replicas:
+        values = [model_name, engine]
+        if ready:
+            usage = ((e.num_usable_blocks - e.num_free_blocks) / e.num_usable_blocks
+                     if e.num_usable_blocks else 0.0)
+            families["vllm:num_requests_running"].add_metric(values, e.num_running)
+            families["vllm:num_requests_waiting"].add_metric(values, e.num_waiting)
+            families["vllm:kv_cache_usage_perc"].add_metric(values, usage)
+            families["vllm:gpu_cache_usage_perc"].add_metric(values, usage)
+        families["vllm:prefix_cache_queries"].add_metric(values, e.num_prompt_tokens_admitted)
+        families["vllm:prefix_cache_hits"].add_metric(values, e.num_cached_tokens_admitted)
+        families["vllm:num_preemptions"].add_metric(values, e.num_preemptions)
+    families["vllm:num_requests_waiting"].add_metric([model_name, "none"], stats.num_parked)
+    yield from families.values()
 
 
 def store_metrics(stats: ClusterStatsReply, labels: list[str], values: list[str],

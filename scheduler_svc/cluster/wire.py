@@ -112,6 +112,9 @@ class AbortQuery(_Wire):
     frontend: FrontendIndex             # who asked
     query_id: Count                     # the asker's, echoed in the answers
     request_id: Name
+    # With API keys: the asking client's key digest (services.api_keys); only its own
+    # requests are cancelled. "": no keys, any request of that id.
+    owner: Annotated[str, Meta(max_length=128)] = ""
 
 
 class AbortAnswer(_Wire):

@@ -32,7 +32,8 @@ def apply_admission(request: Request, result: AdmitResult, slot: int = -1) -> Ne
     request.slot = slot
     new = NewRequest(
         request_id=request.request_id, token_ids=list(request.token_ids),
-        num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling.to_spec(),
+        num_prompt_tokens=request.num_prompt_tokens,
+        sampling=request.sampling.to_spec(request.eos_token_ids),
         block_ids=result.block_ids, num_computed_tokens=result.num_cached_tokens,
         num_new_tokens=result.num_new_tokens, cache_salt=request.cache_salt,
         num_load_tokens=result.num_load_tokens, slot=slot)

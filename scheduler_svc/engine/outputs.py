@@ -33,7 +33,7 @@ def finished_record(out: RequestOutput) -> Finished:
                     num_cached_tokens=out.num_cached_tokens,
                     num_store_loaded_tokens=out.num_store_loaded_tokens,
                     error=None if out.error is None else out.error[:4096],
-                    server_fault=out.server_fault, invalid=out.invalid)
+                    server_fault=out.server_fault, invalid=out.invalid, timing=out.timing)
 
 
 class Packer:

@@ -11,12 +11,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scheduler_svc.engine.wire import Timing
 from services.block_hash import NONE_HASH, hash_full_blocks
 from services.kv_chunks import prefix_hash
 from services.wire import SamplingSpec, TokenLogprobs
 
 if TYPE_CHECKING:
     from scheduler_svc.engine.grammar import GrammarState
+
+
+# The clock of a request's phases (`Request.timing`); a test may stop it to compare runs.
+clock = time.monotonic
 
 
 class FinishReason(enum.Enum):
@@ -53,14 +58,21 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, bias), ids unique
     prompt_logprobs: int | None = None   # alternatives per prompt token; None: none asked
 
-    def to_spec(self) -> SamplingSpec:
+    def to_spec(self, eos_token_ids: tuple[int, ...] | None = None) -> SamplingSpec:
+        """The worker's spec; with the model's `eos_token_ids` (the engine's, for a worker)
+        also min_tokens and the ids it masks until then (EOS even under ignore_eos, as vLLM
+        masks it)."""
+        masked: list[int] = []
+        if eos_token_ids is not None and self.min_tokens:
+            masked = sorted({*eos_token_ids, *self.stop_token_ids})
         return SamplingSpec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                             seed=self.seed, num_logprobs=self.logprobs, min_p=self.min_p,
                             presence_penalty=self.presence_penalty,
                             frequency_penalty=self.frequency_penalty,
                             repetition_penalty=self.repetition_penalty,
                             logit_bias=list(self.logit_bias),
-                            num_prompt_logprobs=self.prompt_logprobs)
+                            num_prompt_logprobs=self.prompt_logprobs,
+                            min_tokens=self.min_tokens if masked else 0, min_tokens_ids=masked)
 
     @classmethod
     def from_spec(cls, spec: SamplingSpec, max_tokens: int, min_tokens: int,
@@ -99,6 +111,8 @@ class RequestOutput:
     # On the request's first output, when it asked for them: (prompt token id, its logprobs)
     # for every prompt token from the second on.
     prompt_logprobs: list[tuple[int, TokenLogprobs, int]] | None = None   # (id, lps, rank)
+    timing: Timing | None = None       # a final output's: where its time went (None: never
+                                       # scheduled)
     frontend: int = 0                  # the request's front end and its handle there
     handle: int = 0
 
@@ -112,7 +126,7 @@ class Request:
         "finish_reason", "stop_reason", "num_preemptions", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "num_migrations",
         "cache_salt", "num_freed_blocks", "grammar", "prompt_logprobs", "prompt_ranks",
-        "frontend", "handle", "slot",
+        "frontend", "handle", "slot", "scheduled_time", "first_token_time",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -134,7 +148,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         # The request stops at max_tokens outputs or at the context length, whichever is first.
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
-        self.arrival_time = time.monotonic()
+        self.arrival_time = clock()
+        self.scheduled_time: float | None = None     # first admitted (kept over preemptions)
+        self.first_token_time: float | None = None   # its first token here was appended
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Per KV group, the block table kvcache_svc gave it (services.kv_groups); a sliding
@@ -234,6 +250,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = clock()
         if self.hash_blocks and self.num_tokens % self.block_size == 0:
             self._extend_hashes()
 
@@ -256,6 +274,23 @@ class Request:
             return None
         return prefix_hash(self.block_hashes, self.token_ids, self.num_tokens, self.block_size,
                            self.cache_salt)
+
+    def mark_scheduled(self) -> None:
+        """It was admitted for the first time: its queue time ends."""
+        self.scheduled_time = clock()
+
+    def timing(self) -> Timing | None:
+        """Its phases as of now, its end (vLLM's queue, prefill, decode and inference times);
+        None if it was never scheduled. One that ends before its first token spent it all in
+        prefill."""
+        scheduled = self.scheduled_time
+        if scheduled is None:
+            return None
+        now = clock()
+        first = now if self.first_token_time is None else self.first_token_time
+        return Timing(queued_s=max(0.0, scheduled - self.arrival_time),
+                      prefill_s=max(0.0, first - scheduled), decode_s=max(0.0, now - first),
+                      inference_s=max(0.0, now - scheduled))
 
     def reset_for_preemption(self) -> None:
         """Back to waiting with no blocks; outputs are kept and recomputed on resume.

@@ -344,6 +344,7 @@ class Scheduler(StepResults):
                 committing.add(request.request_id)
             first = request.num_cached_tokens is None
             if first:
+                request.mark_scheduled()
                 request.num_cached_tokens = result.num_cached_tokens
                 self.num_prompt_tokens_admitted += request.num_prompt_tokens
                 self.num_cached_tokens_admitted += result.num_cached_tokens

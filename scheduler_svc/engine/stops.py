@@ -43,5 +43,5 @@ def final_output(request: Request, token_ids: list[int],
         request.stop_reason, num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens or 0,
-        num_store_loaded_tokens=request.num_store_loaded_tokens,
+        num_store_loaded_tokens=request.num_store_loaded_tokens, timing=request.timing(),
         frontend=request.frontend, handle=request.handle)

@@ -128,6 +128,20 @@ ToEngine = (FrontendHello | EngineRequest | EngineAbort | GrammarVocabulary | En
 # --------------------------------------------------------------------------- engine -> front end
 
 
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]   # a duration (NaN and inf are refused)
+
+
+class Timing(_Wire, frozen=True):
+    """Where a finished request's time went on its engine core (vLLM's request phases), in
+    seconds on the engine core's clock: durations, not instants, so no two processes'
+    clocks are compared."""
+
+    queued_s: Seconds                   # arrival on this engine core -> first scheduled
+    prefill_s: Seconds                  # first scheduled -> first token
+    decode_s: Seconds                   # first token -> last token
+    inference_s: Seconds                # first scheduled -> last token
+
+
 class Finished(_Wire):
     """How one request ended in this step (its last token, if any, is in the step's rows)."""
 
@@ -141,6 +155,7 @@ class Finished(_Wire):
     error: Reason | None = None         # it ended without finishing (a failed step, ...)
     server_fault: bool = False          # the error is the server's (INTERNAL)
     invalid: bool = False               # it can never run on this replica (INVALID_ARGUMENT)
+    timing: Timing | None = None        # None: it was never scheduled here
 
 
 class RowLogprobs(_Wire):

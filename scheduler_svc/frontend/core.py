@@ -34,6 +34,7 @@ from scheduler_svc.engine.wire import (
     engine_request_id,
 )
 from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
+from scheduler_svc.frontend.generation_config import GenerationDefaults
 from scheduler_svc.frontend.grammar import Grammars
 from scheduler_svc.frontend.links import EngineLinks
 from scheduler_svc.frontend.metrics import RequestMetrics, RequestTimer
@@ -88,9 +89,13 @@ class Frontend:
                  router: Router, engines: EngineLinks, max_live_requests: int,
                  replica_wait_s: float = 60.0, metrics: RequestMetrics | None = None,
                  tokenizer_threads: int = TOKENIZER_THREADS,
-                 grammars: Grammars | None = None, stream_interval: int = 1) -> None:
+                 grammars: Grammars | None = None, stream_interval: int = 1,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         """`grammars`: structured output's compiler (None: such requests are refused).
-        `stream_interval`: tokens per client stream message (OutputStream)."""
+        `stream_interval`: tokens per client stream message (OutputStream).
+        `generation_defaults`: the model's sampling defaults for fields a request leaves unset
+        (--generation-config)."""
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.index = index
         self.epoch = engines.epoch
         self.tokenizer = tokenizer
@@ -154,6 +159,7 @@ class Frontend:
         max_kv_tokens = self.state.max_kv_tokens if self.state is not None else None
         limits = dataclasses.replace(self.limits, max_kv_tokens=max_kv_tokens)
         validate_prompt(token_ids, limits)
+        raw = self.generation_defaults.apply(raw, limits.max_model_len - len(token_ids))
         sampling = validate_sampling(raw, len(token_ids), limits)
         grammar = None
         if sampling.structured_output is not None:
@@ -190,14 +196,11 @@ class Frontend:
                 out = await request.stream.get()
                 if out.error is not None:
                     finished = True
-                    request.timer.failed()
                     if out.invalid:         # refused by the replica it was dispatched to
                         raise InvalidRequest(out.error)
                     raise RequestFailed(out.error, out.server_fault)
-                request.timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:
                     finished = True
-                    request.timer.finished(out.finish_reason.value, out.num_prompt_tokens)
                 yield out
                 if finished:
                     return

@@ -123,7 +123,8 @@ class ClusterLink:
         self._next_query = 0
         # Answers another front end's abort query: whether a request with that id was live
         # here (and is now cancelled).
-        self.on_abort: Callable[[str], bool] = lambda request_id: False
+        # `owner`: the asking client's (services.api_keys); "" when keys are off.
+        self.on_abort: Callable[[str, str], bool] = lambda request_id, owner="": False
         self.last_state_at = 0.0             # time.monotonic() of the latest state
 
     async def run(self, report: Callable[[], FrontendReport],
@@ -150,7 +151,7 @@ class ClusterLink:
                 self.last_state_at = time.monotonic()
                 on_state(message)
             elif isinstance(message, AbortQuery):       # another front end's
-                found = self.on_abort(message.request_id)
+                found = self.on_abort(message.request_id, message.owner)
                 await self._async.send(self._send_codec.encode(AbortAnswer(
                     frontend=message.frontend, query_id=message.query_id, found=found)),
                     copy=False)
@@ -173,15 +174,17 @@ class ClusterLink:
         except TimeoutError:
             return None
 
-    async def abort_elsewhere(self, request_id: str, timeout_s: float = 1.0) -> bool:
-        """Has every other front end cancel its live requests with this id; whether any
-        had one (False when the cluster does not answer in time)."""
+    async def abort_elsewhere(self, request_id: str, timeout_s: float = 1.0,
+                              owner: str = "") -> bool:
+        """Has every other front end cancel its live requests with this id (and `owner`,
+        when given); whether any had one (False when the cluster does not answer in time)."""
         self._next_query += 1
         query_id = self._next_query
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._aborts[query_id] = future
         await self._async.send(self._send_codec.encode(AbortQuery(
-            frontend=self.frontend, query_id=query_id, request_id=request_id)), copy=False)
+            frontend=self.frontend, query_id=query_id, request_id=request_id, owner=owner)),
+            copy=False)
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:

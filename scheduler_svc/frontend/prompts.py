@@ -40,6 +40,7 @@ class PromptInput:
     # With chat only: the template's `tools` and `documents` (JSON objects), None = not given.
     tools: list[dict[str, Any]] | None = None
     documents: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None   # more template variables (chat only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +87,15 @@ class Prompts:
         if prompt.chat is not None:
             try:
                 text = self.tokenizer.render_chat(prompt.chat, add_generation_prompt,
-                                                  prompt.tools, prompt.documents)
+                                                  prompt.tools, prompt.documents,
+                                                  prompt.template_kwargs)
             except TemplateError as exc:
                 raise InvalidRequest(str(exc)) from exc
             validate_prompt_text(text, self.limits, "rendered chat")
             return text, self.tokenizer.encode(text)
         text = prompt.text or ""
-        return text, self.tokenizer.encode(text) if text else []
+        # As vLLM's completions: with the special tokens the model's tokenizer adds (BOS).
+        return text, self.tokenizer.encode(text, add_special_tokens=True)
 
     async def detokenize(self, sequences: Sequence[Sequence[int]],
                          skip_special_tokens: bool) -> list[str]:

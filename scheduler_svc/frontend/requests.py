@@ -76,6 +76,7 @@ class FrontRequest:
             detok = self.detokenizer
             min_tokens = self.sampling.min_tokens
             outputs = self.output_token_ids
+            num_before = len(outputs)
             for token_id, lp in zip(tokens, logprobs, strict=True):
                 outputs.append(token_id)
                 self.unsent_logprobs.append(lp)
@@ -84,6 +85,9 @@ class FrontRequest:
                     self.stop_string = matched
                     abort = fin is None
                     break
+            if len(outputs) > num_before and self.placement is not None:
+                # Timed as the step's message arrives, whenever its client takes them.
+                self.timer.tokens(len(outputs) - num_before, self.placement[0])
         if plps is not None:
             self.unsent_prompt_logprobs = list(zip(plps.token_ids, plps.logprobs, plps.ranks,
                                                    strict=False))
@@ -123,11 +127,15 @@ class FrontRequest:
         if fin is not None:
             out.num_cached_tokens = fin.num_cached_tokens
             out.num_store_loaded_tokens = fin.num_store_loaded_tokens
+        self.timer.finished(reason.value, out.num_prompt_tokens, out.num_output_tokens,
+                            self.sampling.max_tokens, None if fin is None else fin.timing,
+                            None if self.placement is None else self.placement[0])
         self.stream.put(out)
 
     def fail(self, error: str, server_fault: bool = False, invalid: bool = False) -> None:
         """It ends without finishing: `error` says why."""
         self.done = True
+        self.timer.failed()
         self.stream.put(RequestOutput(self.request_id, [], "", [], FinishReason.ABORT,
                                       error=error, server_fault=server_fault,
                                       invalid=invalid))

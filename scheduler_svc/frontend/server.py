@@ -5,7 +5,9 @@ Started by the cluster (scheduler_svc.cluster.frontends) as `python -m scheduler
 with a `FrontendLaunch` on stdin. Everything runs on one asyncio loop: the gRPC server, a task
 that reports to the cluster every STATE_INTERVAL_S and takes its state (readiness, routing,
 moves off lost replicas), and a task that reads the engine cores' step messages. It exits on
-SIGTERM after draining its live requests, or 2 when it cannot serve at all.
+SIGTERM after draining its live requests, or 2 when it cannot serve at all. With
+`--api-key`, the client port takes calls with a configured key only (frontend.auth); with
+`--ssl-certfile`/`--ssl-keyfile`, TLS only (services.tls).
 """
 
 import asyncio
@@ -16,7 +18,9 @@ import time
 import zmq
 
 from scheduler_svc.cluster.wire import FrontendLaunch
+from scheduler_svc.frontend.auth import ApiKeyInterceptor
 from scheduler_svc.frontend.core import Frontend, ModelFacts
+from scheduler_svc.frontend.generation_config import load_generation_defaults
 from scheduler_svc.frontend.grammar import Grammars
 from scheduler_svc.frontend.links import ClusterLink, EngineLinks
 from scheduler_svc.frontend.metrics import RequestMetrics
@@ -27,8 +31,10 @@ from scheduler_svc.frontend.validation import (
     Limits,
     default_max_prompt_bytes,
     max_request_bytes,
+    seed_stream,
 )
-from services import heap
+from services import heap, tls
+from services.api_keys import ApiKeys
 from services.grpc_server import Health, bind, make_server
 from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -45,14 +51,17 @@ async def serve(launch: FrontendLaunch) -> int:
         model = load_model_config(config.model_path)
         template = None if config.chat_template is None else read_chat_template(
             config.chat_template)
-        tokenizer = load_tokenizer(config.model_path, template)
+        tokenizer = load_tokenizer(config.model_path, template, config.tokenizer_path)
+        defaults = load_generation_defaults(config.generation_config, config.model_path)
     except ValueError as exc:            # ModelFormatError, or a tokenizer we cannot build
         log.error("cannot serve %s: %s", config.model_path, exc)
         return FATAL_EXIT
     max_model_len = sched.max_model_len
     max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(
         max_model_len, tokenizer.max_token_bytes)
-    server = make_server(max_request_bytes(max_prompt_bytes, max_model_len), reuse_port=True)
+    keys = ApiKeys(config.api_keys)
+    server = make_server(max_request_bytes(max_prompt_bytes, max_model_len), reuse_port=True,
+                         first=[ApiKeyInterceptor(keys)] if keys else [])
     health = Health(server, [GENERATION_SERVICE])
     ctx = zmq.Context()
     engines = EngineLinks(ctx, launch.index, time.time_ns(), launch.internal_host)
@@ -60,19 +69,26 @@ async def serve(launch: FrontendLaunch) -> int:
     router = Router(ctx, config.kvcache_address, sched.block_size, sched.prefix_caching,
                     config.route_tokens_per_request)
     limits = Limits(launch.served_name, model.vocab_size, max_model_len,
-                    max_prompt_bytes=max_prompt_bytes)
+                    max_prompt_bytes=max_prompt_bytes,
+                    seeds=seed_stream(config.seed, launch.index))
     frontend = Frontend(
         launch.index, tokenizer, limits, ModelFacts(tuple(model.eos_token_ids),
                                                     model.vocab_size),
         router, engines, max_live_requests=config.max_queue_len,
-        replica_wait_s=config.replica_wait_s, metrics=RequestMetrics(launch.served_name),
+        replica_wait_s=config.replica_wait_s,
+        metrics=RequestMetrics(launch.served_name, max_model_len=max_model_len),
         grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids),
-        stream_interval=config.stream_interval)
+        stream_interval=config.stream_interval, generation_defaults=defaults)
+    if defaults.as_dict() and launch.index == 0:
+        log.info("default sampling settings from the model's generation config: %s (unset "
+                 "fields only; --generation-config vllm turns them off)", defaults.as_dict())
     generation_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(frontend, model, sched, cluster, launch.served_name,
-                           config.num_frontends), server)
+                           config.num_frontends, keys), server)
     try:
-        bind(server, config.host, config.port)
+        credentials = None if config.ssl_certfile is None or config.ssl_keyfile is None \
+            else tls.server_credentials(config.ssl_certfile, config.ssl_keyfile)
+        bind(server, config.host, config.port, credentials)
     except OSError as exc:
         log.error("%s", exc)
         return FATAL_EXIT
@@ -100,8 +116,10 @@ async def serve(launch: FrontendLaunch) -> int:
 
     tasks = [asyncio.ensure_future(cluster.run(frontend.report, take_state)),
              asyncio.ensure_future(read_outputs())]
-    log.info("front end %d serving %r on %s:%d (prompts up to %d bytes)", launch.index,
-             launch.served_name, config.host, config.port, max_prompt_bytes)
+    log.info("front end %d serving %r on %s:%d (prompts up to %d bytes; %s; %s)",
+             launch.index, launch.served_name, config.host, config.port, max_prompt_bytes,
+             "TLS" if credentials is not None else "plaintext",
+             f"{len(keys)} API key(s)" if keys else "no API key: open to all")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)

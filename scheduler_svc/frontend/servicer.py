@@ -35,6 +35,7 @@ from scheduler_svc.frontend.validation import (
     parse_json_objects,
     validate_model,
 )
+from services.api_keys import ApiKeys, Owner, from_metadata
 from services.kv_store_wire import store_stats_to_pb
 from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -63,8 +64,13 @@ def chat_from_pb(chat: generation_pb2.ChatMessages) -> PromptInput:
         tool_calls = parse_json_objects(m.tool_calls_json, f"chat message {i} tool_calls_json")
         messages.append(ChatMessage(m.role, m.content, m.name or None, m.tool_call_id or None,
                                     tool_calls))
+    kwargs = parse_json_objects(f"[{chat.chat_template_kwargs_json}]",
+                                "chat_template_kwargs_json (one object)") or []
+    if len(kwargs) > 1:
+        raise InvalidRequest("chat_template_kwargs_json must be one JSON object")
     return PromptInput(chat=messages, tools=parse_json_objects(chat.tools_json, "tools_json"),
-                       documents=parse_json_objects(chat.documents_json, "documents_json"))
+                       documents=parse_json_objects(chat.documents_json, "documents_json"),
+                       template_kwargs=kwargs[0] if kwargs else None)
 
 
 def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
@@ -129,11 +135,13 @@ def output_to_pb(out: RequestOutput, request_id: str | None = None,
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """`model` is what was loaded; clients know it by `served_name` (--served-model-name, or
-    the model's own name). `cluster`: where ServerInfo's figures come from."""
+    the model's own name). `cluster`: where ServerInfo's figures come from. `keys`: the
+    client port's API keys (checked by frontend.auth before any call gets here); with keys,
+    Abort cancels only requests made with the same key."""
 
     def __init__(self, frontend: Frontend, model: ModelConfig, sched: SchedulerConfig,
                  cluster: ClusterLink | None = None, served_name: str | None = None,
-                 num_frontends: int = 1) -> None:
+                 num_frontends: int = 1, keys: ApiKeys | None = None) -> None:
         self.frontend = frontend
         self.model = model
         self.sched = sched
@@ -145,6 +153,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Requests with n > 1 by the client's id -> (n, set by Abort), so that Abort finds
         # their choices, started or not.
         self._choices: dict[str, tuple[int, asyncio.Event]] = {}
+        self.keys = keys or ApiKeys()
+        # With keys: each live request's owner (its key's digest) by the client's id.
+        self._owners: dict[str, Owner] = {}
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
@@ -185,6 +196,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id, n = prepared.request_id, prepared.sampling.n
+        owner = self._owner(context)
+        if owner is not None:
+            if request_id in self._owners:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {request_id!r} is already in use")
+            self._owners[request_id] = owner
         aborted = asyncio.Event()
         if n > 1:
             if request_id in self._choices:
@@ -208,6 +225,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             if n > 1:
                 self._choices.pop(request_id, None)
+            if owner is not None:
+                self._owners.pop(request_id, None)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
@@ -231,15 +250,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        found = self.abort(request.request_id)
+        # With keys, only the key that made a request may abort it; another key's request
+        # answers found=false, as an id nobody uses does, so that ids do not leak.
+        owner = self._owner(context) or ""
+        found = self.abort(request.request_id, owner)
         if self.cluster is not None and self.num_frontends > 1:
             # Another front end may hold a request of that id (clients' connections are
             # spread over the front ends): every live one is cancelled.
-            found = await self.cluster.abort_elsewhere(request.request_id) or found
+            found = await self.cluster.abort_elsewhere(request.request_id,
+                                                       owner=owner) or found
         return generation_pb2.AbortResponse(found=found)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancels the request (every choice of one with n > 1) if it is live here."""
+    def _owner(self, context: grpc.aio.ServicerContext) -> Owner | None:
+        """Who makes this call: its key's digest; None when the port has no keys."""
+        if not self.keys:
+            return None
+        return self.keys.owner(from_metadata(context.invocation_metadata()))
+
+    def abort(self, request_id: str, owner: Owner = "") -> bool:
+        """Cancels the request (every choice of one with n > 1) if it is live here and,
+        when `owner` is given (keys are on), was made by that owner."""
+        if owner and self._owners.get(request_id) != owner:
+            return False
         entry = self._choices.get(request_id)
         if entry is None:
             return self.frontend.cancel_id(request_id)

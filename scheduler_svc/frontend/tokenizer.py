@@ -1,13 +1,19 @@
 """The scheduler's tokenizer: built from a GGUF file's vocabulary or an HF `tokenizer.json`,
-plus the model's chat template.
+plus the model's chat template(s).
 
-GGUF byte-level BPE (`tokenizer.ggml.model == "gpt2"`) becomes a `tokenizers` BPE with the
-GPT-2 byte alphabet; the control tokens (token type 3) become special tokens. The pre-tokenizer
-follows `tokenizer.ggml.pre`: "smollm" splits every digit on its own before the GPT-2 split, as
-SmolLM2's own tokenizer.json does. Any other value (or none) is refused: the merges were learned
-on that value's own split, and a different split gives other token ids without any error.
-tests/scheduler_svc/frontend/test_tokenizer.py checks the result against transformers' GGUF
-tokenizer.
+A GGUF's byte-level BPE (Llama 3, Qwen, SmolLM) or SentencePiece vocabulary is built by
+services/gguf_tokenizer.py as transformers builds it. `--tokenizer PATH` (an HF tokenizer
+directory or a GGUF) replaces the model's own tokenizer, as vLLM's flag does.
+
+`encode(text, add_special_tokens=True)` is how a completion's prompt is tokenized (vLLM's
+`add_special_tokens=True`): the tokenizer's post-processor adds BOS where the model asks for it
+(GGUF `tokenizer.ggml.add_bos_token`; an HF directory's tokenizer.json, as transformers 5 reads
+it). A rendered chat is encoded without: the template writes its own BOS.
+
+A model may name several templates (tokenizer_config's `chat_template` as a list of
+{"name", "template"}, `additional_chat_templates/*.jinja`, GGUF `tokenizer.chat_template.<name>`):
+a chat renders with "tool_use" when the request gives tools and the model has it, else with
+"default", as transformers picks.
 
 Chat templates render as transformers' `apply_chat_template` renders them
 (tests/scheduler_svc/frontend/test_chat_templates.py): a sandboxed Jinja with trim_blocks /
@@ -35,21 +41,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
+from tokenizers import Tokenizer
 
-from services.gguf_file import GgufFile
+from services.gguf_file import GgufError, GgufFile
+from services.gguf_tokenizer import TokenizerParts, tokenizer_from_gguf
 
-CONTROL_TOKEN_TYPE = 3
-USER_DEFINED_TOKEN_TYPE = 4
-
-# Pre-tokenizer splits that run before the GPT-2 byte-level split, by GGUF
-# `tokenizer.ggml.pre` (llama.cpp's names). Only values whose split is exactly this are listed.
-_DIGIT_SPLIT = pre_tokenizers.Digits(individual_digits=True)
-_PRE_SPLITS: dict[str, list[pre_tokenizers.PreTokenizer]] = {
-    "gpt-2": [], "smollm": [_DIGIT_SPLIT], "starcoder": [_DIGIT_SPLIT], "refact": [_DIGIT_SPLIT]}
+DEFAULT_TEMPLATE, TOOL_TEMPLATE = "default", "tool_use"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +78,16 @@ class TemplateError(ValueError):
 class TextTokenizer:
     """Encode/decode plus chat-template rendering; immutable after construction."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None,
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | Mapping[str, str] | None,
                  bos_token: str | None, eos_token: str | None,
                  other_special_tokens: Mapping[str, str] | None = None) -> None:
-        """`other_special_tokens`: more template variables, e.g. pad_token / unk_token."""
+        """`chat_template`: one template, or templates by name ("default", "tool_use", ...).
+        `other_special_tokens`: more template variables, e.g. pad_token / unk_token."""
         self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        templates = ({DEFAULT_TEMPLATE: chat_template} if isinstance(chat_template, str)
+                     else dict(chat_template or {}))
+        self.chat_templates = templates
+        self.chat_template = templates.get(DEFAULT_TEMPLATE)
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._special_tokens = {**(other_special_tokens or {}), "bos_token": bos_token or "",
@@ -100,7 +102,7 @@ class TextTokenizer:
             tid for tok, tid in tokenizer.get_vocab(with_added_tokens=True).items()
             if tok in {t.content for t in tokenizer.get_added_tokens_decoder().values()
                        if t.special})
-        self._template = _compile_template(chat_template) if chat_template else None
+        self._templates = {name: _compile_template(text) for name, text in templates.items()}
 
     def with_chat_template(self, chat_template: str) -> "TextTokenizer":
         """The same tokenizer rendering chats with `chat_template` (compiled here)."""
@@ -108,10 +110,12 @@ class TextTokenizer:
                              {k: v for k, v in self._special_tokens.items()
                               if k not in ("bos_token", "eos_token")})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: BOS / EOS as the model's post-processor adds them (a
+        completion's prompt); a rendered chat has its own."""
         # encode_batch releases the GIL while it works (encode holds it: a 1 MB prompt froze
         # every other thread for a second).
-        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -121,16 +125,30 @@ class TextTokenizer:
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
-                    documents: list[dict[str, Any]] | None = None) -> str:
-        if self._template is None:
-            raise TemplateError("the model has no chat template; send text or token ids")
+                    documents: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """`template_kwargs`: more variables (a request's chat_template_kwargs, such as
+        Qwen3's enable_thinking); they cannot replace the ones set here."""
+        template = self._template_for(tools)
         try:
-            return self._template.render(
-                messages=[m.to_template() for m in messages],
-                add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
-                **self._special_tokens)
+            return template.render(**{
+                **(template_kwargs or {}), **self._special_tokens,
+                "messages": [m.to_template() for m in messages],
+                "add_generation_prompt": add_generation_prompt, "tools": tools,
+                "documents": documents})
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def _template_for(self, tools: list[dict[str, Any]] | None) -> jinja2.Template:
+        """"tool_use" for a request with tools where the model has it, else "default"."""
+        if tools is not None and TOOL_TEMPLATE in self._templates:
+            return self._templates[TOOL_TEMPLATE]
+        if DEFAULT_TEMPLATE in self._templates:
+            return self._templates[DEFAULT_TEMPLATE]
+        if self._templates:
+            raise TemplateError(f"the model's chat templates ({', '.join(self._templates)}) "
+                                f"include no {DEFAULT_TEMPLATE!r} one for this request")
+        raise TemplateError("the model has no chat template; send text or token ids")
 
 
 def _raise_template_error(message: str) -> None:
@@ -187,17 +205,25 @@ def read_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value!r}: no such file, and not a template")
 
 
-def load_tokenizer(model_path: str | Path, chat_template: str | None = None) -> TextTokenizer:
-    """`chat_template`: a template (text) to use instead of the model's own. Raises
-    ValueError (TemplateError for a template that does not compile)."""
-    path = Path(model_path)
+def load_tokenizer(model_path: str | Path, chat_template: str | None = None,
+                   tokenizer_path: str | Path | None = None) -> TextTokenizer:
+    """The model's tokenizer, or `tokenizer_path`'s (`--tokenizer`: an HF tokenizer directory
+    or a GGUF) instead. `chat_template`: a template (text) to use instead of the model's own.
+    Raises ValueError (TemplateError for a template that does not compile)."""
+    path = Path(tokenizer_path if tokenizer_path is not None else model_path)
+    what = "--tokenizer " if tokenizer_path is not None else ""
     if path.is_file() and path.suffix == ".gguf":
-        tokenizer = _from_gguf(path)
+        try:
+            parts = tokenizer_from_gguf(path, GgufFile(path).fields)
+        except GgufError as exc:
+            raise ValueError(f"{what}{exc}") from exc
     elif path.is_dir() and (path / "tokenizer.json").is_file():
-        tokenizer = _from_hf_dir(path)
+        parts = _from_hf_dir(path)
     else:
-        raise ValueError(f"{path}: no tokenizer found (expected .gguf or a dir with "
+        raise ValueError(f"{what}{path}: no tokenizer found (expected .gguf or a dir with "
                          "tokenizer.json)")
+    tokenizer = TextTokenizer(parts.tokenizer, parts.chat_templates, parts.bos_token,
+                              parts.eos_token, parts.other_special_tokens)
     if chat_template is None:
         return tokenizer
     try:
@@ -206,68 +232,11 @@ def load_tokenizer(model_path: str | Path, chat_template: str | None = None) -> 
         raise TemplateError(f"--chat-template: {exc}") from exc
 
 
-def _from_gguf(path: Path) -> TextTokenizer:
-    fields = GgufFile(path).fields
-
-    def value(name: str) -> object | None:
-        found = fields.get(name)
-        return found.tolist() if isinstance(found, np.ndarray) else found
-
-    model = value("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {model!r} is not supported (gpt2 BPE only)")
-    tokens: list[str] = value("tokenizer.ggml.tokens")  # type: ignore[assignment]
-    token_types: list[int] = value("tokenizer.ggml.token_type") or []  # type: ignore[assignment]
-    merges: list[str] = value("tokenizer.ggml.merges") or []  # type: ignore[assignment]
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],  # type: ignore[misc]
-              fuse_unk=False)
-    tokenizer = Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*_pre_splits(path, value), byte_level])
-    tokenizer.decoder = decoders.ByteLevel()
-
-    byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    specials = [AddedToken(tok, special=True, normalized=False)
-                for tok, kind in zip(tokens, token_types)
-                if kind == CONTROL_TOKEN_TYPE and set(tok) <= byte_alphabet]
-    tokenizer.add_special_tokens(specials)
-    user_defined = [AddedToken(tok, special=False, normalized=False)
-                    for tok, kind in zip(tokens, token_types) if kind == USER_DEFINED_TOKEN_TYPE]
-    if user_defined:
-        tokenizer.add_tokens(user_defined)
-
-    def token_name(key: str) -> str | None:
-        tid = value(key)
-        return tokens[int(tid)] if tid is not None else None  # type: ignore[call-overload]
-
-    return TextTokenizer(tokenizer, value("tokenizer.chat_template"),  # type: ignore[arg-type]
-                         token_name("tokenizer.ggml.bos_token_id"),
-                         token_name("tokenizer.ggml.eos_token_id"))
-
-
-def _pre_splits(path: Path, value: Callable[[str], object | None],
-                ) -> list[pre_tokenizers.PreTokenizer]:
-    pre = value("tokenizer.ggml.pre")
-    supported = ", ".join(sorted(_PRE_SPLITS))
-    if pre is None:
-        raise ValueError(f"{path}: tokenizer.ggml.pre is missing, so the text split its merges "
-                         f"expect is unknown (supported: {supported})")
-    if pre not in _PRE_SPLITS:
-        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported (supported: "
-                         f"{supported}); another split would give wrong token ids")
-    return _PRE_SPLITS[str(pre)]
-
-
-def _from_hf_dir(path: Path) -> TextTokenizer:
+def _from_hf_dir(path: Path) -> TokenizerParts:
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     cfg: dict[str, object] = {}
     if (path / "tokenizer_config.json").is_file():
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-    template = cfg.get("chat_template")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
+        cfg = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
 
     def token_name(key: str) -> str | None:
         tok = cfg.get(key)
@@ -275,7 +244,35 @@ def _from_hf_dir(path: Path) -> TextTokenizer:
             tok = tok.get("content")
         return tok if isinstance(tok, str) else None
 
+    bos, eos = token_name("bos_token"), token_name("eos_token")
+    # BOS / EOS come from tokenizer.json's post-processor alone: transformers 5 leaves
+    # tokenizer_config's add_bos_token / add_eos_token out when it loads a directory.
     others = {key: name for key in ("pad_token", "unk_token", "sep_token", "cls_token",
                                     "mask_token") if (name := token_name(key)) is not None}
-    return TextTokenizer(tokenizer, template if isinstance(template, str) else None,
-                         token_name("bos_token"), token_name("eos_token"), others)
+    return TokenizerParts(tokenizer, bos, eos, others, _hf_chat_templates(path, cfg))
+
+
+def _hf_chat_templates(path: Path, cfg: Mapping[str, object]) -> dict[str, str]:
+    """tokenizer_config's `chat_template` (a template, or a list of {"name", "template"}), else
+    chat_template.jinja; plus additional_chat_templates/<name>.jinja."""
+    value = cfg.get("chat_template")
+    if value is None and (path / "chat_template.jinja").is_file():
+        value = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    templates: dict[str, str] = {}
+    if isinstance(value, str):
+        templates[DEFAULT_TEMPLATE] = value
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("template"), str)):
+                raise ValueError(f"{path}: tokenizer_config.json chat_template[{i}] is not "
+                                 '{"name": str, "template": str}')
+            templates[item["name"]] = item["template"]
+    elif value is not None:
+        raise ValueError(f"{path}: tokenizer_config.json chat_template is neither a template "
+                         "nor a list of named templates")
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        for file in sorted(extra.glob("*.jinja")):
+            templates.setdefault(file.stem, file.read_text(encoding="utf-8"))
+    return templates

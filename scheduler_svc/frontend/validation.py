@@ -8,6 +8,7 @@ on the token ids.
 
 import json
 import math
+import random
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,14 @@ class Limits:
     max_model_len: int
     max_kv_tokens: int | None = None   # tokens one request may hold in the KV pool
     max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt or rendered chat
+    # --seed's stream of the seeds unseeded random requests get (None: unpredictable ones).
+    seeds: random.Random | None = None
+
+
+def seed_stream(seed: int | None, frontend: int) -> random.Random | None:
+    """Front end `frontend`'s stream of default seeds under --seed `seed` (each front end
+    its own, so that the same requests to it get the same seeds in every run)."""
+    return None if seed is None else random.Random(f"{seed}/{frontend}")
 
 
 @dataclass(slots=True)
@@ -236,7 +245,7 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
     # logits and must draw the same token, and a preempted request resumes identically.
     seed = raw.seed
     if seed is None and temperature > 0:
-        seed = secrets.randbits(64)
+        seed = secrets.randbits(64) if limits.seeds is None else limits.seeds.getrandbits(64)
     n = 1 if raw.n is None else raw.n
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}")

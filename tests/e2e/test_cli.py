@@ -139,3 +139,41 @@ def test_rank_missing_from_the_rendezvous_is_a_clear_error() -> None:
     finally:
         scheduler.kill()
         scheduler.wait()
+
+
+def test_serve_model_with_vllms_flags_and_a_config_file(tmp_path: Path) -> None:
+    """`splitserve serve MODEL` as vLLM is spelled: the model positional, `-tp 1`, a YAML
+    --config (flag names in any spelling: `dtype: float`, `no-enable-prefix-caching`), and the
+    command line over the file (its --max-num-seqs 3 over the file's 5)."""
+    import grpc
+
+    from services.model_config import default_model_path
+    from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+    port = free_ports(1)[0]
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"port: {port}\nhttp_port: -1\n--kv-cache-memory-gib: 0.25\n"
+                      "dtype: float\nenable_prefix_caching: false\nmax-num-seqs: 5\n"
+                      f"log-dir: {tmp_path}\n")
+    serve = subprocess.Popen(cli("serve", str(default_model_path()), "-tp", "1", "--config",
+                                 str(config), "--max-num-seqs", "3"),
+                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = serve.stderr.readline()  # type: ignore[union-attr]
+            lines.append(line)
+            if "ready on" in line or serve.poll() is not None:
+                break
+        assert any("ready on" in x for x in lines), "".join(lines)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = generation_pb2_grpc.GenerationStub(channel).ServerInfo(
+                generation_pb2.ServerInfoRequest(), timeout=10)
+        assert info.replicas[0].dtype == "float32" and not info.prefix_caching
+        assert info.max_num_seqs == 3
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()

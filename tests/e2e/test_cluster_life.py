@@ -307,11 +307,13 @@ def test_prefix_aware_routing_events_and_metrics(tmp_path: Path, tokenizer) -> N
 
 
 def metric(text: str, name: str) -> float:
-    """The value of an unlabelled-or-single-series metric in Prometheus text format."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
+    """The sum over the series of a metric in Prometheus text format (vLLM's families have
+    one per replica: their `engine` label)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    if not values:
+        raise AssertionError(f"{name} not exported")
+    return sum(values)
 
 
 def stream_one(cluster: RunningCluster, ids: list[int]):  # type: ignore[no-untyped-def]

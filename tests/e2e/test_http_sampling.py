@@ -242,7 +242,10 @@ def test_chat_with_tools_and_text_parts_equals_the_grpc_chat(
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     reply = client.chat.completions.create(
+        # tool_choice "none": the tools reach the template and the reply is text ("auto",
+        # the default with tools, needs --enable-auto-tool-choice, as in vLLM).
         model=model, max_completion_tokens=8, temperature=0, tools=tools,  # type: ignore[arg-type]
+        tool_choice="none",
         messages=[{"role": "user", "content": [{"type": "text", "text": "Call f."},
                                                {"type": "text", "text": "Then answer."}]},
                   {"role": "assistant", "content": "", "tool_calls": [call]},  # type: ignore[list-item]

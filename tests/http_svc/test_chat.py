@@ -81,10 +81,7 @@ def test_tools_documents_and_tool_fields_are_carried_as_json() -> None:
 
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template": "{{ messages }}"}, "chat_template"),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
 ])
 def test_template_inputs_are_refused_not_dropped(fields: dict[str, Any], param: str) -> None:
     assert refused({"role": "user", "content": "x"}, **fields).param == param
@@ -95,3 +92,21 @@ def test_empty_template_inputs_are_no_inputs() -> None:
                    chat_template_kwargs={}, tool_choice="none", parallel_tool_calls=False)
     refuse_template_inputs(body)
     refuse_template_inputs(request([{"role": "user", "content": "x"}], tool_choice="auto"))
+
+
+def test_template_kwargs_are_carried_as_json() -> None:
+    body = request([{"role": "user", "content": "x"}],
+                   chat_template_kwargs={"enable_thinking": False})
+    refuse_template_inputs(body)
+    extras = chat_extras(body)
+    assert extras is not None and json.loads(extras.template_kwargs_json) == {
+        "enable_thinking": False}
+    assert extras_num_bytes(extras) == len(extras.template_kwargs_json)
+    assert json.loads(chat_to_pb(Prompt(chat=(("user", "x"),), chat_extras=extras))
+                      .chat_template_kwargs_json) == {"enable_thinking": False}
+
+
+def test_the_developer_role_is_the_system_role() -> None:
+    body = request([{"role": "developer", "content": "Be brief."},
+                    {"role": "user", "content": "x"}])
+    assert flatten_messages(body.messages) == [("system", "Be brief."), ("user", "x")]

@@ -31,3 +31,21 @@ def test_bad_values_are_refused_at_start(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_config(argv)
     assert exit_info.value.code == 2
+
+
+def test_tool_and_reasoning_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's names: --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser."""
+    config = parse_config(["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                           "--reasoning-parser", "qwen3"])
+    assert (config.tool_call_parser, config.enable_auto_tool_choice,
+            config.reasoning_parser) == ("hermes", True, "qwen3")
+    monkeypatch.setenv("SPLITSERVE_HTTP_TOOL_CALL_PARSER", "mistral")
+    monkeypatch.setenv("SPLITSERVE_HTTP_ENABLE_AUTO_TOOL_CHOICE", "true")
+    config = parse_config([])
+    assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("mistral", True)
+    for argv in (["--tool-call-parser", "nope"], ["--reasoning-parser", "nope"]):
+        with pytest.raises(SystemExit):
+            parse_config(argv)
+    monkeypatch.delenv("SPLITSERVE_HTTP_TOOL_CALL_PARSER")
+    with pytest.raises(SystemExit):          # auto tool choice needs a parser to read calls
+        parse_config(["--enable-auto-tool-choice"])

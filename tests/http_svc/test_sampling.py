@@ -31,7 +31,10 @@ def refusal(make: Any, **fields: Any) -> ApiError:
 
 def test_defaults_are_vllms() -> None:
     s = completion()
-    assert (s.temperature, s.top_p, s.top_k, s.seed, s.min_tokens) == (1.0, 1.0, 0, None, 0)
+    # Unset knobs stay unset: the scheduler fills them (the model's generation config, else
+    # vLLM's defaults).
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.min_tokens) == (None, None, None, None, 0)
+    assert (s.min_p, s.repetition_penalty) == (None, None)
     assert (s.stop, s.stop_token_ids, s.ignore_eos, s.logprobs) == ((), (), False, None)
     assert s.max_tokens == 16                           # OpenAI's completions default
     assert not s.keep_special_tokens                    # skip_special_tokens defaults to true
@@ -136,5 +139,5 @@ def test_invalid_values_are_invalid_before_unsupported(fields: dict[str, Any],
 def test_stream_options() -> None:
     chat(stream=True, stream_options={"include_usage": True})
     assert refusal(chat, stream_options={"include_usage": True}).param == "stream_options"
-    error = refusal(chat, stream=True, stream_options={"continuous_usage_stats": True})
-    assert error.param == "stream_options.continuous_usage_stats"
+    # vLLM's continuous usage stats are served (guidellm always asks for them).
+    chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})

@@ -29,8 +29,25 @@ def test_a_spec_becomes_the_request_the_scheduler_validates() -> None:
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
     assert (s.top_k, s.min_tokens, list(s.stop), list(s.stop_token_ids), s.ignore_eos) == (
         0, 1, ["END"], [7], True)
-    # Unset: the engine picks a seed, fills its default max_tokens, returns no logprobs.
-    assert not any(s.HasField(f) for f in ("seed", "max_tokens", "logprobs"))
+    # Unset: the engine picks a seed, fills its default max_tokens, returns no logprobs, and
+    # takes min_p and repetition_penalty from the model's generation config (or vLLM's).
+    assert not any(s.HasField(f) for f in ("seed", "max_tokens", "logprobs", "min_p",
+                                           "repetition_penalty"))
+
+
+def test_unset_knobs_reach_the_scheduler_unset() -> None:
+    """The model's generation_config.json defaults apply to HTTP clients too: a knob the
+    client did not send must not arrive as vLLM's default, which would hide the model's."""
+    unset = Sampling(None, None, None, None, None, 0, (), (), False, None, False)
+    s = spec_to_pb(GenerateSpec("r", Prompt(text="Hi"), unset)).sampling
+    assert not any(s.HasField(f) for f in ("temperature", "top_p", "top_k", "min_p",
+                                           "repetition_penalty"))
+    zero = Sampling(0.0, 1.0, 0, None, None, 0, (), (), False, None, False, min_p=0.0,
+                    repetition_penalty=1.0)
+    s = spec_to_pb(GenerateSpec("r", Prompt(text="Hi"), zero)).sampling
+    assert all(s.HasField(f) for f in ("temperature", "top_p", "top_k", "min_p",
+                                       "repetition_penalty"))
+    assert (s.temperature, s.top_k, s.min_p) == (0.0, 0, 0.0)
 
 
 def test_optional_fields_and_prompt_forms() -> None:

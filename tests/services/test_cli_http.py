@@ -20,7 +20,8 @@ def test_up_starts_the_http_api_on_8000_beside_the_scheduler() -> None:
     assert procs.spec.http_port == 8000 and procs.http_address == "127.0.0.1:8000"
     assert procs.spec.metrics_port == 50056          # port + 5, off the HTTP API's port
     assert procs.http_args() == ["--host", "127.0.0.1", "--port", "8000",
-                                 "--scheduler", "127.0.0.1:50051", "--log-level", "info"]
+                                 "--scheduler", "127.0.0.1:50051", "--log-level", "info",
+                                 "--scheduler-metrics", "http://127.0.0.1:50056/metrics"]
 
 
 def test_on_every_interface_it_still_reaches_the_scheduler_on_loopback() -> None:
@@ -40,6 +41,11 @@ def test_http_flags_are_forwarded_to_it() -> None:
     assert a.scheduler_args == ["--drain-timeout", "5"]     # both services define it
     assert processes("--max-body-bytes", "4096").http_args()[-2:] == ["--max-body-bytes",
                                                                        "4096"]
+    # vLLM's tool-calling flags, as `vllm serve` takes them.
+    a = cli.parse_args(["serve", "m.gguf", "--tool-call-parser", "hermes",
+                        "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"])
+    assert a.http_args == ["--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                           "--reasoning-parser", "qwen3"]
 
 
 @pytest.mark.parametrize("flags, clash", [
@@ -47,6 +53,8 @@ def test_http_flags_are_forwarded_to_it() -> None:
     (["--port", "7995"], "--http-port 8000 is also --metrics-port"),
     (["--http-port", "50053"], "--http-port 50053 is also --port + 2 (kvcache plan)"),
 ])
+
+
 def test_a_port_clash_is_refused_before_anything_starts(
         flags: list[str], clash: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,13 +2,17 @@
 `sample_on_device` runs under torch's sync debug mode set to raise, for every kind of
 request at once (seeded and unseeded, top-k, top-p, min-p, penalties over a history, logit
 bias, logprobs, greedy rows among them); its tokens and logprobs are `sample`'s (what the CPU
-path returns). The CPU run checks the test itself; scripts/gpu-check runs the CUDA one."""
+path returns). So is a step's min_tokens mask (worker_svc.min_tokens). The CPU run checks the
+test itself; scripts/gpu-check runs the CUDA one."""
 
 import pytest
 import torch
 
 from services.wire import SamplingSpec
+from worker_svc.input_batch import RequestState, ScheduledRequest
+from worker_svc.min_tokens import banned_entries
 from worker_svc.penalties import TokenHistory
+from worker_svc.pending_tokens import PENDING
 from worker_svc.sampler import new_generator, sample, sample_on_device
 
 VOCAB = 3000
@@ -67,3 +71,38 @@ def test_sampling_a_mixed_step_reads_nothing_back(device: str) -> None:
         if a is not None and b is not None:
             assert a.top_token_ids == b.top_token_ids
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_banned_entries_mask_on_the_device_without_reading_it(device: str) -> None:
+    """The sampler path of a step with min_tokens rows, under torch's sync debug mode set to
+    raise on a GPU: the banned ids are never drawn, the logprobs are the raw logits'."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (scripts/gpu-check runs it)")
+    on = torch.device(device)
+    specs = [spec(0.0, min_tokens=5, min_tokens_ids=[3, 4]),
+             spec(1.0, seed=1, num_logprobs=0, min_tokens=5, min_tokens_ids=[3]),
+             spec(0.0, min_tokens=1, min_tokens_ids=[3, 4])]   # has its one output already
+    states = [RequestState(f"r{i}", [9, 9, PENDING] if i == 2 else [9, 9], 2, [[1]], 2, s,
+                           None) for i, s in enumerate(specs)]
+    sampling = [ScheduledRequest(state, 1, 1, True) for state in states]
+    logits = torch.zeros(3, 50)
+    logits[:, 3] = 100.0
+    logits[:, 4] = 50.0
+    logits_on = logits.to(on)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        banned = banned_entries(sampling, on)
+        assert banned is not None
+        token_ids, logprobs = sample_on_device(logits_on, specs, [None, new_generator(1), None],
+                                               banned=banned)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    got = token_ids.tolist()
+    assert got[0] not in (3, 4) and got[1] == 4 and got[2] == 3
+    assert logprobs is not None
+    assert logprobs.lists()[1].logprob == pytest.approx(  # type: ignore[union-attr]
+        float(logits[1].log_softmax(-1)[4]), abs=1e-4)

@@ -134,9 +134,12 @@ def test_abort_is_relayed_to_every_other_front_end(ctx: zmq.Context, hub: Hub) -
     asked: dict[int, list[str]] = {i: [] for i in range(3)}
     holds = {1: "held-by-1", 2: "held-by-2"}
 
-    def on_abort(index: int) -> Callable[[str], bool]:
-        def answer(request_id: str) -> bool:
+    owners: list[str] = []
+
+    def on_abort(index: int) -> Callable[[str, str], bool]:
+        def answer(request_id: str, owner: str = "") -> bool:
             asked[index].append(request_id)
+            owners.append(owner)
             return holds.get(index) == request_id
         return answer
 
@@ -150,7 +153,8 @@ def test_abort_is_relayed_to_every_other_front_end(ctx: zmq.Context, hub: Hub) -
             await until(lambda: len(hub.frontends) == 3)
             assert await links[0].abort_elsewhere("held-by-2")
             assert await links[1].abort_elsewhere("held-by-2")
-            assert not await links[0].abort_elsewhere("nobody")
+            assert not await links[0].abort_elsewhere("nobody", owner="ab12")
+            assert owners[-2:] == ["ab12", "ab12"]     # the asker's owner (API keys) goes along
             # Never asked its own query.
             assert asked[0] == ["held-by-2"] and asked[1] == ["held-by-2", "nobody"]
             assert asked[2] == ["held-by-2", "held-by-2", "nobody"]

@@ -117,6 +117,12 @@ def worker_outputs(rng: random.Random, step: StepInput, book: SlotBook,
     return reference, compact
 
 
+@pytest.fixture(autouse=True)
+def stopped_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twins' finish records carry their phase times: one instant for both to compare."""
+    monkeypatch.setattr("scheduler_svc.engine.request.clock", lambda: 100.0)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_update_packed_equals_update_on_random_steps(seed: int) -> None:
     rng = random.Random(seed)

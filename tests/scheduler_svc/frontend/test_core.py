@@ -50,12 +50,13 @@ class CountingTokenizer:
         self.num_encoded = 0
         self.num_rendered = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.num_encoded += 1
         return [1] * len(text)
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                    tools: object = None, documents: object = None) -> str:
+                    tools: object = None, documents: object = None,
+                    template_kwargs: object = None) -> str:
         self.num_rendered += 1
         return "".join(f"<{m.role}>{m.content}" for m in messages)
 

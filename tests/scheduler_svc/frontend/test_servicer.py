@@ -112,11 +112,14 @@ class FakeClusterLink:
                  stats: ClusterStatsReply | None = None) -> None:
         self.found_elsewhere = found_elsewhere
         self.asked: list[str] = []
+        self.owners: list[str] = []
         self.reports: list[FrontendReport] = []
         self._stats = stats
 
-    async def abort_elsewhere(self, request_id: str, timeout_s: float = 1.0) -> bool:
+    async def abort_elsewhere(self, request_id: str, timeout_s: float = 1.0,
+                              owner: str = "") -> bool:
         self.asked.append(request_id)
+        self.owners.append(owner)
         return self.found_elsewhere
 
     async def stats(self, report: FrontendReport) -> ClusterStatsReply | None:

@@ -374,5 +374,7 @@ class Frontend:
         placement = (message.replica_id, message.engine_epoch)
         for request in self.live.take_outputs(message, placement, self.facts.vocab_size):
             self._abort_on_engine(request)      # a stop string matched
+        if self.metrics is not None:
+            self.metrics.flush()                # the step's token timings, written once
         if message.down is not None:
             self._engine_down(placement, message.down)

@@ -10,7 +10,10 @@ against a scrape).
 
 When: tokens are timed as each engine step's message reaches the front end
 (`FrontRequest.take`), not when the client is handed them, so a client that takes the whole
-output at the end still gets its request's real time to first token. The phases come from
+output at the end still gets its request's real time to first token. A step's inter-token
+gaps and token counts are gathered per replica and written once per step message (`flush`):
+an observation in multiprocess mode costs a few microseconds, which per token would be most
+of the front end's work on a whole reply. The phases come from
 the engine core's finish record (`Finished.timing`): only the engine core knows when the
 request was scheduled and when its tokens were made.
 
@@ -20,7 +23,9 @@ process serves their sum at /metrics beside the cluster's own state (scheduler_s
 metrics).
 """
 
+import bisect
 import time
+from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -36,6 +41,19 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 clock = time.monotonic  # what requests are timed by; a test may run it by hand
 NO_ENGINE = "none"      # the `engine` of a request that ended before it reached a replica
 LABELS = ("model_name", "engine")
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for every value, in one write per bucket touched and one for
+    the sum. It reaches into prometheus_client's Histogram (its `_upper_bounds`, `_buckets`,
+    `_sum`, as its own `observe` does; pinned version): tests/scheduler_svc/frontend/
+    test_metrics.py checks the result equals observing the values one by one."""
+    if not values:
+        return
+    bounds = histogram._upper_bounds     # ascending, the last +Inf: every value has a bucket
+    histogram._sum.inc(sum(values))
+    for index, count in Tally(bisect.bisect_left(bounds, v) for v in values).items():
+        histogram._buckets[index].inc(count)
 
 
 def buckets_1_2_5(largest: int) -> tuple[float, ...]:
@@ -131,6 +149,28 @@ class RequestMetrics:
                               "(no replica by their deadline, ...).", ["model_name"],
                               registry=r).labels(model_name)
         self._engines: dict[int | None, EngineSeries] = {}
+        # What this step message brought, per replica, until `flush`: inter-token gaps and
+        # tokens made.
+        self._gaps: dict[int, list[float]] = {}
+        self._num_tokens: dict[int, int] = {}
+
+    def note_tokens(self, replica_id: int, num_tokens: int, gap: float | None) -> None:
+        """`num_tokens` made by one step of `replica_id` for one request, `gap` seconds after
+        its previous ones (None: its first); written at the next `flush`."""
+        if gap is not None:
+            self._gaps.setdefault(replica_id, []).append(gap)
+        self._num_tokens[replica_id] = self._num_tokens.get(replica_id, 0) + num_tokens
+
+    def flush(self) -> None:
+        """Writes what `note_tokens` gathered: once per step message, and before an end."""
+        for replica_id, gaps in self._gaps.items():
+            s = self.engine(replica_id)
+            observe_many(s.itl, gaps)
+            observe_many(s.tpot, gaps)
+        for replica_id, num_tokens in self._num_tokens.items():
+            self.engine(replica_id).generation_tokens.inc(num_tokens)
+        self._gaps.clear()
+        self._num_tokens.clear()
 
     def engine(self, replica_id: int | None) -> EngineSeries:
         """The series of one replica (None: of no replica)."""
@@ -184,16 +224,14 @@ class RequestTimer:
         if self.metrics is None:
             return
         now = clock()
-        s = self.metrics.engine(replica_id)
+        gap = None
         if self.last_token is None:
             self.first_token = now
-            s.ttft.observe(now - self.arrival)
+            self.metrics.engine(replica_id).ttft.observe(now - self.arrival)
         else:
             gap = now - self.last_token
-            s.itl.observe(gap)
-            s.tpot.observe(gap)
         self.last_token = now
-        s.generation_tokens.inc(num_tokens)
+        self.metrics.note_tokens(replica_id, num_tokens, gap)
 
     def finished(self, reason: str, num_prompt_tokens: int, num_output_tokens: int,
                  max_tokens: int, timing: Timing | None,
@@ -201,6 +239,7 @@ class RequestTimer:
         """It ended: on `replica_id` (None: where its last tokens came from)."""
         if self.metrics is None:
             return
+        self.metrics.flush()
         now = clock()
         decode_s = None
         if self.first_token is not None and self.last_token is not None:

@@ -151,3 +151,44 @@ def test_length_buckets_are_1_2_5_up_to_the_context() -> None:
         "model_name": MODEL, "engine": "0", "le": "100.0"}) == 0
     assert m.registry.get_sample_value("vllm:request_prompt_tokens_bucket", {
         "model_name": MODEL, "engine": "0", "le": "+Inf"}) == 1
+
+
+def test_observing_many_at_once_equals_one_by_one() -> None:
+    """observe_many reaches into prometheus_client's Histogram: the same samples as its own
+    observe, bucket edges included (a value equal to a bound falls in that bound's bucket)."""
+    from prometheus_client import Histogram
+
+    from scheduler_svc.frontend.metrics import ITL_BUCKETS, observe_many
+
+    values = [0.0, 0.01, 0.0100001, 0.3, 0.3, 2.5, 79.9, 80.0, 1e6, 0.02]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("x", "x", buckets=ITL_BUCKETS, registry=one)
+    h2 = Histogram("x", "x", buckets=ITL_BUCKETS, registry=many)
+    for v in values:
+        h1.observe(v)
+    observe_many(h2, values)
+    observe_many(h2, [])
+    def samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for family in registry.collect()
+                for s in family.samples if not s.name.endswith("_created")]
+
+    assert samples(one) == samples(many) and len(samples(one)) == len(ITL_BUCKETS) + 3
+
+
+def test_a_steps_gaps_are_written_at_flush(metrics: RequestMetrics, clock: ManualClock) -> None:
+    timers = [RequestTimer(metrics) for _ in range(3)]
+    for t in timers:
+        t.tokens(1, 3)                       # first tokens: TTFT at once, no gap
+    metrics.flush()
+    clock.now += 0.5
+    for t in timers:
+        t.tokens(1, 3)
+    assert value(metrics, "vllm:inter_token_latency_seconds_count", "3") == 0
+    assert value(metrics, "vllm:generation_tokens_total", "3") == 3
+    metrics.flush()
+    assert value(metrics, "vllm:inter_token_latency_seconds_count", "3") == 3
+    assert value(metrics, "vllm:inter_token_latency_seconds_sum", "3") == 1.5
+    assert value(metrics, "vllm:time_per_output_token_seconds_count", "3") == 3
+    assert value(metrics, "vllm:generation_tokens_total", "3") == 6
+    metrics.flush()                          # nothing new: nothing written twice
+    assert value(metrics, "vllm:generation_tokens_total", "3") == 6

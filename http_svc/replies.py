@@ -1,13 +1,16 @@
 """One chat choice's reply text read into what the response carries: `reasoning_content`
 (`http_svc.reasoning`), `content` and `tool_calls` (`http_svc.tools`, `http_svc.tool_parsers`),
 whether it streams (`feed` each text delta for the delta fields to send now, then `finish`)
-or comes whole (`read`). A plain reply (no reasoning parser, no tools read) is its text."""
+or comes whole (`read`). A plain reply (no reasoning parser, no tools read) is its text.
+Streamed, an auto call's arguments go out as they come (`http_svc.tool_stream`), and a
+named call's too; `required` calls come whole at the end (the array must parse first)."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from http_svc.reasoning import ReasoningParser, ReasoningStream
-from http_svc.tool_parsers import ToolCall, ToolCallStream, call_id
+from http_svc.tool_parsers import ToolCall, call_id
+from http_svc.tool_stream import ToolCallStream
 from http_svc.tools import ToolPlan, forced_calls
 
 Delta = dict[str, Any]
@@ -49,9 +52,10 @@ class ReplyReader:
         if self.plan.structured is not None:
             return self._forced(text)
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
-        if self.tools is not None:
-            content = self.tools.feed(content)
-        return self._delta(reasoning, content)
+        if self.tools is None:
+            return self._delta(reasoning, content)
+        content, calls = self.tools.feed(content)
+        return self._delta(reasoning, content, calls)
 
     def finish(self) -> Delta:
         """What was held back, once the reply has ended: the rest, and the calls."""
@@ -64,13 +68,11 @@ class ReplyReader:
         if self.plan.mode == "named":
             return {}
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
-        delta = self._delta(reasoning, self.tools.feed(content) if self.tools else content)
-        if self.tools is not None:
-            rest, self.calls = self.tools.finish()
-            delta = merge(delta, self._delta("", rest))
-            if self.calls:
-                delta["tool_calls"] = [c.body(i) for i, c in enumerate(self.calls)]
-        return delta
+        if self.tools is None:
+            return self._delta(reasoning, content)
+        content, calls = self.tools.feed(content)
+        rest, more, self.calls = self.tools.finish()
+        return self._delta(reasoning, content + rest, calls + more)
 
     def read(self, text: str) -> Reply:
         """A whole reply."""
@@ -96,7 +98,7 @@ class ReplyReader:
         self.calls = [ToolCall(name, self.forced_text, self.named_id)]
         return {"tool_calls": [self.calls[0].body(0)]}
 
-    def _delta(self, reasoning: str, content: str) -> Delta:
+    def _delta(self, reasoning: str, content: str, calls: list[Delta] | None = None) -> Delta:
         self.thought += reasoning
         self.content += content
         delta: Delta = {}
@@ -104,6 +106,8 @@ class ReplyReader:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
         return delta
 
 

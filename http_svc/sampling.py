@@ -8,7 +8,8 @@ to the scheduler unset, which takes them from the model's generation_config.json
 completions' max_tokens 16 (null: the rest of the context);
 chat's max_completion_tokens (or the deprecated max_tokens) the rest of the context; `stop` a
 string or a list; chat's logprobs a bool with top_logprobs alternatives, completions' logprobs
-the number of alternatives. Seeds are int64 as in vLLM; the engine takes their 64 bits.
+the number of alternatives; `include_stop_str_in_output` keeps a matched stop string in the
+text (default false, as vLLM). Seeds are int64 as in vLLM; the engine takes their 64 bits.
 
 Penalties and min_p as vLLM: presence/frequency in [-2, 2], repetition > 0, min_p in [0, 1];
 logit_bias keys are token ids written as strings, values clamped to [-100, 100] as vLLM clamps
@@ -65,6 +66,7 @@ class Sampling:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids sorted
     prompt_logprobs: int | None = None   # alternatives per prompt token; None: none
+    include_stop_str_in_output: bool = False   # a matched stop string stays in the text
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +81,12 @@ class NotYet:
     domain: str = ""
 
 
-def _unset(value: Any) -> bool:
-    return value is None
-
-
 def _falsy(value: Any) -> bool:
     return not value
 
 
 NOT_YET: tuple[NotYet, ...] = (
     NotYet("suffix", _falsy, "null"),
-    NotYet("include_stop_str_in_output", _falsy, "false"),
-    NotYet("guided_grammar", _unset, "null"),
 )
 
 
@@ -194,7 +190,8 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
                                    -2.0, 2.0),
         repetition_penalty=_repetition_penalty(request.repetition_penalty),
         logit_bias=_logit_bias(request.logit_bias), prompt_logprobs=prompt_logprobs,
-        structured=structured_output(request))
+        structured=structured_output(request),
+        include_stop_str_in_output=bool(request.include_stop_str_in_output))
 
 
 def _bounded(value: float | None, name: str, default: float | None, low: float, high: float,

@@ -118,6 +118,8 @@ def spec_to_pb(spec: GenerateSpec) -> pb.GenerateRequest:
         sampling.structured_output.CopyFrom(structured_to_pb(s.structured))
     if s.n != 1:
         sampling.n = s.n
+    if s.include_stop_str_in_output:
+        sampling.include_stop_str_in_output = True
     if s.presence_penalty:
         sampling.presence_penalty = s.presence_penalty
     if s.frequency_penalty:

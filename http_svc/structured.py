@@ -1,9 +1,10 @@
 """Structured output parameters, as OpenAI's API and vLLM's OpenAI server take them, onto the
 gRPC API's `StructuredOutput`: `response_format` (`{"type": "text"}`, `{"type":
 "json_object"}`, or `{"type": "json_schema", "json_schema": {"name", "schema", ...}}`),
-vLLM's `structured_outputs` (one of `json`, `regex`, `choice`, `json_object`; its other keys
-are refused by name) and vLLM's older `guided_json` (a schema, as an object or as JSON text),
-`guided_regex` and `guided_choice`. At most one of them may constrain a request.
+vLLM's `structured_outputs` (one of `json`, `regex`, `choice`, `grammar`, `json_object`; its
+other keys are refused by name) and vLLM's older `guided_json` (a schema, as an object or as
+JSON text), `guided_regex`, `guided_choice` and `guided_grammar` (an EBNF / GBNF grammar whose
+start rule is `root`). At most one of them may constrain a request.
 
 Only the shape is checked here; the scheduler compiles the grammar and refuses one it cannot
 compile with INVALID_ARGUMENT, whose message starts with "structured_output": the front end's
@@ -23,13 +24,14 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 @dataclass(frozen=True, slots=True)
 class Structured:
-    """One request's output constraint: exactly one of the four is set."""
+    """One request's output constraint: exactly one of the five is set."""
 
     param: str                       # the request field it came from, for error messages
     json_schema: str | None = None   # JSON text of the schema
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] = ()
+    grammar: str | None = None       # EBNF text
 
 
 def structured_output(request: GenerationFields) -> Structured | None:
@@ -39,11 +41,12 @@ def structured_output(request: GenerationFields) -> Structured | None:
                          _structured_outputs(request.structured_outputs),
                          _guided_json(request.guided_json),
                          _guided_regex(request.guided_regex),
-                         _guided_choice(request.guided_choice)) if s is not None]
+                         _guided_choice(request.guided_choice),
+                         _guided_grammar(request.guided_grammar)) if s is not None]
     if len(found) > 1:
         raise bad_request(f"only one of response_format, structured_outputs, guided_json, "
-                          f"guided_regex and guided_choice may constrain the output (got "
-                          f"{' and '.join(s.param for s in found)})", found[1].param)
+                          f"guided_regex, guided_choice and guided_grammar may constrain the "
+                          f"output (got {' and '.join(s.param for s in found)})", found[1].param)
     return found[0] if found else None
 
 
@@ -59,6 +62,8 @@ def to_pb(structured: Structured) -> pb.StructuredOutput:
         message.json_schema = structured.json_schema
     if structured.regex is not None:
         message.regex = structured.regex
+    if structured.grammar is not None:
+        message.grammar = structured.grammar
     return message
 
 
@@ -85,7 +90,7 @@ def _response_format(value: dict[str, Any] | None) -> Structured | None:
     return Structured("response_format", json_schema=json.dumps(spec["schema"]))
 
 
-STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "json_object")
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _structured_outputs(value: dict[str, Any] | None) -> Structured | None:
@@ -111,6 +116,8 @@ def _structured_outputs(value: dict[str, Any] | None) -> Structured | None:
         return _guided_json(value[key], f"{param}.json", param)
     if key == "regex":
         return _guided_regex(value[key], f"{param}.regex", param)
+    if key == "grammar":
+        return _guided_grammar(value[key], f"{param}.grammar", param)
     return _guided_choice(value[key], f"{param}.choice", param)
 
 
@@ -145,3 +152,13 @@ def _guided_choice(value: Any, name: str = "guided_choice",
             or not all(isinstance(c, str) for c in value)):
         raise bad_request(f"{name} must list at least one string", name)
     return Structured(param or name, choice=tuple(value))
+
+
+def _guided_grammar(value: Any, name: str = "guided_grammar",
+                    param: str | None = None) -> Structured | None:
+    """An EBNF grammar's text; the scheduler parses it (a 400 naming `name` if it cannot)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request(f"{name} must be a non-empty string (an EBNF grammar)", name)
+    return Structured(param or name, grammar=value)

@@ -11,13 +11,17 @@
 A parser says where the calls begin (`start`), how much of a text's end could still be the
 start of a marker (`hold`, so a stream never sends half a marker as content) and which calls
 the text from the start on holds (`calls`; None when it does not parse: then the whole reply
-is content, as vLLM answers a malformed call). `ToolCallStream` runs one over a streamed reply.
+is content, as vLLM answers a malformed call), and where each call's head ends (`head`: its
+name and where its arguments object opens, so a stream can send the arguments as they come;
+`http_svc.tool_stream`).
 """
 
 import json
+import re
 import secrets
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -84,6 +88,16 @@ def json_values(text: str, separators: str = "") -> list[Any] | None:
         values.append(value)
 
 
+# A call's head as JSON: `{"name": "...", "arguments"|"parameters": ` up to its arguments
+# object's `{` (a head written in another key order, or arguments given as text, is not
+# streamed: that call comes whole at the end).
+JSON_HEAD = (r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,'
+             r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+# Mistral's tokenizer v11 form: `[TOOL_CALLS]name[ARGS]{...}`.
+ARGS_HEAD = r"\[TOOL_CALLS\](?P<raw>[^\[\]{}]+)\[ARGS\](?=\{)"
+
+
 class ToolParser:
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]]
@@ -92,6 +106,11 @@ class ToolParser:
     # also ends in its end-of-turn token's text (a trailer), which is not content.
     keep_special_tokens: ClassVar[bool] = False
     trailers: ClassVar[tuple[str, ...]] = ()
+    # Where a call's head may be matched: the first from where the calls begin, the next
+    # from the end of the previous call's arguments object.
+    first_heads: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    next_heads: ClassVar[tuple[re.Pattern[str], ...]] = ()
+    new_id: ClassVar[Callable[[], str]] = staticmethod(call_id)
 
     def start(self, text: str) -> int | None:
         """Where the first call begins in `text`, or None."""
@@ -113,6 +132,21 @@ class ToolParser:
 
     def calls(self, text: str) -> list[ToolCall] | None:
         raise NotImplementedError
+
+    def head(self, text: str, at: int, first: bool) -> tuple[str, int] | None:
+        """The name of the call whose head `text` holds from `at`, and where its arguments
+        object opens; None while (or if) there is no such head there."""
+        for pattern in self.first_heads if first else self.next_heads:
+            found = pattern.match(text, at)
+            if found is None:
+                continue
+            try:
+                name = (json.loads(found["name"]) if "name" in pattern.groupindex
+                        else found["raw"].strip())
+            except ValueError:
+                return None
+            return (name, found.end()) if isinstance(name, str) and name else None
+        return None
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content before the calls, and the calls (none: all of it is content)."""
@@ -139,6 +173,9 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    # The next `<tool_call>` (not a later one: a call that cannot stream stops the streaming).
+    first_heads = (re.compile(r"(?s)(?:(?!<tool_call>).)*<tool_call>" + JSON_HEAD),)
+    next_heads = first_heads
 
     def calls(self, text: str) -> list[ToolCall] | None:
         """Text between or after the calls is dropped, as vLLM drops it; the last call may
@@ -159,6 +196,8 @@ class Llama3JsonParser(ToolParser):
     anywhere = False
     keep_special_tokens = True
     trailers = ("<|eot_id|>", "<|eom_id|>")
+    first_heads = (re.compile(r"(?:<\|python_tag\|>)?" + JSON_HEAD),)
+    next_heads = (re.compile(r"\s*\}\s*;" + JSON_HEAD),)
 
     def calls(self, text: str) -> list[ToolCall] | None:
         values = json_values(text.removeprefix("<|python_tag|>"), ";")
@@ -171,6 +210,12 @@ class MistralParser(ToolParser):
     markers = ("[TOOL_CALLS]",)
     keep_special_tokens = True
     trailers = ("</s>",)
+    new_id = staticmethod(mistral_call_id)
+    # In an array (the next after `, `), a new `[TOOL_CALLS]` array, or `name[ARGS]`.
+    first_heads = (re.compile(r"\[TOOL_CALLS\]\s*\[?" + JSON_HEAD), re.compile(ARGS_HEAD))
+    next_heads = (re.compile(r"\s*\}\s*," + JSON_HEAD),
+                  re.compile(r"\s*\}\s*\]\s*\[TOOL_CALLS\]\s*\[?" + JSON_HEAD),
+                  re.compile(r"\s*" + ARGS_HEAD))
 
     def calls(self, text: str) -> list[ToolCall] | None:
         calls: list[ToolCall | None] = []
@@ -196,34 +241,3 @@ class MistralParser(ToolParser):
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
-
-
-class ToolCallStream:
-    """A streamed reply through a parser: `feed` each text delta for the content that can be
-    sent now; `finish` at the end for the rest of the content and the calls."""
-
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.text = ""
-        self.sent = 0                  # characters of `text` sent as content
-        self.at: int | None = None     # where the calls begin, once seen
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        if self.at is not None:
-            return ""
-        self.at = self.parser.start(self.text)
-        end = self.at if self.at is not None else len(self.text) - self.parser.hold(self.text)
-        out = self.text[self.sent:max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        calls = None
-        if self.at is not None:
-            calls = self.parser.calls(self.parser._trim(self.text[self.at:]))
-        if not calls:
-            out = self.parser.untrailed(self.text)[self.sent:]
-            self.sent = len(self.text)
-            return out, []
-        return "", calls

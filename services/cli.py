@@ -3,7 +3,7 @@
     splitserve serve MODEL [-tp 2] [--dtype half] [--config serve.yaml] ...
     splitserve up [--model PATH] [--port 50051] [--http-port 8000] [--dtype auto|...] ...
     splitserve up --device cuda [--gpu-memory-utilization 0.9] [--enforce-eager] ...
-    splitserve generate "Tell me a story" [--max-tokens 64] [--json]
+    splitserve generate "Tell me a story" [--max-tokens 64] [--json] [--ssl-ca FILE]
 
 `serve MODEL` is `up --model MODEL`, as vLLM's `vllm serve` is spelled: both take vLLM's
 names too (`--tensor-parallel-size`/`-tp`, `--pipeline-parallel-size`/`-pp`,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from services import api_keys, cluster_token
+from services import api_keys, cluster_token, tls
 from services.config_file import ConfigFileError
 from services.flags import FlagParser
 from services.launcher import (
@@ -167,7 +167,12 @@ def _generate(a: argparse.Namespace) -> int:
         request.text = a.prompt
     else:
         request.chat.messages.add(role="user", content=a.prompt)
-    with grpc.insecure_channel(a.address) as channel:
+    if (error := tls.ca_error("--ssl-ca", a.ssl_ca)) is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    channel = (grpc.insecure_channel(a.address) if a.ssl_ca is None else
+               grpc.secure_channel(a.address, tls.channel_credentials(a.ssl_ca)))
+    with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         token_ids: list[int] = []
         finish = ""
@@ -322,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as raw text (default: one chat user message)")
     gen.add_argument("--json", action="store_true", help="print token ids and finish reason")
     gen.add_argument("--timeout", type=float, default=600.0)
+    gen.add_argument("--ssl-ca", metavar="FILE",
+                     help="TLS to --address, trusting this PEM CA (the scheduler's "
+                          "--ssl-certfile when self-signed); default: plaintext")
     gen.set_defaults(func=_generate)
     return p
 

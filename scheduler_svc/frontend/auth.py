@@ -5,7 +5,8 @@ missing or wrong (never the key). grpc.health.v1 stays open: load balancers and 
 healthchecks carry no key, and it tells only whether the server serves.
 
 Installed only when keys are configured (no keys: the port is open, as it always was). The
-front end's servicer reads the key again for who owns a request (servicer.py, Abort).
+front end's servicer reads the key again for who owns a request: each key has its own
+request ids, and Abort sees only the caller's (servicer.py, id_space.py).
 """
 
 import logging

@@ -10,9 +10,10 @@ as the engine core does for EOS and stop token ids). A check finds stop strings 
 text added by this token; one may begin in older text, so a stop string completed by the
 `min_tokens`-th token or later counts even if it began before (the deciding token is the one
 that completes it, as for EOS), while one completed earlier is never matched and stays in the
-text. A match ends the output: the matched string and anything after it are never returned,
-and the caller finishes the request (aborting it on its engine core), so the text is cut only
-at the end and always equals the decode of the output tokens up to the stop string. While a
+text. A match ends the output: anything after the matched string is never returned, nor is the
+string itself unless the request keeps it (vLLM's `include_stop_str_in_output`), and the
+caller finishes the request (aborting it on its engine core), so the text is cut only at the
+end and always equals the decode of the output tokens up to (or through) the stop string. While a
 stop string could still be completing, up to `len(longest stop) - 1` trailing characters are
 held back (that is also the most a match can reach into text from before the check).
 """
@@ -35,13 +36,14 @@ class IncrementalDetokenizer:
                                     skip_special_tokens=skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self.text = ""           # output text so far (stop string excluded once matched)
+        self.text = ""           # output text so far (cut at a matched stop string)
         self._num_emitted = 0    # characters of `text` already handed to the client
 
-    def update(self, token_id: int, check_stop: bool = True) -> str | None:
+    def update(self, token_id: int, check_stop: bool = True,
+               keep_stop: bool = False) -> str | None:
         """Decode one more output token. With `check_stop`, returns the matched stop string
-        when one ends the output (the text is cut there and the caller must finish the
-        request), else None."""
+        when one ends the output (the text is cut before it, or after it with `keep_stop`, and
+        the caller must finish the request), else None."""
         new_text = self._stream.step(self._tokenizer, token_id)
         if not new_text:
             return None  # nothing printable yet (special token skipped, or half a character)
@@ -56,7 +58,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         at, stop = min(hits)  # the earliest match ends the output
-        self.text = self.text[:at]
+        self.text = self.text[:at + len(stop) if keep_stop else at]
         return stop
 
     def take_delta(self, finished: bool) -> str:

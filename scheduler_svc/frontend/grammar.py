@@ -105,7 +105,7 @@ class Grammars:
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
         """The grammar of `spec`; raises StructuredOutputError naming the field when xgrammar
-        cannot compile it (an unsupported schema keyword, a malformed regex)."""
+        cannot compile it (an unsupported schema keyword, a malformed regex or grammar)."""
         grammar = self.cached(spec)
         if grammar is not None:
             return grammar
@@ -119,6 +119,8 @@ class Grammars:
                 compiled = compiler.compile_json_schema('{"type": "object"}')
             elif spec.kind is OutputKind.REGEX:
                 compiled = compiler.compile_regex(spec.text)
+            elif spec.kind is OutputKind.GRAMMAR:
+                compiled = compiler.compile_grammar(spec.text)   # EBNF, from rule `root`
             else:
                 compiled = compiler.compile_grammar(choice_grammar(spec.choices))
         except RuntimeError as exc:   # xgrammar's parse and conversion errors

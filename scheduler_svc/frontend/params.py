@@ -15,6 +15,7 @@ class SamplingParams(EngineSampling):
     token-level stops, what the `EngineRequest` carries) and the text-side ones it keeps."""
 
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False   # a matched stop string stays in the text
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None   # a grammar the output must follow
     n: int = 1                        # choices of the request (scheduler_svc.frontend.choices)

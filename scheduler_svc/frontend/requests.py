@@ -75,12 +75,13 @@ class FrontRequest:
         if self.stop_string is None:
             detok = self.detokenizer
             min_tokens = self.sampling.min_tokens
+            keep_stop = self.sampling.include_stop_str_in_output
             outputs = self.output_token_ids
             num_before = len(outputs)
             for token_id, lp in zip(tokens, logprobs, strict=True):
                 outputs.append(token_id)
                 self.unsent_logprobs.append(lp)
-                matched = detok.update(token_id, len(outputs) >= min_tokens)
+                matched = detok.update(token_id, len(outputs) >= min_tokens, keep_stop)
                 if matched is not None:
                     self.stop_string = matched
                     abort = fin is None

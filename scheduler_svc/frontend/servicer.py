@@ -20,6 +20,12 @@ from scheduler_svc.frontend.core import (
     QueueFull,
     RequestFailed,
 )
+from scheduler_svc.frontend.id_space import (
+    check_length,
+    client_message,
+    client_request_id,
+    internal_id,
+)
 from scheduler_svc.frontend.links import ClusterLink
 from scheduler_svc.frontend.prompts import PromptInput
 from scheduler_svc.frontend.streams import RequestOutput
@@ -83,6 +89,7 @@ def sampling_from_pb(request: generation_pb2.GenerateRequest) -> RawSampling:
         temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),  # type: ignore[arg-type]
         seed=opt("seed"), max_tokens=opt("max_tokens"), min_tokens=opt("min_tokens"),  # type: ignore[arg-type]
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        include_stop_str_in_output=opt("include_stop_str_in_output"),  # type: ignore[arg-type]
         ignore_eos=opt("ignore_eos"), logprobs=opt("logprobs"),  # type: ignore[arg-type]
         keep_special_tokens=request.keep_special_tokens, n=opt("n"),  # type: ignore[arg-type]
         min_p=opt("min_p"), presence_penalty=opt("presence_penalty"),  # type: ignore[arg-type]
@@ -100,7 +107,8 @@ def structured_output_from_pb(s: generation_pb2.SamplingParams) -> StructuredOut
     try:
         return validate_structured_output(
             so.json_schema if so.HasField("json_schema") else None, so.json_object,
-            so.regex if so.HasField("regex") else None, list(so.choice))
+            so.regex if so.HasField("regex") else None, list(so.choice),
+            so.grammar if so.HasField("grammar") else None)
     except StructuredOutputError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -137,7 +145,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """`model` is what was loaded; clients know it by `served_name` (--served-model-name, or
     the model's own name). `cluster`: where ServerInfo's figures come from. `keys`: the
     client port's API keys (checked by frontend.auth before any call gets here); with keys,
-    Abort cancels only requests made with the same key."""
+    each key has its own request ids (frontend.id_space): the same id may be live for two
+    keys at once, and Abort sees only the caller's own requests."""
 
     def __init__(self, frontend: Frontend, model: ModelConfig, sched: SchedulerConfig,
                  cluster: ClusterLink | None = None, served_name: str | None = None,
@@ -150,12 +159,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if cluster is not None:
             cluster.on_abort = self.abort
         self.served_name = served_name or model.name
-        # Requests with n > 1 by the client's id -> (n, set by Abort), so that Abort finds
+        # Requests with n > 1 by their internal id -> (n, set by Abort), so that Abort finds
         # their choices, started or not.
         self._choices: dict[str, tuple[int, asyncio.Event]] = {}
         self.keys = keys or ApiKeys()
-        # With keys: each live request's owner (its key's digest) by the client's id.
-        self._owners: dict[str, Owner] = {}
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
@@ -169,8 +176,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "n > 1 is only served by the streaming Generate")
         merged = generation_pb2.GenerateResponse()
-        async for _, _, out in self._run(request, context, whole=True):
-            part = output_to_pb(out)
+        async for request_id, _, out in self._run(request, context, whole=True):
+            part = output_to_pb(out, request_id)
             merged.request_id = part.request_id
             merged.token_ids.extend(part.token_ids)
             merged.text += part.text
@@ -186,47 +193,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _run(self, request: generation_pb2.GenerateRequest,
                    context: grpc.aio.ServicerContext, whole: bool = False,
                    ) -> AsyncIterator[tuple[str, int, RequestOutput]]:
-        """(the request's id, choice index, output) until every choice has finished; `whole`:
-        one output for all of a choice's tokens (the client takes them at once)."""
+        """(the client's request id, choice index, output) until every choice has finished;
+        `whole`: one output for all of a choice's tokens (the client takes them at once). With
+        keys the request runs under its owner's internal id (frontend.id_space)."""
+        owner = self._owner(context)
+        request_id = client_request_id(owner, request.request_id)
+        internal = internal_id(owner, request_id)
         try:
-            prepared = await self.frontend.prepare(request.request_id, request.model,
+            check_length(owner, request_id)
+            prepared = await self.frontend.prepare(internal, request.model,
                                                    prompt_from_pb(request),
                                                    sampling_from_pb(request),
                                                    request.cache_salt)
+            n = prepared.sampling.n
+            check_length(owner, request_id, n)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id, n = prepared.request_id, prepared.sampling.n
-        owner = self._owner(context)
-        if owner is not None:
-            if request_id in self._owners:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request_id {request_id!r} is already in use")
-            self._owners[request_id] = owner
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                client_message(str(exc), internal, request_id))
+        if owner is None:                # without keys the core may have made the id
+            request_id = internal = prepared.request_id
         aborted = asyncio.Event()
         if n > 1:
-            if request_id in self._choices:
+            if internal in self._choices:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"request_id {request_id!r} is already in use")
-            self._choices[request_id] = (n, aborted)
+            self._choices[internal] = (n, aborted)
         try:
             async for index, out in generate_choices(self.frontend, prepared,
                                                      context.time_remaining(), aborted,
                                                      whole):
                 yield request_id, index, out
         except InvalidRequest as exc:  # a replica refused it (longer than its KV pool)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                client_message(str(exc), internal, request_id))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestFailed as exc:
             code = grpc.StatusCode.INTERNAL if exc.server_fault else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"request failed: {exc}")
+            await context.abort(code, "request failed: "
+                                + client_message(str(exc), internal, request_id))
         finally:
             if n > 1:
-                self._choices.pop(request_id, None)
-            if owner is not None:
-                self._owners.pop(request_id, None)
+                self._choices.pop(internal, None)
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
@@ -250,8 +260,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request: generation_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> generation_pb2.AbortResponse:
-        # With keys, only the key that made a request may abort it; another key's request
-        # answers found=false, as an id nobody uses does, so that ids do not leak.
+        # With keys, the id is looked up in the caller's own id space only: another key's
+        # request of that id is not seen (found=false, as for an id nobody uses).
         owner = self._owner(context) or ""
         found = self.abort(request.request_id, owner)
         if self.cluster is not None and self.num_frontends > 1:
@@ -268,16 +278,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.keys.owner(from_metadata(context.invocation_metadata()))
 
     def abort(self, request_id: str, owner: Owner = "") -> bool:
-        """Cancels the request (every choice of one with n > 1) if it is live here and,
-        when `owner` is given (keys are on), was made by that owner."""
-        if owner and self._owners.get(request_id) != owner:
+        """Cancels the client's request `request_id` (every choice of one with n > 1) if it
+        is live here; with keys, only one that `owner` made (none when no owner is given)."""
+        if self.keys and not owner:
             return False
-        entry = self._choices.get(request_id)
+        internal = internal_id(owner, request_id)
+        entry = self._choices.get(internal)
         if entry is None:
-            return self.frontend.cancel_id(request_id)
+            return self.frontend.cancel_id(internal)
         n, aborted = entry
         aborted.set()
-        for choice in choice_ids(request_id, n):
+        for choice in choice_ids(internal, n):
             self.frontend.cancel_id(choice)
         return True
 

@@ -1,5 +1,6 @@
 """What a request's structured output asks for (a JSON schema, any JSON object, a regular
-expression or a list of choices), checked at the API edge before anything is compiled.
+expression, a list of choices or an EBNF grammar), checked at the API edge before anything is
+compiled.
 
 The servicer turns the gRPC `StructuredOutput` message into a `StructuredOutput` here
 (`validate_structured_output`); scheduler_svc.frontend.grammar compiles it into a grammar with
@@ -16,6 +17,7 @@ MAX_SCHEMA_BYTES = 256 << 10     # UTF-8 bytes of one JSON schema
 MAX_REGEX_BYTES = 16 << 10       # UTF-8 bytes of one regular expression
 MAX_CHOICES = 1024               # strings of one choice list
 MAX_CHOICE_BYTES = 64 << 10      # UTF-8 bytes of all choices together
+MAX_GRAMMAR_BYTES = 64 << 10     # UTF-8 bytes of one EBNF grammar
 FIELD = "structured_output"      # the request field; every message below starts with it
 
 
@@ -24,6 +26,7 @@ class OutputKind(enum.Enum):
     JSON_OBJECT = "json_object"    # any JSON object
     REGEX = "regex"                # text the regular expression matches in full
     CHOICE = "choice"              # exactly one of the choices
+    GRAMMAR = "grammar"            # a sentence of the EBNF (GBNF) grammar, from rule `root`
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +34,7 @@ class StructuredOutput:
     """One request's output constraint; compiled grammars are cached by this value."""
 
     kind: OutputKind
-    text: str = ""                   # the schema (JSON text, normalized) or the regex
+    text: str = ""                   # the schema (JSON text, normalized), regex or grammar
     choices: tuple[str, ...] = ()    # CHOICE only
 
 
@@ -44,17 +47,26 @@ def _num_bytes(text: str) -> int:
 
 
 def validate_structured_output(json_schema: str | None, json_object: bool, regex: str | None,
-                               choices: Sequence[str]) -> StructuredOutput | None:
-    """The constraint the client set (at most one of the four), or None for free text."""
+                               choices: Sequence[str], grammar: str | None = None,
+                               ) -> StructuredOutput | None:
+    """The constraint the client set (at most one of the five), or None for free text."""
     given = [name for name, value in (("json_schema", json_schema is not None),
                                       ("json_object", json_object),
-                                      ("regex", regex is not None), ("choice", bool(choices)))
+                                      ("regex", regex is not None), ("choice", bool(choices)),
+                                      ("grammar", grammar is not None))
              if value]
     if not given:
         return None
     if len(given) > 1:
         raise StructuredOutputError(f"{FIELD}: set at most one of json_schema, json_object, "
-                                    f"regex and choice (got {' and '.join(given)})")
+                                    f"regex, choice and grammar (got {' and '.join(given)})")
+    if grammar is not None:
+        if not grammar.strip():
+            raise StructuredOutputError(f"{FIELD}.grammar must not be empty")
+        if _num_bytes(grammar) > MAX_GRAMMAR_BYTES:
+            raise StructuredOutputError(f"{FIELD}.grammar is longer than {MAX_GRAMMAR_BYTES} "
+                                        "bytes")
+        return StructuredOutput(OutputKind.GRAMMAR, grammar)
     if json_schema is not None:
         return StructuredOutput(OutputKind.JSON_SCHEMA, _schema_text(json_schema))
     if json_object:

@@ -93,6 +93,7 @@ class RawSampling:
     max_tokens: int | None = None
     min_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool | None = None
     logprobs: int | None = None
@@ -252,6 +253,7 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, min_tokens=min_tokens, stop=raw.stop,
+        include_stop_str_in_output=bool(raw.include_stop_str_in_output),
         stop_token_ids=raw.stop_token_ids, ignore_eos=bool(raw.ignore_eos),
         logprobs=raw.logprobs, skip_special_tokens=not raw.keep_special_tokens, n=n,
         prompt_logprobs=raw.prompt_logprobs, structured_output=raw.structured_output,

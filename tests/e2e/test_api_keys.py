@@ -3,8 +3,9 @@ gRPC API and the HTTP API refuse a missing or wrong key (UNAUTHENTICATED / 401 w
 OpenAI-style error) and serve a configured one (the official `openai` client with api_key=);
 health stays open; http_svc hands its client's key on to the scheduler; an Abort with another
 key than the request's leaves it running (found=false, as for an unknown id), across two
-front ends; and TLS on both APIs (--ssl-certfile/--ssl-keyfile, http_svc trusting the
-scheduler's certificate)."""
+front ends, and that key may meanwhile use the same request id for its own request (each
+key's own id space); and TLS on both APIs (--ssl-certfile/--ssl-keyfile, http_svc trusting
+the scheduler's certificate), which the container healthcheck probes over TLS."""
 
 import http.client
 import json
@@ -20,6 +21,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import healthcheck
 from services.api_keys import INVALID, MISSING, call_metadata
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -121,7 +123,8 @@ def test_keys_on_grpc_and_http(tmp_path: Path, prompts: list[list[int]]) -> None
 
 def assert_abort_needs_the_owners_key(address: str, prompt: list[int]) -> None:
     """A long request made with KEYS[0]: Aborts with KEYS[1], from fresh connections (spread
-    over both front ends), find nothing and leave it running; KEYS[0]'s Abort ends it."""
+    over both front ends), find nothing and leave it running; KEYS[1] runs a request of the
+    same id meanwhile, answered under that id; KEYS[0]'s Abort ends its own."""
     request = greedy_request(prompt, 4000, request_id="owned-by-alpha")
     with grpc.insecure_channel(address) as channel:
         stream = generation_pb2_grpc.GenerationStub(channel).Generate(
@@ -137,6 +140,10 @@ def assert_abort_needs_the_owners_key(address: str, prompt: list[int]) -> None:
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Abort(abort, timeout=10)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        theirs = generation_pb2_grpc.GenerationStub(channel).GenerateOnce(
+            greedy_request(prompt, 2, request_id="owned-by-alpha"), timeout=120,
+            metadata=call_metadata(KEYS[1]))
+        assert theirs.request_id == "owned-by-alpha" and len(theirs.token_ids) == 2
         more = next(stream)                        # still running
         assert not more.finish_reason and more.token_ids
         with grpc.insecure_channel(address) as other:
@@ -168,6 +175,10 @@ def test_tls_on_both_apis(tmp_path: Path, prompts: list[list[int]]) -> None:
         context = ssl.create_default_context(cafile=str(cert))
         base = f"https://{cluster.procs.http_address}"
         wait_healthy(base, context)              # http_svc reached the scheduler over TLS
+        # compose's probes, given the services' certificate variables.
+        assert healthcheck.main([address, "--ssl-certfile", str(cert)]) == 0
+        assert healthcheck.main(["--http", f"http://{cluster.procs.http_address}/version",
+                                 "--ssl-certfile", str(cert)]) == 0
         assert_http_keys(base, context)
         # Closed before the services stop: a TLS connection left open holds http_svc's
         # shutdown until the client answers its close_notify.

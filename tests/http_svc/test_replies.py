@@ -3,6 +3,7 @@ whole and streamed: the streamed deltas add up to the whole reply, forced calls 
 named) come out of the grammar's JSON, and a plain reply is its text."""
 
 import json
+import random
 
 import pytest
 
@@ -47,13 +48,32 @@ def test_reasoning_content_and_calls_whole() -> None:
     assert only.content is None and len(only.calls) == 1
 
 
-@pytest.mark.parametrize("step", [1, 4, 1000])
-def test_streamed_deltas_add_up_to_the_whole_reply(step: int) -> None:
-    delta = streamed(ReplyReader(AUTO, REASONING_PARSERS["deepseek_r1"]), THINKING, step)
-    assert delta["reasoning_content"] == "Which city?" and delta["content"] == "Let me look. "
-    (call,) = delta["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_deltas_add_up_to_the_whole_reply(seed: int) -> None:
+    """In random chunks of 1..8 characters: reasoning, then content, then the call (its
+    head once, then its arguments as they come); the same reply as when read whole."""
+    text = THINKING + '<tool_call>{"name": "time", "arguments": {"tz": "CET"}}</tool_call>'
+    rng = random.Random(seed)
+    reader, deltas, at = ReplyReader(AUTO, REASONING_PARSERS["deepseek_r1"]), [], 0
+    while at < len(text):
+        size = rng.randint(1, 8)
+        deltas.append(reader.feed(text[at:at + size]))
+        at += size
+    deltas.append(reader.finish())
+    whole = ReplyReader(AUTO, REASONING_PARSERS["deepseek_r1"]).read(text)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.reasoning
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    entries = [c for d in deltas for c in d.get("tool_calls", ())]
+    heads = [c for c in entries if "id" in c]
+    assert [(c["index"], c["function"]) for c in heads] == [
+        (0, {"name": "weather", "arguments": ""}), (1, {"name": "time", "arguments": ""})]
+    arguments = ["".join(c["function"]["arguments"] for c in entries if c["index"] == i)
+                 for i in (0, 1)]
+    assert [json.loads(a) for a in arguments] == [json.loads(c.arguments) for c in whole.calls]
+    assert entries.index(heads[1]) > max(i for i, c in enumerate(entries) if c["index"] == 0)
+    assert [c["id"] for c in heads] == [c.id for c in reader.calls] and reader.made_calls
+    assert len(entries) > 4        # the arguments came in pieces, not whole at the end
+    assert "tool_calls" not in deltas[-1] or len(deltas[-1]["tool_calls"]) < len(entries)
 
 
 def test_required_reads_the_forced_array() -> None:

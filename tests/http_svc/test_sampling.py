@@ -10,6 +10,7 @@ import pytest
 from http_svc.errors import ApiError
 from http_svc.protocol import ChatCompletionRequest, CompletionRequest
 from http_svc.sampling import NOT_YET, Sampling, chat_sampling, completion_sampling
+from http_svc.scheduler_client import GenerateSpec, Prompt, spec_to_pb
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -98,7 +99,6 @@ NEUTRAL = {
            "include_stop_str_in_output": False, "response_format": {"type": "text"},
            "structured_outputs": None, "guided_json": None, "guided_regex": None,
            "guided_choice": None, "guided_grammar": None}
-NOT_NEUTRAL = {"include_stop_str_in_output": True, "guided_grammar": "root ::= x"}
 
 
 def test_neutral_values_of_what_the_engine_lacks_are_accepted() -> None:
@@ -106,23 +106,39 @@ def test_neutral_values_of_what_the_engine_lacks_are_accepted() -> None:
     completion(**NEUTRAL, suffix=None, best_of=1)
 
 
-@pytest.mark.parametrize("name", sorted(NOT_NEUTRAL))
-def test_anything_else_is_refused_by_name(name: str) -> None:
-    for make in (chat, completion):
-        error = refusal(make, **{name: NOT_NEUTRAL[name]})
-        assert error.param == name
-        assert error.message.startswith(f"{name} is not supported yet: only ")
-
-
 def test_completion_only_parameters() -> None:
-    assert refusal(completion, suffix="tail").param == "suffix"
+    error = refusal(completion, suffix="tail")
+    assert error.param == "suffix"
+    assert error.message.startswith("suffix is not supported yet: only ")
     assert refusal(completion, best_of=3).param == "best_of"
 
 
 def test_not_yet_covers_each_parameter_once() -> None:
     names = [entry.name for entry in NOT_YET]
     assert len(names) == len(set(names))
-    assert set(NOT_NEUTRAL) <= set(names)
+    # Served now: not in the list, so never refused.
+    assert not {"include_stop_str_in_output", "guided_grammar"} & set(names)
+
+
+def test_include_stop_str_in_output_is_carried() -> None:
+    for make in (chat, completion):
+        assert make().include_stop_str_in_output is False
+        assert make(include_stop_str_in_output=True, stop="x").include_stop_str_in_output
+        assert make(include_stop_str_in_output=True, stream=True).include_stop_str_in_output
+    # On the gRPC request only when set (unset: the scheduler's default, false).
+    kept = spec_to_pb(GenerateSpec("r", Prompt(text="x"), chat(include_stop_str_in_output=True)))
+    assert kept.sampling.HasField("include_stop_str_in_output")
+    assert kept.sampling.include_stop_str_in_output
+    plain = spec_to_pb(GenerateSpec("r", Prompt(text="x"), chat()))
+    assert not plain.sampling.HasField("include_stop_str_in_output")
+
+
+def test_guided_grammar_is_carried() -> None:
+    for make in (chat, completion):
+        structured = make(guided_grammar='root ::= "yes" | "no"').structured
+        assert structured is not None
+        assert (structured.param, structured.grammar) == ("guided_grammar",
+                                                          'root ::= "yes" | "no"')
 
 
 @pytest.mark.parametrize("fields, message", [

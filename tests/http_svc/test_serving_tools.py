@@ -9,6 +9,8 @@ import json
 from typing import Any
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError
@@ -87,7 +89,12 @@ def test_auto_tool_calls_streamed() -> None:
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
     assert "".join(d.get("content", "") for d in deltas) == "Checking. "
     calls = [c for d in deltas for c in d.get("tool_calls", ())]
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather")]
+    # The call's head once, then its arguments as they come (two characters a chunk).
+    assert calls[0]["function"] == {"name": "weather", "arguments": ""}
+    assert calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert all(set(c) == {"index", "function"} and c["index"] == 0 for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
+    assert len(calls) > 3 and "tool_calls" not in deltas[-1]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert all("<tool" not in d.get("content", "") for d in deltas)
 
@@ -187,3 +194,56 @@ def test_tokenizer_info() -> None:
     info = run(EosClient(), "tokenizer_info", None)
     assert info["eos_token_ids"] == [2, 5] and info["eos_token_id"] == 2
     assert info["eos_token"] == "x" and info["model_max_length"] == CARD.max_model_len
+
+
+TWO_CALLS = {
+    "hermes": 'Checking. <tool_call>{"name": "weather", "arguments": {"city": "Paris"}}'
+              '</tool_call>\n<tool_call>{"name": "weather", "arguments": {"city": "Rome"}}'
+              "</tool_call>",
+    "llama3_json": '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris"}}; '
+                   '{"name": "weather", "parameters": {"city": "Rome"}}<|eot_id|>',
+    "mistral": '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "weather", "arguments": {"city": "Rome"}}]</s>',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(TWO_CALLS))
+def test_parallel_auto_calls_stream_as_the_whole_reply_reads(parser: str) -> None:
+    config = HttpConfig(tool_call_parser=parser, enable_auto_tool_choice=True)
+    text = TWO_CALLS[parser]
+    whole = run(ScriptedClient(text), "chat", chat(tools=[WEATHER]), config)["choices"][0]
+    events = run(ScriptedClient(text), "chat", chat(tools=[WEATHER], stream=True), config)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == (whole["message"]["content"]
+                                                               or "")
+    entries = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [(c["index"], c["function"]["name"]) for c in entries if "id" in c] == [
+        (0, "weather"), (1, "weather")]
+    streamed = [json.loads("".join(c["function"]["arguments"] for c in entries
+                                   if c["index"] == i)) for i in (0, 1)]
+    assert streamed == [json.loads(c["function"]["arguments"])
+                        for c in whole["message"]["tool_calls"]]
+    assert events[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    # The openai client adds the deltas up to the message a whole reply has.
+    state = ChatCompletionStreamState()
+    for event in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(event))
+    (added,) = state.get_final_completion().choices
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in added.message.tool_calls or ()] == [("weather", {"city": "Paris"}),
+                                                         ("weather", {"city": "Rome"})]
+    assert added.finish_reason == "tool_calls"
+
+
+def test_a_streamed_call_that_does_not_parse_ends_as_content() -> None:
+    """Cut off by the length limit after its arguments: the call had opened, then the text
+    from where it began comes as content, and the finish reason is the model's."""
+    text = 'Checking. <tool_call>{"name": "weather", "arguments": {"city": "Paris"}'
+    config = HttpConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    events = run(ScriptedClient(text, "length"), "chat", chat(tools=[WEATHER], stream=True),
+                 config)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    whole = run(ScriptedClient(text, "length"), "chat", chat(tools=[WEATHER]), config)
+    assert whole["choices"][0]["message"]["content"] == text

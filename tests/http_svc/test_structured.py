@@ -1,5 +1,5 @@
 """Structured output parameters over HTTP (http_svc.structured): response_format, vLLM's
-structured_outputs and guided_json / guided_regex / guided_choice onto the gRPC
+structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar onto the gRPC
 StructuredOutput, malformed ones and
 more than one refused with a 400 naming the field, and the scheduler's refusal of a schema
 it cannot compile named as the field it came from. No network."""
@@ -62,6 +62,10 @@ def test_each_form_maps_to_its_constraint() -> None:
                                                                    choice=("x",))
     assert chat(structured_outputs={"json_object": True}) == Structured(
         "structured_outputs", json_object=True)
+    grammar = 'root ::= "yes" | "no"'
+    assert completion(guided_grammar=grammar) == Structured("guided_grammar", grammar=grammar)
+    assert chat(structured_outputs={"grammar": grammar}) == Structured("structured_outputs",
+                                                                        grammar=grammar)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -75,7 +79,11 @@ def test_each_form_maps_to_its_constraint() -> None:
     ({"guided_regex": ""}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": ["root ::= x"]}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_grammar": "  "}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"json": [1]}}, "structured_outputs.json"),
@@ -101,6 +109,26 @@ def test_the_grpc_request_carries_it() -> None:
     plain = spec_to_pb(GenerateSpec("r", Prompt(text="x"), completion_sampling(
         CompletionRequest.model_validate({"prompt": "x"}))))
     assert not plain.sampling.HasField("structured_output")
+
+
+def test_the_grpc_request_carries_a_grammar() -> None:
+    grammar = 'root ::= "yes" | "no"'
+    sampling = chat_sampling(ChatCompletionRequest.model_validate(
+        {"messages": USER, "guided_grammar": grammar}))
+    so = spec_to_pb(GenerateSpec("r", Prompt(text="x"), sampling)).sampling.structured_output
+    assert so.HasField("grammar") and so.grammar == grammar
+    assert not so.HasField("regex") and not so.HasField("json_schema") and not so.choice
+
+
+def test_a_grammar_the_scheduler_cannot_parse_names_the_field() -> None:
+    for fields, param in (({"guided_grammar": "root ::= "}, "guided_grammar"),
+                          ({"structured_outputs": {"grammar": "root ::= "}},
+                           "structured_outputs")):
+        structured = chat(**fields)
+        with pytest.raises(ApiError) as refused, grpc_fields_named(
+                "messages", "top_logprobs", param_of(structured)):
+            raise ApiError(400, "structured_output.grammar does not compile: EBNF parser error")
+        assert refused.value.param == param
 
 
 def test_a_schema_the_scheduler_cannot_compile_names_the_field() -> None:

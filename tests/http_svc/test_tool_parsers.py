@@ -1,17 +1,14 @@
 """Tool calls read out of reply text in each format (http_svc.tool_parsers): the calls and
-the content before them, malformed calls left as content, and the same split when the text
-comes a few characters at a time (no half marker ever sent as content)."""
+the content before them, malformed calls left as content, end-of-turn text left out."""
 
 import json
 
 import pytest
 
 from http_svc.tool_parsers import (
-    TOOL_PARSERS,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
-    ToolCallStream,
     ToolParser,
 )
 
@@ -66,45 +63,10 @@ def test_a_malformed_call_leaves_the_reply_as_content(parser: ToolParser, text: 
     assert parser.parse(text) == (text, [])
 
 
-@pytest.mark.parametrize("name, text", [
-    ("hermes", 'Checking <tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
-               "</tool_call>"),
-    ("hermes", "No call here, just < and <tool and text."),
-    ("llama3_json", '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris"}}'),
-    ("llama3_json", "Plain answer {with braces}."),
-    ("mistral", 'Ok [TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]'),
-    ("mistral", "[TOOL not a call"),
-])
-@pytest.mark.parametrize("step", [1, 3, 1000])
-def test_streaming_splits_as_a_whole_reply_does(name: str, text: str, step: int) -> None:
-    parser = TOOL_PARSERS[name]()
-    stream = ToolCallStream(parser)
-    sent = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
-    rest, calls = stream.finish()
-    content, expected = parser.parse(text)
-    assert "".join(sent) + rest == content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
-    for marker in parser.markers:
-        if calls:     # content sent before the calls never holds part of a marker
-            assert marker not in "".join(sent)
-
-
-def test_a_stream_holds_back_only_what_may_begin_a_marker() -> None:
-    stream = ToolCallStream(HermesParser())
-    assert stream.feed("Hello <tool") == "Hello "
-    assert stream.feed("box>") == "<toolbox>"
-    stream = ToolCallStream(Llama3JsonParser())
-    assert stream.feed("  ") == "" and stream.feed("Hi") == "  Hi"
-
-
-@pytest.mark.parametrize("step", [1, 2, 1000])
-def test_an_end_of_turn_text_is_not_content(step: int) -> None:
+def test_an_end_of_turn_text_is_not_content() -> None:
     """With special tokens kept (for the markers), a text reply ends in the end-of-turn
-    token's text: left out, whole or streamed; the same text inside the reply stays."""
+    token's text: left out; the same text inside the reply stays."""
     text = "It is <|eot_id|> sunny.<|eot_id|>"
     assert Llama3JsonParser().parse(text) == ("It is <|eot_id|> sunny.", [])
-    stream = ToolCallStream(Llama3JsonParser())
-    sent = "".join(stream.feed(text[i:i + step]) for i in range(0, len(text), step))
-    assert sent + stream.finish()[0] == "It is <|eot_id|> sunny."
     assert MistralParser().parse("Hi</s>") == ("Hi", [])
     assert HermesParser().parse("Hi</s>") == ("Hi</s>", [])       # no trailer of its own

@@ -1,13 +1,11 @@
 """Abort with API keys (scheduler_svc.frontend.servicer): only the key that made a request may
 cancel it; another key's Abort answers found=false, as for an id nobody uses, and leaves the
 request running; the other front ends get the asker's owner with the relayed query and apply
-the same rule; without keys any Abort cancels, as before. Driven directly, no server."""
+the same rule; without keys any Abort cancels, as before. Driven directly, no server. (Each
+key's own id space: test_id_space.py.)"""
 
 import asyncio
 from pathlib import Path
-
-import grpc
-import pytest
 
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.frontend.core import Frontend
@@ -17,7 +15,7 @@ from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from tests.scheduler_svc.frontend.fakes import FakeEngineLinks, cluster_state, replica, settle
 from tests.scheduler_svc.frontend.test_servicer import FakeClusterLink
-from tests.scheduler_svc.grpc_context import Aborted, FakeContext
+from tests.scheduler_svc.grpc_context import FakeContext
 
 OWNER_KEY, OTHER_KEY = "owner-key-0001", "other-key-0002"
 
@@ -96,23 +94,6 @@ def test_an_owners_abort_relayed_from_another_front_end_cancels(
         assert owner is not None
         assert link.on_abort("r2", owner) is True  # type: ignore[attr-defined]
         assert (await asyncio.wait_for(task, 5))[-1].finish_reason == "abort"
-    asyncio.run(run())
-
-
-def test_a_request_id_live_for_one_key_is_refused_to_another(
-        frontend: Frontend, links: FakeEngineLinks, model_path: Path) -> None:
-    servicer = GenerationServicer(frontend, load_model_config(model_path), SchedulerConfig(),
-                                  keys=ApiKeys([OWNER_KEY, OTHER_KEY]))
-
-    async def run() -> None:
-        task = await start(servicer, frontend, links, "r3", OWNER_KEY)
-        with pytest.raises(Aborted) as refused:
-            await servicer.GenerateOnce(pb.GenerateRequest(
-                request_id="r3", token_ids=pb.TokenIds(ids=[1])),
-                KeyedContext(OTHER_KEY))  # type: ignore[arg-type]
-        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert await abort(servicer, "r3", OWNER_KEY) is True
-        await asyncio.wait_for(task, 5)
     asyncio.run(run())
 
 

@@ -170,6 +170,21 @@ def test_a_stop_string_in_the_engine_cores_last_step_needs_no_abort(
     assert client.token_ids == tokens and client.last.num_output_tokens == len(tokens)
 
 
+def test_a_kept_stop_string_stays_in_the_text(
+        frontend: Frontend, links: FakeEngineLinks, tokenizer: TextTokenizer) -> None:
+    """include_stop_str_in_output: the output ends with the matched string (nothing after
+    it); the request still ends at it, aborted on its engine core, with the same tokens and
+    counts as without it."""
+    tokens = tokenizer.encode(" x STOP y z")
+    client = asyncio.run(generate(frontend, links, tokens, stop=("STOP",),
+                                  include_stop_str_in_output=True))
+    assert len(links.aborts()) == 1
+    assert (client.text, client.last.finish_reason, client.last.stop_reason) == (
+        " x STOP", FinishReason.STOP, "STOP")
+    assert client.token_ids == tokens[:3] and client.last.num_output_tokens == 3
+    assert tokenizer.decode(client.token_ids, True) == client.text
+
+
 def test_a_failed_step_after_the_stop_string_does_not_fail_the_request(
         frontend: Frontend, links: FakeEngineLinks, tokenizer: TextTokenizer) -> None:
     tokens = tokenizer.encode(" x STOP y")

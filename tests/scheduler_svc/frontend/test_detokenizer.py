@@ -1,11 +1,11 @@
 """Incremental detokenization: same text as a full decode, never broken UTF-8, stop strings
-cut and held back."""
+cut (or kept, with include_stop_str_in_output) and held back."""
 
 from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
 
 
 def stream(tokenizer, prompt: list[int], outputs: list[int], stop=(),  # type: ignore[no-untyped-def]
-           min_tokens: int = 0):
+           min_tokens: int = 0, keep_stop: bool = False):
     """Feeds `outputs` one token at a time, as the front end does (stop strings checked from
     the `min_tokens`-th output); the deltas handed out, and the stop string that matched."""
     detok = IncrementalDetokenizer(tokenizer.tokenizer, prompt, skip_special_tokens=True,
@@ -13,7 +13,7 @@ def stream(tokenizer, prompt: list[int], outputs: list[int], stop=(),  # type: i
     deltas: list[str] = []
     matched = None
     for i, t in enumerate(outputs, start=1):
-        matched = detok.update(t, check_stop=i >= min_tokens)
+        matched = detok.update(t, check_stop=i >= min_tokens, keep_stop=keep_stop)
         deltas.append(detok.take_delta(finished=matched is not None))
         if matched is not None:
             break
@@ -73,3 +73,22 @@ def test_check_finds_only_stop_strings_ending_in_new_text(tokenizer) -> None:  #
     deltas, matched = stream(tokenizer, [], outputs, stop=("STOP",), min_tokens=3)
     assert matched == "STOP"
     assert "".join(deltas) == " x "
+
+
+def test_a_kept_stop_string_ends_the_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # " END" and " of" are separate tokens: the text ends with the stop string, nothing after.
+    outputs = tokenizer.encode("The answer is 42. END of story")
+    deltas, matched = stream(tokenizer, [], outputs, stop=("END",), keep_stop=True)
+    assert matched == "END"
+    assert "".join(deltas) == "The answer is 42. END"
+
+
+def test_a_kept_stop_string_inside_a_token_drops_what_follows_it(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The stop string "S" ends inside the token " ST": the rest of that token ("T") is cut
+    # either way; the stop string itself stays only when kept.
+    outputs = tokenizer.encode(" x STOP y")
+    assert tokenizer.decode(outputs[1:2], True) == " ST"
+    deltas, matched = stream(tokenizer, [], outputs, stop=("S",), keep_stop=True)
+    assert (matched, "".join(deltas)) == ("S", " x S")
+    deltas, matched = stream(tokenizer, [], outputs, stop=("S",))
+    assert (matched, "".join(deltas)) == ("S", " x ")

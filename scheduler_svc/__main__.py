@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         model_path=model_path, model_name=a.served_model_name or "", host=a.host, port=a.port,
         control_host=a.control_host, control_port=a.control_port,
         advertise_host=advertise, kvcache_address=a.kvcache, dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization or "",
         tp_size=a.tp, pp_size=a.pp, num_kv_blocks=a.num_kv_blocks,
         step_timeout_s=a.step_timeout, max_batches_in_flight=a.max_batches_in_flight,
         heartbeat_timeout_s=a.heartbeat_timeout, replica_wait_s=a.replica_wait_timeout,

@@ -25,6 +25,8 @@ class ServerConfig:
     kvcache_address: str = "tcp://127.0.0.1:50053"  # kvcache_svc plan socket
     dtype: str = "auto"                   # "float32", "bfloat16", or "auto": per replica, its
                                           # first rank's preferred dtype (cluster.membership)
+    kv_cache_dtype: str = "auto"          # --kv-cache-dtype (worker_svc.kernels.kv_quant)
+    quantization: str = ""                # --quantization: "" or "int8", every replica
     tp_size: int = 1
     pp_size: int = 1
     num_kv_blocks: int | None = None      # override of the measured block count

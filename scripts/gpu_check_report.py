@@ -44,24 +44,27 @@ def phase_detail(work: Path, name: str) -> str:
 
 
 def bench_lines(out: Path) -> list[str]:
-    """A line per shape and system from OUT/bench.json (bench/gpu_throughput.py's result)."""
-    path = out / "bench.json"
-    if not path.is_file():
-        return []
-    try:
-        result = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        return [f"bench.json unreadable: {exc}"]
-    if result.get("dry_run"):
-        return ["bench: dry run (arguments parsed, nothing measured)"]
+    """A line per shape and system from each OUT/bench*.json (bench/gpu_throughput.py's
+    results: bench.json, and the named runs beside it, e.g. bench-kv-fp8.json), labelled
+    with the file's name where it is not bench.json."""
     lines = []
-    for shape, systems in (result.get("shapes") or {}).items():
-        for system, figures in (systems.items() if isinstance(systems, dict) else []):
-            if isinstance(figures, dict):
-                shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                  for k, v in figures.items()
-                                  if isinstance(v, (int, float)))[:150]
-                lines.append(f"{shape} / {system}: {shown}")
+    for path in sorted(out.glob("bench*.json")):
+        label = "" if path.stem == "bench" else f"{path.stem}: "
+        try:
+            result = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            lines.append(f"{path.name} unreadable: {exc}")
+            continue
+        if result.get("dry_run"):
+            lines.append(f"{label}bench: dry run (arguments parsed, nothing measured)")
+            continue
+        for shape, systems in (result.get("shapes") or {}).items():
+            for system, figures in (systems.items() if isinstance(systems, dict) else []):
+                if isinstance(figures, dict):
+                    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in figures.items()
+                                      if isinstance(v, (int, float)))[:150]
+                    lines.append(f"{label}{shape} / {system}: {shown}")
     return lines
 
 

@@ -96,6 +96,16 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                     "auto: each replica takes what its workers compute best "
                     "(bfloat16 on a GPU or a CPU with native bfloat16 dot products, else "
                     "float32); float16 runs on GPU workers only")
+    p.add_flag("--kv-cache-dtype", env="KV_CACHE_DTYPE", default="auto",
+               choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+               help="KV cache element type: auto (the compute dtype), or 8-bit floats with one "
+                    "scale per tensor, as vLLM: fp8 (= fp8_e4m3) or fp8_e5m2. Halves the "
+                    "bytes attention reads in bfloat16 (quarters them in float32) and fits "
+                    "twice (four times) the blocks in the same memory")
+    p.add_flag("--quantization", "-q", env="QUANTIZATION", default=None, choices=("int8",),
+               help="int8: linear weights in int8 with per-channel scales, activations "
+                    "quantized per token, products on AVX512-VNNI or AMX-INT8 (CPU workers "
+                    "at level avx512_bf16 or amx); default: the weights as loaded")
     p.add_flag("--tp", env="TP", type=int, default=1, help="tensor-parallel ranks per replica")
     p.add_flag("--pp", env="PP", type=int, default=1, help="pipeline stages per replica")
     p.add_flag("--max-num-seqs", env="MAX_NUM_SEQS", type=int, default=256,

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from worker_svc.kernels import PagedAttentionKernel
+from worker_svc.kernels.kv_quant import KvScales, write_slots
 from worker_svc.kernels.paged_attention_torch import (
     PrefillGroup,
     attend_decodes,
@@ -354,7 +355,7 @@ def _windowed_torch_path(meta: AttentionMetadata, window: int) -> WindowedTorchP
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, kernel: PagedAttentionKernel | None = None,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, scales: KvScales | None = None) -> torch.Tensor:
     """Write the step's K/V into the cache, then attend over the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
@@ -362,6 +363,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     [num_tokens, num_heads * head_dim]. `kernel` (worker_svc.kernels), if given, attends
     every row straight from the blocks in one call instead of the torch path below.
     `window` > 0: each row attends only its last `window` keys (module docstring).
+    A float8 cache (worker_svc.kernels.kv_quant) is written and read with `scales` (per tensor: the
+    kernels hold their own, the same).
     """
     if window < 0:
         raise ValueError(f"paged_attention: window must be >= 0, got {window}")
@@ -371,10 +374,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                           meta.row_request, meta.row_kv_lens, window)
         return kernel(q, k, v, kv_cache, meta.slot_mapping, meta.block_table, meta.row_request,
                       meta.row_kv_lens)
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, meta.slot_mapping, k)
-    slots[1].index_copy_(0, meta.slot_mapping, v)
+    num_blocks, num_kv_heads = kv_cache.shape[1], kv_cache.shape[3]
+    write_slots(kv_cache, meta.slot_mapping, k, v, scales)
     blocks = kv_cache.view(2 * num_blocks, -1)        # [2*num_blocks, block_size*kv_heads*dim]
 
     path: AttentionMetadata | WindowedTorchPath = meta
@@ -385,8 +386,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     outputs = []
     if meta.num_decodes:
         outputs.append(attend_decodes(q[:meta.num_decodes], blocks, path.decode_gather_rows,
-                                      path.decode_bias, path.decode_mask, num_kv_heads))
+                                      path.decode_bias, path.decode_mask, num_kv_heads, scales))
     for group in path.prefill_groups:
         outputs.append(attend_prefill_group(q[group.token_start:group.token_end], blocks, group,
-                                            num_kv_heads))
+                                            num_kv_heads, scales))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

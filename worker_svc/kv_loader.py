@@ -314,10 +314,15 @@ def scatter_tokens(kv_caches: list[torch.Tensor], chunk: KvChunk,
     if cache.device.type != "cpu":
         tokens = tokens.to(cache.device)
         slots = [index.to(cache.device) for index in slots]
+    if cache.element_size() == 1:        # float8: CPU torch copies its bytes, not its values
+        tokens = tokens.view(torch.uint8)
     for offset in range(num_layers):
         layer = first_layer + offset
-        kv_caches[layer].view(2, -1, *cache.shape[3:]).index_copy_(
-            1, slots[groups[layer]], tokens[offset])
+        target = kv_caches[layer]
+        if target.element_size() == 1:
+            target = target.view(torch.uint8)
+        target.view(2, -1, *cache.shape[3:]).index_copy_(1, slots[groups[layer]],
+                                                        tokens[offset])
 
 
 def start_loads(loader: KvLoader | None, step: StepInput, input_batch: InputBatch,

@@ -16,6 +16,9 @@ only: a placement of more pipeline stages or tensor-parallel ranks is refused.
 import gc
 import logging
 import time
+from typing import TYPE_CHECKING
+
+import torch
 
 from services.channels import Sender
 from services.model_config import ModelConfig, load_model_config
@@ -28,6 +31,9 @@ from worker_svc.null_runner import NullRunner
 from worker_svc.parallel import ParallelGroups
 from worker_svc.runner import ModelRunner
 from worker_svc.shard_runner import ShardRunner
+
+if TYPE_CHECKING:
+    from worker_svc.model.tensor_parallel import TpGroup
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,8 @@ class Placer:
         another shard is closed (its threads too) before the new shard loads. None: the
         shard cannot be served here."""
         key = (placement.first_layer, placement.end_layer, placement.pp_size,
-               placement.tp_rank, placement.tp_size, placement.dtype)
+               placement.tp_rank, placement.tp_size, placement.dtype,
+               placement.kv_cache_dtype, placement.quantization)
         runner = self._runner
         if runner is not None and key != self._runner_key:
             self.drop()
@@ -143,14 +150,11 @@ class Placer:
         except DeviceError as exc:
             log.error("cannot serve this replica: %s", exc)
             return None
-        runner = ModelRunner(model, cfg.model_path, dtype, cfg.worker_id,
-                             first_layer=placement.first_layer, end_layer=placement.end_layer,
-                             is_last_stage=placement.pp_rank == placement.pp_size - 1,
-                             quant_kernels=cfg.quant_kernels, tp=tp,
-                             cpu_level=cfg.cpu_level, device=cfg.device,
-                             enforce_eager=cfg.enforce_eager,
-                             fail_request_prefix=cfg.fail_request_prefix,
-                             kv_store=KvStoreOptions(cfg.kv_store) if cfg.kv_store else None)
+        try:
+            runner = self._runner_for(placement, model, dtype, tp)
+        except ValueError as exc:        # e.g. --quantization int8 at a level without it
+            log.error("cannot serve this replica: %s", exc)
+            return None
         if cfg.fail_request_prefix is not None:
             log.warning("test fault injection on: steps with a request id starting with %r "
                         "fail", cfg.fail_request_prefix)
@@ -158,6 +162,21 @@ class Placer:
                  placement.end_layer, time.monotonic() - started,
                  runner.weight_bytes / (1 << 30))
         return runner
+
+    def _runner_for(self, placement: control_pb2.RegisterResponse, model: ModelConfig,
+                    dtype: torch.dtype, tp: "TpGroup | None") -> ModelRunner:
+        """The model runner of `placement`'s shard (ValueError: settings it cannot serve)."""
+        cfg = self.config
+        return ModelRunner(model, cfg.model_path, dtype, cfg.worker_id,
+                           first_layer=placement.first_layer, end_layer=placement.end_layer,
+                           is_last_stage=placement.pp_rank == placement.pp_size - 1,
+                           quant_kernels=cfg.quant_kernels, tp=tp,
+                           cpu_level=cfg.cpu_level, device=cfg.device,
+                           enforce_eager=cfg.enforce_eager,
+                           fail_request_prefix=cfg.fail_request_prefix,
+                           kv_store=KvStoreOptions(cfg.kv_store) if cfg.kv_store else None,
+                           kv_cache_dtype=placement.kv_cache_dtype or "auto",
+                           quantization=placement.quantization)
 
     def _load_null(self, placement: control_pb2.RegisterResponse,
                    model: ModelConfig) -> NullRunner | None:

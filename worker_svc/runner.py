@@ -44,6 +44,8 @@ from worker_svc.attention import AttentionMetadata, build_group_metadata
 from worker_svc.cuda_graphs import DecodeGraphs, capture_sizes
 from worker_svc.input_batch import InputBatch, ScheduledRequest, kernel_metadata
 from worker_svc.kernels import CpuLevel
+from worker_svc.kernels.kv_quant import is_fp8
+from worker_svc.kernels.kv_quant import kv_cache_dtype as kv_cache_dtype_of
 from worker_svc.kv_cache import (
     KvLayerSpec,
     allocate_kv_caches,
@@ -73,7 +75,8 @@ class ModelRunner:
                  tp: TpGroup | None = None, cpu_level: CpuLevel | None = None,
                  device: torch.device | None = None, kernels: str | None = None,
                  enforce_eager: bool = False, fail_request_prefix: str | None = None,
-                 kv_store: KvStoreOptions | None = None, padded_decode: bool = False):
+                 kv_store: KvStoreOptions | None = None, padded_decode: bool = False,
+                 kv_cache_dtype: str = "auto", quantization: str = ""):
         """`quant_kernels`: run small CPU steps on the GGUF's own quantized blocks (see
         worker_svc.kernels.gemm); off = every matmul on dense weights. `tp`: this rank's
         tensor-parallel group (None: the whole width on this process). `cpu_level`: the C
@@ -83,10 +86,13 @@ class ModelRunner:
         request whose id starts with it raises before its forward. `kv_store`: kvcache_svc's
         KV store to save completed KV chunks to and load them from (None: neither).
         `padded_decode`: tests only, decode steps run through the padded persistent buffers
-        without capturing graphs (how graph padding is tested on a CPU)."""
+        without capturing graphs (how graph padding is tested on a CPU). `kv_cache_dtype`:
+        --kv-cache-dtype (worker_svc.kernels.kv_quant); `quantization`: --quantization ("" or
+        "int8")."""
         self.device = torch.device("cpu") if device is None else device
         self.config = model_config
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype_of(kv_cache_dtype, dtype)   # the cache's element type
         self.worker_id = worker_id
         self.is_last_stage = is_last_stage
         self.enforce_eager = enforce_eager
@@ -94,7 +100,7 @@ class ModelRunner:
         self._kv_model_name: str | None = None     # kv_slice's, computed once
         self.model, self.weight_bytes = load_model(
             model_config, model_path, dtype, self.device, first_layer, end_layer, is_last_stage,
-            tp, cpu_level, kernels, quant_kernels)
+            tp, cpu_level, kernels, quant_kernels, self.kv_dtype, quantization)
         self.kv_caches: list[torch.Tensor] = []      # per layer (shared within a position)
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
@@ -124,7 +130,9 @@ class ModelRunner:
         # matches KV its predecessor stored (issue 24).
         if self._kv_model_name is None:
             self._kv_model_name = weights_model_name(self.config.name, self.model_path)
-        return KvSlice(self._kv_model_name, str(self.dtype).removeprefix("torch."),
+            if is_fp8(self.kv_dtype):       # 8-bit chunks hold values / scale
+                self._kv_model_name += f"+{self.model.kv_scales.describe()}"
+        return KvSlice(self._kv_model_name, str(self.kv_dtype).removeprefix("torch."),
                        self.model.first_layer, self.model.end_layer, *shard.kv_heads)
 
     def rejoin(self, tp_group: "dist.ProcessGroup | None") -> None:
@@ -145,7 +153,8 @@ class ModelRunner:
     def kv_layer_specs(self, block_size: int) -> list[KvLayerSpec]:
         """One spec per KV tensor this worker holds (`kv_positions`)."""
         cfg = self.config
-        return [KvLayerSpec(block_size, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
+        return [KvLayerSpec(block_size, self.model.shard.num_kv_heads, cfg.head_dim,
+                            self.kv_dtype)
                 for _ in self.kv_positions]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -163,8 +172,11 @@ class ModelRunner:
     def describe_kv(self) -> str:
         """The KV group layout and this stage's share of it, for the sizing log."""
         model = self.model
+        stored = str(self.kv_dtype).removeprefix("torch.")
+        if is_fp8(self.kv_dtype) and model.kv_scales is not None:
+            stored += f", scales {model.kv_scales.describe()}"
         return (f"{model.kv_layout.describe()}; layers [{model.first_layer}, "
-                f"{model.end_layer}) use {len(self.kv_positions)} KV tensor(s)")
+                f"{model.end_layer}) use {len(self.kv_positions)} KV tensor(s) of {stored}")
 
     def footprint(self) -> ShardFootprint:
         """What this shard takes besides its KV cache: the memory budget's inputs."""

@@ -46,6 +46,8 @@ class WorkerControlServicer(control_pb2_grpc.WorkerControlServicer):
             tp_size=p.tp_size, first_layer=p.first_layer, end_layer=p.end_layer,
             block_size=sc.block_size, output_address=p.output_address,
             dtype=p.dtype, dist_init_method=p.dist_init_method,
+            kv_cache_dtype=self.membership.config.kv_cache_dtype,
+            quantization=self.membership.config.quantization,
             # The largest step the worker will see: its memory profile and CUDA graphs size
             # from these (token_budget, not the flag: without chunked prefill a whole prompt
             # up to the context length is one step).

@@ -41,10 +41,13 @@ def compile_paged_attention(tile: int) -> None:
     from worker_svc.triton_kernels import paged_attention as pa
 
     fn = JITFunction(pa._paged_attention_kernel.fn)   # interpreted or not, the source
-    types = ["*fp16", "i32", "*fp16", "*fp16", "*i64", "i32", "*i64", "*i64", "*fp16", "fp32"]
-    signature = {p.name: t for p, t in zip(fn.params, types + ["constexpr"] * 6)}
+    types = {"q_ptr": "*fp16", "q_row_stride": "i32", "key_cache_ptr": "*fp16",
+             "value_cache_ptr": "*fp16", "block_table_ptr": "*i64", "max_blocks": "i32",
+             "row_request_ptr": "*i64", "kv_lens_ptr": "*i64", "window": "i32",
+             "out_ptr": "*fp16", "qk_scale": "fp32", "v_scale": "fp32"}
+    signature = {p.name: types.get(p.name, "constexpr") for p in fn.params}
     constexprs = {"NUM_KV_HEADS": 3, "BLOCK_SIZE": 16, "HEAD_DIM": 64, "GROUP": 3,
-                  "GROUP_PAD": 4, "TILE": tile}
+                  "GROUP_PAD": 4, "TILE": tile, "KV_MANT": 0}
     triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32))
 

@@ -40,18 +40,21 @@ class Computed:
 
 
 @contextmanager
-def computed_by_b(ctx: zmq.Context, model_path: Path, model_config: ModelConfig
+def computed_by_b(ctx: zmq.Context, model_path: Path, model_config: ModelConfig,
+                  kv_cache_dtype: str = "auto"
                   ) -> Iterator[tuple[ModelRunner, KvStore, Computed]]:
     """A runner saving to a real store, after request B computed a random prompt in two
     steps, split where C's load of whole chunks ends (so that C's computed tail runs exactly
-    as B's did), and decoded; B's KV is in the store: 2 whole chunks and the tail [64, 75)."""
+    as B's did), and decoded; B's KV is in the store: 2 whole chunks and the tail [64, 75).
+    `kv_cache_dtype`: the runner's --kv-cache-dtype."""
     generator = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, model_config.vocab_size, (E2E_PROMPT_LEN,),
                            generator=generator).tolist()
     store = KvStore([MemoryTier(256 << 20)], chunk_tokens=E2E_CHUNK)
     with serving(ctx, store) as loop:
         runner = ModelRunner(model_config, model_path, torch.float32, "worker-0",
-                             kv_store=KvStoreOptions(loop.address, codec=client_codec()))
+                             kv_store=KvStoreOptions(loop.address, codec=client_codec()),
+                             kv_cache_dtype=kv_cache_dtype)
         saver = runner.kv_saver
         try:
             assert saver is not None and saver.ready.wait(10)
@@ -70,13 +73,21 @@ def computed_by_b(ctx: zmq.Context, model_path: Path, model_config: ModelConfig
             runner.close()
 
 
-@pytest.mark.parametrize("num_load", [E2E_LOAD, E2E_PROMPT_LEN - 1],
-                         ids=["whole-chunks", "all-but-the-last-token"])
+@pytest.mark.parametrize("num_load, kv_cache_dtype", [
+    (E2E_LOAD, "auto"), (E2E_PROMPT_LEN - 1, "auto"), (E2E_LOAD, "fp8"),
+    (E2E_PROMPT_LEN - 1, "fp8_e5m2")],
+    ids=["whole-chunks", "all-but-the-last-token", "whole-chunks-fp8", "all-but-last-e5m2"])
 def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
-        ctx: zmq.Context, model_path: Path, model_config: ModelConfig, num_load: int) -> None:
+        ctx: zmq.Context, model_path: Path, model_config: ModelConfig, num_load: int,
+        kv_cache_dtype: str) -> None:
     """C loads B's KV (whole chunks, or to the prompt's end through B's partial tail chunk:
-    one token computed) and decodes B's tokens."""
-    with computed_by_b(ctx, model_path, model_config) as (runner, store, b):
+    one token computed) and decodes B's tokens; with an 8-bit cache too, whose chunks carry
+    its dtype and scales (the runner's KvSlice) and whose bytes load unchanged."""
+    with computed_by_b(ctx, model_path, model_config, kv_cache_dtype) as (runner, store, b):
+        if kv_cache_dtype != "auto":
+            assert b.kv_slice.dtype == str(runner.kv_dtype).removeprefix("torch.")
+            assert b.kv_slice.model.endswith("+k1v1")
+            assert all(cache.dtype == runner.kv_dtype for cache in runner.kv_caches)
         prompt, expected, b_blocks = b.prompt, b.expected, b.block_ids
         c_blocks = list(range(80, 80 + -(-(E2E_PROMPT_LEN + MAX_TOKENS) // E2E_BLOCK)))
         num_load_blocks = -(-num_load // E2E_BLOCK)
@@ -87,8 +98,9 @@ def test_a_request_loaded_from_the_store_decodes_as_the_one_that_computed_it(
         assert isinstance(out, StepOutput) and out.request_ids == []
         assert launched.loads is not None and launched.loads.wait() == {"c": num_load}
         for cache in runner.kv_caches:
-            assert torch.equal(tokens_of(cache, c_blocks, 0, num_load),
-                               tokens_of(cache, b_blocks, 0, num_load))
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+            assert torch.equal(tokens_of(raw, c_blocks, 0, num_load),
+                               tokens_of(raw, b_blocks, 0, num_load))
 
         assert run_c(runner, c_blocks, num_load, num_load_blocks, []) == expected
 

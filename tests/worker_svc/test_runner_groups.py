@@ -91,3 +91,18 @@ def test_decode_through_per_group_graph_buffers_matches_eager(hybrid: Path) -> N
     # The groups' tables differ in the buffers: each row's own blocks per group.
     assert not torch.equal(graphs.block_tables[0][:3], graphs.block_tables[1][:3])
     assert len({t for tokens in eager for t in tokens}) >= 6      # the check can see a change
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_an_fp8_cache_over_kv_groups_gives_the_torch_paths_tokens(hybrid: Path, kv: str) -> None:
+    """Sliding-window and full groups sharing 8-bit KV tensors (issue 39): the C kernels'
+    tokens are the torch twin's, both reading the same stored bytes; the pages are a quarter
+    of float32's."""
+    config = load_model_config(hybrid)
+    kernel = ModelRunner(config, hybrid, torch.float32, "w", kernels="c", kv_cache_dtype=kv)
+    twin = ModelRunner(config, hybrid, torch.float32, "w", kernels="torch", kv_cache_dtype=kv)
+    dense = ModelRunner(config, hybrid, torch.float32, "w")
+    assert 4 * kernel.kv_bytes_per_block(BLOCK_SIZE) == dense.kv_bytes_per_block(BLOCK_SIZE)
+    assert kernel.model.kernels.attention is not None
+    assert _tokens(kernel, 12) == _tokens(twin, 12)
+    assert all(cache.dtype == kernel.kv_dtype for cache in kernel.kv_caches)

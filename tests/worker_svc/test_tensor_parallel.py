@@ -106,7 +106,8 @@ def test_quant_slices_give_the_slices_of_the_product(dtype: torch.dtype) -> None
 # ------------------------------------------------------------------- two ranks, real processes
 
 
-def _run_rank(tp_rank: int, tp_size: int, port: int, model_path: str, result_dir: str) -> None:
+def _run_rank(tp_rank: int, tp_size: int, port: int, model_path: str, result_dir: str,
+              kv_cache_dtype: str = "auto") -> None:
     from worker_svc.model.tensor_parallel import TpGroup
     from worker_svc.parallel import ParallelGroups
 
@@ -117,7 +118,7 @@ def _run_rank(tp_rank: int, tp_size: int, port: int, model_path: str, result_dir
                           config.intermediate_size, config.vocab_size)
     assert groups.tp_group is not None
     runner = ModelRunner(config, model_path, torch.float32, f"tp{tp_rank}",
-                         tp=TpGroup(groups.tp_group, shard))
+                         tp=TpGroup(groups.tp_group, shard), kv_cache_dtype=kv_cache_dtype)
     runner.init_cache(NUM_BLOCKS, BLOCK_SIZE)
     tokens = _generate(runner)
     Path(result_dir, f"rank{tp_rank}.json").write_text(json.dumps(tokens))
@@ -157,6 +158,26 @@ def test_tp_ranks_give_the_tokens_of_one(model_path: Path, tmp_path: Path, tp_si
     for rank in range(tp_size):
         tokens = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert tokens == single_rank_tokens, rank
+
+
+def test_tp_ranks_with_an_fp8_cache_give_the_tokens_of_one(model_path: Path,
+                                                           model_config: ModelConfig,
+                                                           tmp_path: Path) -> None:
+    """An 8-bit cache means the same under TP (issue 39): each rank stores its KV heads with
+    the replica's per-tensor scales, so two ranks give one fp8 rank's tokens."""
+    from tests.e2e.harness import free_ports
+
+    single = ModelRunner(model_config, model_path, torch.float32, "tp-none-fp8",
+                         kv_cache_dtype="fp8")
+    single.init_cache(NUM_BLOCKS, BLOCK_SIZE)
+    expected = _generate(single)
+    single.close()
+    port = free_ports(1)[0]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_run_rank, args=(2, port, str(model_path), str(tmp_path), "fp8"),
+                       nprocs=2, start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, rank
 
 
 # ------------------------------------------------------------------- a peer dies mid-step

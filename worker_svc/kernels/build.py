@@ -71,15 +71,22 @@ def level_builds(level: CpuLevel) -> list[tuple[str, dict[str, int]]]:
         ("elementwise.c", {"ELEM_BF16": 1}), ("elementwise.c", {"ELEM_BF16": 0}),
         ("paged_attention.c", {"HEAD_DIM": 64, "GROUP": 3, "LANES": level.lanes,
                                "ELEM_BF16": 1}),
+        # an 8-bit KV cache (kv_quant): e4m3 under bfloat16, e5m2 under float32
+        ("paged_attention.c", {"HEAD_DIM": 64, "GROUP": 3, "LANES": level.lanes,
+                               "ELEM_BF16": 1, "KV_FP8": 1}),
+        ("paged_attention.c", {"HEAD_DIM": 64, "GROUP": 3, "LANES": level.lanes,
+                               "ELEM_BF16": 0, "KV_FP8": 2}),
         ("gemm_fma.c", {"ELEM_BF16": 1, "W_BF16": 1}),
         ("gemm_fma.c", {"ELEM_BF16": 0, "W_BF16": 0}),
         ("gemm_quant.c", {"ELEM_BF16": 1, "BITS": 4}),
         ("gemm_quant.c", {"ELEM_BF16": 0, "BITS": 8})]
     if level.native_bf16:
-        builds.append(("gemm_bf16.c", {}))
+        builds += [("gemm_bf16.c", {}), ("gemm_int8.c", {})]
     if level >= CpuLevel.AMX:
-        builds += [("gemm_amx.c", {}), ("gemm_amx_quant.c", {}),
-                   ("paged_attention_amx.c", {"HEAD_DIM": 64, "GROUP": 3, "ELEM_BF16": 1})]
+        builds += [("gemm_amx.c", {}), ("gemm_amx_quant.c", {}), ("gemm_int8_amx.c", {}),
+                   ("paged_attention_amx.c", {"HEAD_DIM": 64, "GROUP": 3, "ELEM_BF16": 1}),
+                   ("paged_attention_amx.c", {"HEAD_DIM": 64, "GROUP": 3, "ELEM_BF16": 1,
+                                              "KV_FP8": 1})]
     return builds
 
 

@@ -4,7 +4,8 @@
  * effects as paged_attention.c (its twin for every other level, dtype and block size).
  *
  * Built by worker_svc/kernels/build.py at CPU level amx only, with -DHEAD_DIM=<64, 128, ...:
- * a multiple of 32> -DGROUP=<query heads per KV head, at most 16> -DELEM_BF16=1. The process
+ * a multiple of 32> -DGROUP=<query heads per KV head, at most 16> -DELEM_BF16=1, and for an
+ * 8-bit cache -DKV_FP8=<1: e4m3fn, 2: e5m2> (vec.h). The process
  * must hold Linux's leave to use the tiles (cpu.request_amx, called by paged_attention.py)
  * before the first tile instruction, else it dies on SIGILL. Needs block_size % 16 == 0 (a
  * tile of 16 keys lies in one block); paged_attention.py sends other block sizes to the twin.
@@ -50,6 +51,12 @@
  * against a float32 reference the largest difference stays within an output's bfloat16
  * rounding plus one ulp (tests/worker_svc/test_paged_attention_amx.py).
  *
+ * An 8-bit cache: the write quantizes as paged_attention.c's does; each run of 16 keys' K
+ * rows, and of V rows, is widened to bfloat16 (exact: every e4m3 and e5m2 value is one) in a
+ * per-thread buffer that the tiles load from, instead of from the block; k_scale is folded
+ * into the scores' scale and v_scale into the final normalization (each times vec.h's
+ * FP8_READ_SCALE, the power of two its reads leave out).
+ *
  * The two passes (scores; softmax and values) live in paged_attention_amx_passes.h, included
  * once, here; this file holds the work items, their split over threads and the entry point.
  *
@@ -89,6 +96,11 @@
 #define RUN_TILES 4                     /* query tiles per work item */
 #define TILE_BYTES 1024
 
+#if !KV_FP8
+typedef uint16_t kv_t;
+#define FP8_READ_SCALE 1.f
+#endif
+
 #include "paged_attention_amx_passes.h"
 
 /* One item: rows [r0, r1) of one request (block ids `table`), KV head `head`. */
@@ -113,7 +125,7 @@ static void attend_item(const step_t *s, const scratch_t *w, int64_t r0, int64_t
     for (int n = 0; n < nq; n++) {
       const int64_t r = first + n / GROUP;
       uint16_t *dst = s->out + (r * num_heads + head * GROUP + n % GROUP) * HEAD_DIM;
-      const __m512 inv = _mm512_set1_ps(1.f / sums[n]);
+      const __m512 inv = _mm512_set1_ps(s->v_scale / sums[n]);
       for (int d = 0; d < HEAD_DIM; d += 16)
         store_vec((vf)_mm512_mul_ps(_mm512_loadu_ps(w->acc + n * HEAD_DIM + d), inv), dst + d);
     }
@@ -151,17 +163,30 @@ static void prefetch_item_start(const step_t *s, run_t run, int64_t head,
     prefetch_run(s, table, head, t, len, 0);
 }
 
+/* One row's n elements into the cache: copied, or (8-bit cache) stored as paged_attention.c
+ * stores them. */
+static inline void write_row(const uint16_t *src, kv_t *dst, int64_t n, float scale) {
+#if !KV_FP8
+  (void)scale;
+  memcpy(dst, src, n * 2);
+#else
+  for (int64_t j = 0; j < n; j += 16) store_fp8_vec(load_vec(src + j) / scale, dst + j);
+#endif
+}
+
 /* Same arguments and contract as paged_attention() in paged_attention.c (bfloat16 only),
  * with block_size % 16 == 0. */
 void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
                          int64_t k_stride, const uint16_t *v, int64_t v_stride,
-                         const int64_t *slots, uint16_t *kv_cache, const int64_t *block_tables,
+                         const int64_t *slots, kv_t *kv_cache, const int64_t *block_tables,
                          int64_t max_blocks, const int64_t *row_request, const int64_t *kv_lens,
                          int64_t window, int64_t num_rows, int64_t num_kv_heads, int64_t num_blocks,
-                         int64_t block_size, float scale, uint16_t *out) {
+                         int64_t block_size, float scale, float k_scale, float v_scale,
+                         uint16_t *out) {
   const int64_t row_stride = num_kv_heads * HEAD_DIM;
   const step_t step = {q, kv_cache, kv_lens, window, q_stride, num_kv_heads, block_size,
-                       row_stride, num_blocks * block_size * row_stride, scale, out};
+                       row_stride, num_blocks * block_size * row_stride,
+                       scale * k_scale * FP8_READ_SCALE, v_scale * FP8_READ_SCALE, out};
   run_t *runs = malloc((num_rows + 1) * sizeof *runs);
   const int64_t num_runs = split_runs(row_request, num_rows, runs);
   int64_t longest = 1;
@@ -172,9 +197,9 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
   {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
-      memcpy(kv_cache + slots[r] * row_stride, k + r * k_stride, row_stride * 2);
-      memcpy(kv_cache + step.value_offset + slots[r] * row_stride, v + r * v_stride,
-             row_stride * 2);
+      write_row(k + r * k_stride, kv_cache + slots[r] * row_stride, row_stride, k_scale);
+      write_row(v + r * v_stride, kv_cache + step.value_offset + slots[r] * row_stride,
+                row_stride, v_scale);
     }
     /* (the implicit barrier here: every slot is written before any row reads) */
     tile_config config = {.palette = 1};
@@ -183,7 +208,8 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     scratch_t w = {.keys = keys};
     char *memory = aligned_alloc(64, 4 * TILE_BYTES + keys * (16 * 4 + 32 * 4)
                                          + KSTEPS * TILE_BYTES + 2 * 16 * HEAD_DIM * 2
-                                         + 16 * HEAD_DIM * 4 + 2 * TILE_BYTES);
+                                         + 16 * HEAD_DIM * 4 + 2 * TILE_BYTES
+                                         + KV_FP8_BUFFER_BYTES);
     w.raw = (float *)memory;
     w.scores = w.raw + 4 * 256;
     w.queries = (uint32_t *)(w.scores + 16 * keys);
@@ -191,6 +217,10 @@ void paged_attention_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k,
     w.edge = (uint16_t *)(w.probs + keys * 32);
     w.acc = (float *)(w.edge + 2 * 16 * HEAD_DIM);
     w.tile = w.acc + 16 * HEAD_DIM;
+#if KV_FP8
+    w.wide_keys = (uint16_t *)(w.tile + 2 * 256);
+    w.wide_values = w.wide_keys + 2 * 16 * HEAD_DIM;
+#endif
     /* Items go out in groups of `per` consecutive ones: a decode's KV heads of one request
      * together when there are enough requests to share (the heads' rows interleave in the
      * cache, so the lines the hardware fetches ahead for one head serve the next), one item

@@ -14,11 +14,13 @@
 
 /* One step's inputs, fixed for the call. */
 typedef struct {
-  const uint16_t *q, *kv;
+  const uint16_t *q;
+  const kv_t *kv;
   const int64_t *kv_lens;
   int64_t window; /* > 0: a row of len keys attends keys [len - window, len) only */
   int64_t q_stride, num_kv_heads, block_size, row_stride, value_offset;
-  float scale;
+  float scale;   /* of the scores: 1 / sqrt(HEAD_DIM), times k_scale */
+  float v_scale; /* of the outputs (1 unless the cache is 8-bit) */
   uint16_t *out;
 } step_t;
 
@@ -33,12 +35,36 @@ typedef struct {
                            zero outside the keys */
   float *acc;           /* [16 n][HEAD_DIM] */
   float *tile;          /* [2][16][16]: output tiles stored for the vector units */
+#if KV_FP8
+  uint16_t *wide_keys;   /* [2][16 keys][HEAD_DIM]: two runs of K rows widened to bfloat16 */
+  uint16_t *wide_values; /* [16 keys][64]: a run's V rows, 64 dims of them, widened */
+#endif
 } scratch_t;
+
+#if KV_FP8
+#define KV_FP8_BUFFER_BYTES (2 * 16 * HEAD_DIM * 2 + 16 * 64 * 2)
+
+/* 16 rows of `cols` stored bytes (src, row stride src_stride) as bfloat16 rows of dst (row
+ * stride dst_stride elements); rows outside [from, to) are zeros (see copy_edge: V's slots
+ * there may hold anything). Exact: the widened float32 values are bfloat16 numbers. */
+static inline void widen_run(const kv_t *src, int64_t src_stride, uint16_t *dst,
+                             int dst_stride, int cols, int64_t from, int64_t to) {
+  for (int t = 0; t < 16; t++, src += src_stride, dst += dst_stride) {
+    if (t < from || t >= to) {
+      memset(dst, 0, cols * 2);
+      continue;
+    }
+    for (int d = 0; d < cols; d += 16) store_vec(load_fp8_vec(src + d), dst + d);
+  }
+}
+#else
+#define KV_FP8_BUFFER_BYTES 0
+#endif
 
 /* Key t of a request in KV head `head` (K; V at + value_offset). A run of 16 keys starting
  * at a multiple of 16 is 16 rows at stride row_stride in one block (block_size % 16 == 0). */
-static inline const uint16_t *key_row(const step_t *s, const int64_t *table, int64_t head,
-                                      int64_t t) {
+static inline const kv_t *key_row(const step_t *s, const int64_t *table, int64_t head,
+                                  int64_t t) {
   return s->kv + (table[t / s->block_size] * s->block_size + t % s->block_size) * s->row_stride
          + head * HEAD_DIM;
 }
@@ -50,8 +76,8 @@ static inline void prefetch_run(const step_t *s, const int64_t *table, int64_t h
                                 int64_t t0, int64_t len, int64_t offset) {
   if (t0 >= len) return;
   const char *row = (const char *)(key_row(s, table, head, t0) + offset);
-  for (int t = 0; t < 16; t++, row += s->row_stride * 2)
-    for (int c = 0; c < HEAD_DIM * 2; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+  for (int t = 0; t < 16; t++, row += s->row_stride * sizeof(kv_t))
+    for (int c = 0; c < HEAD_DIM * (int)sizeof(kv_t); c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
 }
 
 /* 16 x 16 dwords: r[i][j] -> r[j][i]. */
@@ -128,15 +154,26 @@ static void score_keys(const step_t *s, const scratch_t *w, const int64_t *table
     if (i < runs) { /* the tile unit works on runs i, i + 1 ... */
       const int two = i + 1 < runs;
       const int64_t t0 = lo + i * 16;
+#if KV_FP8
+      const int64_t k_stride = HEAD_DIM * 2;
+      const uint16_t *k0 = w->wide_keys, *k1 = w->wide_keys + 16 * HEAD_DIM;
+      widen_run(key_row(s, table, head, t0), s->row_stride, w->wide_keys, HEAD_DIM, HEAD_DIM,
+                0, 16);
+      if (two)
+        widen_run(key_row(s, table, head, t0 + 16), s->row_stride, w->wide_keys + 16 * HEAD_DIM,
+                  HEAD_DIM, HEAD_DIM, 0, 16);
+#else
+      const int64_t k_stride = s->row_stride * 2;
       const uint16_t *k0 = key_row(s, table, head, t0);
       const uint16_t *k1 = two ? key_row(s, table, head, t0 + 16) : NULL;
+#endif
       prefetch_run(s, table, head, t0 + 64, len, 0);
       prefetch_run(s, table, head, t0 + 80, len, 0);
       _tile_zero(0);
       _tile_zero(1);
       for (int st = 0; st < KSTEPS; st++) {
-        _tile_loadd(2, k0 + st * 32, s->row_stride * 2);
-        if (two) _tile_loadd(3, k1 + st * 32, s->row_stride * 2);
+        _tile_loadd(2, k0 + st * 32, k_stride);
+        if (two) _tile_loadd(3, k1 + st * 32, k_stride);
         switch (st) { /* tile numbers must be constants */
           case 0: _tile_dpbf16ps(0, 2, 4); if (two) _tile_dpbf16ps(1, 3, 4); break;
           case 1: _tile_dpbf16ps(0, 2, 5); if (two) _tile_dpbf16ps(1, 3, 5); break;
@@ -183,6 +220,7 @@ static inline void softmax_run(const scratch_t *w, int64_t i, int nq, const floa
   }
 }
 
+#if !KV_FP8
 /* V rows of the run [t0, t0 + 16) into buf [16][HEAD_DIM], zeros outside keys [first, len):
  * their slots may hold anything (stale keys, slots not yet written), and P = 0 times NaN
  * would not be 0. The run's block holds first or len - 1, so it is one a row reads. */
@@ -193,6 +231,7 @@ static void copy_edge(const step_t *s, const int64_t *table, int64_t head, int64
   for (int64_t t = t0 > first ? t0 : first; t < t0 + 16 && t < len; t++)
     memcpy(buf + (t - t0) * HEAD_DIM, v + (t - t0) * s->row_stride, HEAD_DIM * 2);
 }
+#endif
 
 /* P = exp(score - max[n]) (softmax_run; sum[n] = its float32 sums) and acc[n][d] = sum_t
  * P[n][t] V[t][d] over keys [lo, len), lo = first rounded down to 16, with V's tiles loaded
@@ -208,11 +247,13 @@ static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *tab
                          int64_t head, int64_t first, int64_t len, int nq, const float *max,
                          float *sum) {
   const int64_t lo = first / 16 * 16, runs = (round_up(len, 16) - lo) / 16;
+#if !KV_FP8
   const int64_t stride = s->row_stride * 2;
   const int head_edge = first % 16 != 0 || (runs == 1 && len % 16 != 0);
   const int tail_edge = len % 16 != 0 && runs > 1;
   if (head_edge) copy_edge(s, table, head, lo, first, len, w->edge);
   if (tail_edge) copy_edge(s, table, head, len / 16 * 16, first, len, w->edge + 16 * HEAD_DIM);
+#endif
   uint16_t interleave[32]; /* word 2j <- even output j, 2j + 1 <- odd output j */
   for (int j = 0; j < 16; j++) interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
   const __m512i pick_lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)interleave));
@@ -233,15 +274,23 @@ static void weigh_values(const step_t *s, const scratch_t *w, const int64_t *tab
       prefetch_run(s, table, head, t0 + 64, len, s->value_offset);
       _tile_loadd(4, w->probs + i * 512, 64);
       _tile_loadd(5, w->probs + i * 512 + 256, 64);
+#if KV_FP8
+      /* (the run's V rows outside [first, len) widened as zeros, as copy_edge does) */
+      const uint16_t *v = w->wide_values;
+      const int64_t v_stride = 64 * 2;
+      widen_run(key_row(s, table, head, t0) + s->value_offset + d0, s->row_stride, w->wide_values,
+                64, pair ? 64 : 32, first - t0, len - t0);
+#else
       const int edge = (i == 0 && head_edge) || (i == runs - 1 && tail_edge);
-      const uint16_t *v = !edge ? key_row(s, table, head, t0) + s->value_offset
-                                : w->edge + (i == 0 && head_edge ? 0 : 16 * HEAD_DIM);
+      const uint16_t *v = (!edge ? key_row(s, table, head, t0) + s->value_offset
+                                 : w->edge + (i == 0 && head_edge ? 0 : 16 * HEAD_DIM)) + d0;
       const int64_t v_stride = edge ? HEAD_DIM * 2 : stride;
-      _tile_loadd(6, v + d0, v_stride);
+#endif
+      _tile_loadd(6, v, v_stride);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
       if (pair) {
-        _tile_loadd(7, v + d0 + 32, v_stride);
+        _tile_loadd(7, v + 32, v_stride);
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }

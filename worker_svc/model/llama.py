@@ -39,7 +39,9 @@ from worker_svc.kernels import (
     CpuLevel,
     ElementwiseKernels,
     Gemm,
+    Int8Gemm,
     LayerKernels,
+    PackedInt8,
     PackedQuant,
     PackedWeight,
     QuantBlocks,
@@ -52,6 +54,7 @@ from worker_svc.kernels.elementwise import (  # noqa: F401  (the torch twins, re
     apply_rotary,
     rotary_rows,
 )
+from worker_svc.kernels.kv_quant import KvScales
 from worker_svc.model.rope import RotaryEmbedding
 from worker_svc.model.tensor_parallel import (
     TpGroup,
@@ -67,23 +70,44 @@ from worker_svc.model.weights import ModelWeights
 class Linear:
     """y = x @ weight.T, with the fastest CPU path we have for the weight and batch size.
 
-    In order: a weight with quantized blocks takes its kernel on those (`kernels.quant`) for
-    steps of up to that kernel's `max_rows` rows (every step where it has none: then no dense
-    copy is kept); then our own matmul kernel (`kernels.gemm`, with its own packed copy) for
-    the batch sizes it takes; then, for bfloat16 where oneDNN runs it, oneDNN on a weight
-    pre-packed once into its blocked layout (a plain bf16 matmul re-packs the weight on every
-    call: 20-25% slower at 64-128 rows, measured); else torch's matmul on the plain weight.
+    With `int8` (`--quantization int8`: the decoder layers' matmuls) and an int8 kernel in
+    `kernels.int8`, the weight is quantized once here (int8, a scale per output column) and
+    every step takes that kernel; no dense copy and no blocks are kept (a weight it does not
+    take, k past its int32 bound, stays dense). Not even for small steps, though a GGUF's
+    4-bit blocks read fewer bytes (single-stream decode 5.64 against int8's 5.89 ms a step,
+    SmolLM2 bf16, 2 Zen 5 cores): the blocks hold other values than the int8 weights, so a
+    request's tokens would depend on the sizes of the steps it ran in (a prefix hit's short
+    step gave other greedy tokens than the full prefill, measured).
+
+    Otherwise, in order: a weight with quantized blocks takes its kernel on those
+    (`kernels.quant`) for steps of up to that kernel's `max_rows` rows (every step where it
+    has none: then no dense copy is kept); then our own matmul kernel (`kernels.gemm`, with its
+    own packed copy) for the batch sizes it takes; then, for bfloat16 where oneDNN runs it,
+    oneDNN on a weight pre-packed once into its blocked layout (a plain bf16 matmul re-packs
+    the weight on every call: 20-25% slower at 64-128 rows, measured); else torch's matmul on
+    the plain weight.
     """
 
     __slots__ = ("weight", "onednn", "quant", "quant_weight", "quant_max_rows", "gemm",
-                 "gemm_weight", "gemm_max_rows")
+                 "gemm_weight", "gemm_max_rows", "int8", "int8_weight")
 
     def __init__(self, parts: list[torch.Tensor], quant_parts: list[QuantBlocks] | None = None,
-                 kernels: LayerKernels | None = None):
+                 kernels: LayerKernels | None = None, int8: bool = False):
         kernels = kernels or LayerKernels(CpuLevel.NONE)
+        self.int8: Int8Gemm | None = None
+        self.int8_weight: PackedInt8 | None = None
         self.quant: QuantKernel | TieredQuant | None = None
         self.quant_weight: PackedQuant | TieredPack | None = None
         self.quant_max_rows = 0
+        self.gemm: Gemm | AmxGemm | None = None
+        self.gemm_weight: PackedWeight | None = None
+        self.gemm_max_rows = -1
+        self.weight: torch.Tensor | None = None             # plain, for torch's matmul
+        self.onednn: torch.Tensor | None = None             # oneDNN layout, bfloat16 only
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
+        if int8 and kernels.int8 is not None and kernels.int8.fits(weight):
+            self.int8, self.int8_weight = kernels.int8, kernels.int8.pack(weight)
+            return                                          # every step, in int8
         blocks = _concat_blocks(quant_parts) if quant_parts else None
         quant = kernels.quant.get(blocks.bits) if blocks is not None else None
         if isinstance(quant, TieredQuant) and not quant.large.fits(blocks):
@@ -91,14 +115,8 @@ class Linear:
         if quant is not None and quant.fits(blocks):
             self.quant, self.quant_weight = quant, quant.pack(blocks)
             self.quant_max_rows = quant.max_rows or sys.maxsize
-        self.gemm: Gemm | AmxGemm | None = None
-        self.gemm_weight: PackedWeight | None = None
-        self.gemm_max_rows = -1
-        self.weight: torch.Tensor | None = None             # plain, for torch's matmul
-        self.onednn: torch.Tensor | None = None             # oneDNN layout, bfloat16 only
         if self.quant_max_rows == sys.maxsize:
             return                                          # the blocks take every step
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # [out, in]
         if kernels.gemm is not None and kernels.gemm.fits(weight):
             self.gemm, self.gemm_weight = kernels.gemm, kernels.gemm.pack(weight)
             self.gemm_max_rows = kernels.gemm.max_rows or sys.maxsize
@@ -111,6 +129,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] contiguous -> [num_tokens, out]."""
+        if self.int8 is not None:
+            return self.int8(x, self.int8_weight)  # type: ignore[arg-type]
         num_tokens = x.shape[0]
         if num_tokens <= self.quant_max_rows:
             return self.quant(x, self.quant_weight)  # type: ignore[misc, arg-type]
@@ -142,13 +162,14 @@ class LlamaLayer:
     __slots__ = ("num_heads", "num_kv_heads", "head_dim", "eps", "input_norm", "qkv_proj",
                  "qkv_bias", "q_norm", "k_norm", "o_proj", "o_bias", "post_attention_norm",
                  "gate_up_proj", "down_proj", "tp", "rotary", "kernels", "elementwise",
-                 "window")
+                 "window", "kv_scales")
 
     def __init__(self, shard: TpShard, config: ModelConfig, weights: ModelWeights, layer: int,
                  rotary: RotaryEmbedding, tp: TpGroup | None = None,
-                 kernels: LayerKernels | None = None):
+                 kernels: LayerKernels | None = None, kv_scales: KvScales | None = None):
         """`shard`: the heads and MLP slice this rank holds (all of them without TP).
-        `kernels`: the C kernels that built (None or None fields: torch ops)."""
+        `kernels`: the C kernels that built (None or None fields: torch ops). `kv_scales`:
+        an 8-bit KV cache's scales (worker_svc.kernels.kv_quant; the kernels hold the same)."""
         head_dim = config.head_dim
         self.num_heads = shard.num_heads         # this rank's
         self.num_kv_heads = shard.num_kv_heads
@@ -157,6 +178,7 @@ class LlamaLayer:
         self.tp = tp
         self.rotary = rotary
         self.window = config.layer_windows[layer]   # tokens a query reads back; 0 = all
+        self.kv_scales = kv_scales
         self.kernels = kernels or LayerKernels(CpuLevel.NONE)
         self.elementwise = elementwise_ops(self.kernels)
         prefix = f"model.layers.{layer}."
@@ -212,7 +234,8 @@ class LlamaLayer:
         k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
         attn = paged_attention(q, k, v, kv_cache, meta,    # [num_tokens, heads*dim]
-                               self.kernels.attention, window=self.window)
+                               self.kernels.attention, window=self.window,
+                               scales=self.kv_scales)
         hidden = self.o_proj(attn)                         # [num_tokens, hidden_size]
         if self.tp is not None:
             self.tp.all_reduce(hidden)                     # partial sums over the heads
@@ -243,7 +266,8 @@ def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
             kernels: LayerKernels) -> Linear:
     """One matmul over the named matrices stacked by rows, each cut to this rank's slice:
     (name, "rows" | "cols", start, end). The blocks are used only if every part has blocks
-    that the cut keeps whole."""
+    that the cut keeps whole. int8 (where `kernels.int8` is set) only for the decoder layers'
+    matmuls: the LM head stays dense, its error would land straight on the logits."""
     dense, quant = [], []
     for name, axis, start, end in parts:
         weight = weights.tensors[name]
@@ -258,7 +282,8 @@ def _linear(weights: ModelWeights, parts: list[tuple[str, str, int, int]],
             cut = blocks if blocks is None or whole else slice_quant_cols(blocks, start, end)
         quant.append(cut)
     kept = [b for b in quant if b is not None]
-    return Linear(dense, kept if len(kept) == len(parts) else None, kernels)
+    in_layer = all(name.startswith("model.layers.") for name, *_ in parts)
+    return Linear(dense, kept if len(kept) == len(parts) else None, kernels, int8=in_layer)
 
 
 class LlamaModel:
@@ -267,16 +292,17 @@ class LlamaModel:
 
     __slots__ = ("config", "dtype", "device", "first_layer", "end_layer", "is_last_stage",
                  "shard", "tp", "embed_tokens", "layers", "norm", "lm_head", "rotary",
-                 "kernels", "elementwise", "kv_layout", "layer_groups", "layer_positions")
+                 "kernels", "elementwise", "kv_layout", "layer_groups", "layer_positions",
+                 "kv_scales")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, first_layer: int = 0,
                  end_layer: int | None = None, is_last_stage: bool = True,
                  tp: TpGroup | None = None, device: torch.device | None = None, *,
-                 kernels: LayerKernels):
+                 kernels: LayerKernels, kv_scales: KvScales | None = None):
         """`device`: where weights, tables and activations live (default the CPU).
         `kernels`: the layers' kernel set, chosen by worker_svc.kernel_choice; where a field
         is None (level none, or a kernel that did not build) its torch twin runs (same
-        results, slower)."""
+        results, slower). `kv_scales`: an 8-bit KV cache's (worker_svc.kernels.kv_quant)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device("cpu") if device is None else device
@@ -293,6 +319,7 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_model_len,
                                       dtype, self.device, config.rope_scaling)
         self.kernels = kernels
+        self.kv_scales = kv_scales
         self.elementwise = elementwise_ops(self.kernels)
         # KV groups (services.kv_groups): each layer of this stage reads its group's block
         # table and writes the KV tensor of its position (shared with the layers of the same
@@ -321,7 +348,8 @@ class LlamaModel:
             if self.is_first_stage:
                 self.embed_tokens = slice_rows(tensors["model.embed_tokens.weight"], v0, v1)
             self.layers = [
-                LlamaLayer(self.shard, cfg, weights, i, self.rotary, self.tp, self.kernels)
+                LlamaLayer(self.shard, cfg, weights, i, self.rotary, self.tp, self.kernels,
+                           self.kv_scales)
                 for i in range(self.first_layer, self.end_layer)]
             if self.is_last_stage:
                 self.norm = tensors["model.norm.weight"]

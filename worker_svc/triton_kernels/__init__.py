@@ -1,7 +1,8 @@
 """GPU kernels in Triton, each beside its plain-torch twin: the worker's CUDA counterpart of
 the C kernels in worker_svc.kernels, with the same contracts.
 
-- `kv_write.py`: `write_kv`, a step's new K/V into their cache slots (negative slot: skip).
+- `kv_write.py`: `write_kv`, a step's new K/V into their cache slots (negative slot: skip),
+  and the fp8 cache formats' encoding and decoding, by bit operations.
 - `paged_attention.py`: `paged_attention`, every row of a step (decode and prefill tokens
   alike) attending its request's keys straight from the paged cache; and
   `paged_attention_with_write`, the two together as a layer calls them.
@@ -26,6 +27,8 @@ Testing without a GPU: with TRITON_INTERPRET=1 in the environment before triton 
 (the kernels read it when they are decorated), Triton runs kernels on CPU tensors in numpy.
 float32 and float16 compute correctly there, bfloat16 does not, so the CPU tests
 (tests/worker_svc/test_triton_kernels.py) use float32 and float16 and mark bfloat16 `gpu`.
+Its fp8 casts are wrong too, hence the bit operations of kv_write; the fp8 cache's tests
+(test_triton_fp8.py) also compile those kernels for sm_90 with Triton's real code generator.
 
 triton is imported only when a kernel module is: `import worker_svc.triton_kernels` works
 without it, and the first kernel call raises a RuntimeError saying what is missing.
@@ -37,6 +40,7 @@ from types import ModuleType
 
 import torch
 
+from worker_svc.kernels.kv_quant import KvScales, is_fp8
 from worker_svc.triton_kernels.checks import interpreting
 
 __all__ = ["TritonKernels", "TritonPagedAttention", "triton_available"]
@@ -97,17 +101,25 @@ class TritonPagedAttention:
     """Write a step's K/V, then attend every row from the paged cache, in Triton: a drop-in
     for worker_svc.kernels' `PagedAttentionKernel` (same constructor fields and call)."""
 
-    __slots__ = ("head_dim", "group", "dtype")
+    __slots__ = ("head_dim", "group", "dtype", "kv_dtype", "kv_scales")
 
-    def __init__(self, head_dim: int, group: int, dtype: torch.dtype):
+    def __init__(self, head_dim: int, group: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None, kv_scales: KvScales | None = None):
         """For heads of `head_dim` (a power of two, 16..256), `group` query heads per KV
-        head, tensors of `dtype`; ValueError for a shape or dtype the kernel does not take."""
+        head, tensors of `dtype`, a cache of `kv_dtype` (None: `dtype`; or float8_e4m3fn /
+        float8_e5m2, read and written with `kv_scales`, worker_svc.kernels.kv_quant);
+        ValueError for a shape or dtype the kernel does not take."""
         if head_dim not in (16, 32, 64, 128, 256) or group < 1:
             raise ValueError(f"Triton paged attention: head_dim {head_dim} (need a power of two "
                              f"in 16..256) or group {group} not supported")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"Triton paged attention: dtype {dtype} not supported")
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype != dtype and not is_fp8(kv_dtype):
+            raise ValueError(f"Triton paged attention: a {kv_dtype} cache for {dtype} compute "
+                             "(need the compute dtype or float8)")
         self.head_dim, self.group, self.dtype = head_dim, group, dtype
+        self.kv_dtype, self.kv_scales = kv_dtype, kv_scales or KvScales()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -115,15 +127,16 @@ class TritonPagedAttention:
                  ) -> torch.Tensor:
         """Write k, v into their slots, then attend: the contract of the C kernel's
         `PagedAttentionKernel.__call__` (shapes, meaning and `window` there), plus: a negative
-        slot is not written. Scale head_dim ** -0.5."""
+        slot is not written. Scale head_dim ** -0.5; an 8-bit cache with this kernel's scales."""
         num_heads, head_dim = q.shape[1:] if q.dim() == 3 else (0, 0)
         num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
         if (head_dim != self.head_dim or q.dtype != self.dtype
-                or num_heads != num_kv_heads * self.group):
+                or kv_cache.dtype != self.kv_dtype or num_heads != num_kv_heads * self.group):
             raise ValueError(f"Triton paged attention for head_dim {self.head_dim}, group "
-                             f"{self.group}, {self.dtype}: got q {tuple(q.shape)} {q.dtype} "
-                             f"and kv_cache {tuple(kv_cache.shape)}")
+                             f"{self.group}, {self.dtype}, a {self.kv_dtype} cache: got q "
+                             f"{tuple(q.shape)} {q.dtype} and kv_cache {tuple(kv_cache.shape)} "
+                             f"{kv_cache.dtype}")
         module = _kernel_module("paged_attention")
         return module.paged_attention_with_write(q, k, v, kv_cache, slot_mapping, block_tables,
                                                  row_request, kv_lens, head_dim ** -0.5,
-                                                 window)
+                                                 window, self.kv_scales)

@@ -2,13 +2,15 @@
 
 A kernel indexes raw memory from the pointers and strides it is given, so a wrong dtype,
 shape, stride or device must fail here, in Python, with a message naming the argument, not
-read or write the wrong bytes. This module imports torch only (never triton), so that the
-package's `__init__` can use `interpreting` without triton installed.
+read or write the wrong bytes. This module imports torch and kv_quant only (never triton), so
+that the package's `__init__` can use `interpreting` without triton installed.
 """
 
 import os
 
 import torch
+
+from worker_svc.kernels.kv_quant import FP8_DTYPES
 
 # The dtypes the kernels compute on (in float32 inside, stored back in the input dtype).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,6 +40,18 @@ def check_float(kernel: str, name: str, t: torch.Tensor, dtype: torch.dtype | No
         raise ValueError(f"{kernel}: {name} must be float32, float16 or bfloat16, got {t.dtype}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{kernel}: {name} is {t.dtype}, expected {dtype} like the others")
+
+
+def check_kv_cache_dtype(kernel: str, kv_cache: torch.Tensor,
+                         dtype: torch.dtype | None = None) -> None:
+    """The cache holds a kernel dtype (`dtype` where given: the compute dtype) or one of the
+    8-bit formats (worker_svc.kernels.kv_quant), whatever the compute dtype."""
+    if kv_cache.dtype in FP8_DTYPES:
+        return
+    if kv_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{kernel}: kv_cache must be float32, float16, bfloat16, "
+                         f"float8_e4m3fn or float8_e5m2, got {kv_cache.dtype}")
+    check_float(kernel, "kv_cache", kv_cache, dtype)
 
 
 def check_contiguous(kernel: str, name: str, t: torch.Tensor) -> None:

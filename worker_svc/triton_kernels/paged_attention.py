@@ -33,6 +33,12 @@ Sliding window (`window` > 0): a row of kv_len keys attends [max(0, kv_len - win
 its key loop starts at the tile that holds that start, so no block wholly before it is read
 (kvcache_svc may free those and leave the null block, garbage, in the table). window 0: all.
 
+An 8-bit cache (worker_svc.kernels.kv_quant) comes in as its bytes and each key and value is
+decoded with bit operations (kv_write.fp8_to_half; why not Triton's casts: kv_write) to its
+stored value, exactly, in float16 (tl.dot: in q's dtype, exact too); the per-tensor scales
+cost no per-element multiply: the key scale folds into the query's scale and the value scale
+into the output's normalisation.
+
 A row with kv_len 0 (a padding row) outputs zeros. `paged_attention_reference` is the
 vectorised torch twin, the tests' oracle.
 """
@@ -44,16 +50,18 @@ import torch
 import triton
 import triton.language as tl
 
+from worker_svc.kernels.kv_quant import KvScales, dequantize, is_fp8
 from worker_svc.triton_kernels.checks import (
     check_contiguous,
     check_device,
     check_float,
     check_index,
+    check_kv_cache_dtype,
     check_row_view,
     interpreting,
     next_power_of_2,
 )
-from worker_svc.triton_kernels.kv_write import write_kv
+from worker_svc.triton_kernels.kv_write import fp8_read_factor, fp8_to_half, kv_format, write_kv
 
 # Head sizes the kernel takes: powers of two (tl.arange lengths must be one).
 _HEAD_DIMS = tuple(2 ** i for i in range(4, 9))          # 16 .. 256
@@ -74,6 +82,16 @@ _DOT = os.environ.get("SPLITSERVE_TRITON_DOT_ATTENTION", "") == "1"
 _DOT_MIN_ROWS = 16      # tl.dot's smallest M, N and K
 
 
+@triton.jit
+def _load_kv(ptrs, mask, KV_MANT: tl.constexpr):
+    """A tile of keys or values as stored, or 8-bit bytes as float16 (kv_write.fp8_to_half)."""
+    if KV_MANT > 0:
+        x = fp8_to_half(tl.load(ptrs, mask=mask, other=0), KV_MANT)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
 # `max_blocks` (the block table's width) follows the longest request of each eager step: left
 # to Triton's default, an int argument is specialized (1 becomes a constant, a multiple of 16
 # gets a divisibility hint), so widths 1, 16 and others would each compile a variant mid-
@@ -83,9 +101,12 @@ _DOT_MIN_ROWS = 16      # tl.dot's smallest M, N and K
 @triton.jit(do_not_specialize=["max_blocks", "window"])
 def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
                             block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr, window,
-                            out_ptr, qk_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                            GROUP_PAD: tl.constexpr, TILE: tl.constexpr):
+                            out_ptr, qk_scale, NUM_KV_HEADS: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                            GROUP_PAD: tl.constexpr, TILE: tl.constexpr,
+                            KV_MANT: tl.constexpr = 0, v_scale=1.0):
+    # (The 8-bit cache's arguments last, with defaults meaning a cache in q's dtype: the
+    # argument list before them is the one test_triton_specialization.py binds.)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     group_ids = tl.arange(0, GROUP_PAD)
@@ -110,8 +131,8 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
         block = tl.load(table + positions // BLOCK_SIZE, mask=visible, other=0)   # int64
         slot = block * BLOCK_SIZE + positions % BLOCK_SIZE
         kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        k = _load_kv(key_cache_ptr + kv_offsets, visible[:, None], KV_MANT)
+        v = _load_kv(value_cache_ptr + kv_offsets, visible[:, None], KV_MANT)
         scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [GROUP_PAD, TILE]
         scores = tl.where(visible[None, :], scores, float("-inf"))
         # new_max is finite (every tile has a visible position): no -inf - -inf below.
@@ -123,7 +144,7 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
                                               axis=1)
         running_max = new_max
     # kv_len 0: acc is 0 and so is the sum; divide by 1 to output zeros.
-    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None] * v_scale
     out_row = out_ptr + row * (NUM_KV_HEADS * GROUP * HEAD_DIM)
     tl.store(out_row + head_offsets, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
@@ -132,14 +153,15 @@ def _paged_attention_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
 def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cache_ptr,
                                   block_table_ptr, max_blocks, row_request_ptr, kv_lens_ptr,
                                   window, part_max_ptr, part_sum_ptr, part_acc_ptr, qk_scale,
-                                  NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                                  v_scale, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                                   GROUP_PAD: tl.constexpr, TILE: tl.constexpr,
                                   SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
-                                  DOT_PRECISION: tl.constexpr):
+                                  DOT_PRECISION: tl.constexpr, KV_MANT: tl.constexpr):
     """`_paged_attention_kernel`'s loop over one split's tiles (program_id 2) of a row's
-    keys; writes that split's running max, sum and unnormalised output (float32). USE_DOT:
-    the products on `tl.dot` (GROUP_PAD >= 16, TILE >= 16)."""
+    keys; writes that split's running max, sum and unnormalised output (float32, times
+    v_scale). USE_DOT: the products on `tl.dot` (GROUP_PAD >= 16, TILE >= 16), K and V in
+    q's dtype."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,10 +192,11 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
         block = tl.load(table + positions // BLOCK_SIZE, mask=visible, other=0)
         slot = block * BLOCK_SIZE + positions % BLOCK_SIZE
         kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+        k = _load_kv(key_cache_ptr + kv_offsets, visible[:, None], KV_MANT)
+        v = _load_kv(value_cache_ptr + kv_offsets, visible[:, None], KV_MANT)
         if USE_DOT:
-            scores = tl.dot(q_in, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = tl.dot(q_in, tl.trans(k.to(q_in.dtype)),
+                            input_precision=DOT_PRECISION) * qk_scale
         else:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(visible[None, :], scores, float("-inf"))
@@ -182,7 +205,7 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         if USE_DOT:
-            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v,
+            acc = acc * rescale[:, None] + tl.dot(probs.to(q_in.dtype), v.to(q_in.dtype),
                                                   input_precision=DOT_PRECISION)
         else:
             acc = acc * rescale[:, None] + tl.sum(
@@ -191,7 +214,7 @@ def _paged_attention_split_kernel(q_ptr, q_row_stride, key_cache_ptr, value_cach
     part = ((row * NUM_KV_HEADS + kv_head) * SPLITS + split) * GROUP_PAD + group_ids
     tl.store(part_max_ptr + part, running_max)
     tl.store(part_sum_ptr + part, running_sum)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc * v_scale)
 
 
 @triton.jit
@@ -233,7 +256,7 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if window < 0:
         raise ValueError(f"{name}: window must be >= 0, got {window}")
     check_float(name, "q", q)
-    check_float(name, "kv_cache", kv_cache, q.dtype)
+    check_kv_cache_dtype(name, kv_cache, q.dtype)
     check_contiguous(name, "kv_cache", kv_cache)
     if q.dim() != 3:
         raise ValueError(f"{name}: q must be [rows, num_heads, head_dim], got {tuple(q.shape)}")
@@ -258,13 +281,15 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     row_request: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                    window: int = 0, *, tile_tokens: int | None = None,
-                    splits: int | None = None, dot: bool | None = None) -> torch.Tensor:
+                    window: int = 0, *, scales: KvScales | None = None,
+                    tile_tokens: int | None = None, splits: int | None = None,
+                    dot: bool | None = None) -> torch.Tensor:
     """Attend every row of q [rows, num_heads, head_dim] (one query token per row; any row
     stride, heads and dim contiguous) over the first kv_lens[row] positions of request
     row_request[row] in kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], through
     block_table [num_requests, max_blocks] (int64, contiguous); `window` > 0: only the last
-    `window` of those positions. Returns [rows, num_heads * head_dim] in q's dtype.
+    `window` of those positions. Returns [rows, num_heads * head_dim] in q's dtype. A float8
+    cache is read as stored * `scales` (kv_quant.dequantize; None: 1.0).
     `tile_tokens` (a power of two) overrides the positions per tile, `splits` (a power of
     two; 1: the single pass) the programs per (row, KV head), both for tests; `dot` the split
     kernel's `tl.dot` variant (None: SPLITSERVE_TRITON_DOT_ATTENTION). Table entries
@@ -289,13 +314,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         splits = default_splits(rows)
     elif splits < 1 or splits != next_power_of_2(splits):
         raise ValueError(f"paged_attention: splits must be a power of two, got {splits}")
-    qk_scale = scale * math.log2(math.e)
+    qk_scale, v_scale = scale * math.log2(math.e), 1.0
+    cache, kv_mant, _ = kv_format(kv_cache)
+    if kv_mant:
+        scales, factor = scales or KvScales(), fp8_read_factor(kv_cache)
+        qk_scale, v_scale = qk_scale * scales.k_scale * factor, scales.v_scale * factor
     if splits == 1:
         _paged_attention_kernel[(rows, num_kv_heads)](
-            q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
+            q, q.stride(0), cache[0], cache[1], block_table, block_table.shape[1],
             row_request, kv_lens, window, out, qk_scale, NUM_KV_HEADS=num_kv_heads,
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
-            TILE=tile)
+            TILE=tile, KV_MANT=kv_mant, v_scale=v_scale)
         return out
     use_dot = _DOT if dot is None else dot
     if use_dot:      # tl.dot's smallest shapes: 16 query rows (padding heads), 16 keys a tile
@@ -309,11 +338,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     part_acc = torch.empty(rows, num_kv_heads, splits, group_pad, head_dim,
                            dtype=torch.float32, device=q.device)
     _paged_attention_split_kernel[(rows, num_kv_heads, splits)](
-        q, q.stride(0), kv_cache[0], kv_cache[1], block_table, block_table.shape[1],
-        row_request, kv_lens, window, part_max, part_sum, part_acc, qk_scale,
+        q, q.stride(0), cache[0], cache[1], block_table, block_table.shape[1],
+        row_request, kv_lens, window, part_max, part_sum, part_acc, qk_scale, v_scale,
         NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group,
         GROUP_PAD=group_pad, TILE=tile, SPLITS=splits, USE_DOT=use_dot,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_MANT=kv_mant)
     _combine_splits_kernel[(rows, num_kv_heads)](
         part_max, part_sum, part_acc, out, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         GROUP=group, GROUP_PAD=group_pad, SPLITS=splits)
@@ -323,8 +352,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, row_request: torch.Tensor,
                               kv_lens: torch.Tensor, scale: float, window: int = 0, *,
-                              tile_tokens: int | None = None, splits: int | None = None,
-                              dot: bool | None = None) -> torch.Tensor:
+                              scales: KvScales | None = None, tile_tokens: int | None = None,
+                              splits: int | None = None, dot: bool | None = None
+                              ) -> torch.Tensor:
     """Torch twin of `paged_attention` (the tests' oracle): gathers every row's keys and
     values into a padded [rows, max_kv_len, ...] copy, masks outside each row's keys (slots
     there read as zeros), softmax in float32. `tile_tokens`, `splits` and `dot` are accepted
@@ -343,8 +373,12 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
     slots = torch.where(visible, blocks * block_size + positions % block_size, 0)
     cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     hidden = ~visible[:, :, None, None]             # slot 0 stands in for them: never read it
-    keys = cache[0][slots].float().masked_fill(hidden, 0.0)   # [rows, max_len, kv_heads, dim]
-    values = cache[1][slots].float().masked_fill(hidden, 0.0)
+    scales, raw = scales or KvScales(), cache.view(torch.uint8) if is_fp8(cache.dtype) else None
+    keys, values = [                                # [rows, max_len, kv_heads, dim] each
+        cache[i][slots].float() if raw is None     # (CPU torch cannot index float8: bytes)
+        else dequantize(raw[i][slots].view(cache.dtype), scale, torch.float32)
+        for i, scale in enumerate((scales.k_scale, scales.v_scale))]
+    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
     queries = q.float().reshape(rows, num_kv_heads, group, head_dim)
     scores = torch.einsum("rhgd,rnhd->rhgn", queries, keys) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -356,9 +390,10 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor,
 def paged_attention_with_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                                block_table: torch.Tensor, row_request: torch.Tensor,
-                               kv_lens: torch.Tensor, scale: float, window: int = 0
-                               ) -> torch.Tensor:
-    """`write_kv(k, v, kv_cache, slot_mapping)`, then `paged_attention`: a layer's whole
-    attention step, in the C kernel's argument order (PagedAttentionKernel.__call__)."""
-    write_kv(k, v, kv_cache, slot_mapping)
-    return paged_attention(q, kv_cache, block_table, row_request, kv_lens, scale, window)
+                               kv_lens: torch.Tensor, scale: float, window: int = 0,
+                               scales: KvScales | None = None) -> torch.Tensor:
+    """`write_kv(k, v, kv_cache, slot_mapping, scales)`, then `paged_attention`: a layer's
+    whole attention step, in the C kernel's argument order (PagedAttentionKernel.__call__)."""
+    write_kv(k, v, kv_cache, slot_mapping, scales)
+    return paged_attention(q, kv_cache, block_table, row_request, kv_lens, scale, window,
+                           scales=scales)

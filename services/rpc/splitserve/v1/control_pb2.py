@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/control.proto\x12\rsplitserve.v1\"\xbf\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cstep_address\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\x0fpreferred_dtype\x18\x07 \x01(\t\x12\x11\n\tcpu_level\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\x9d\x02\n\x10RegisterResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0eoutput_address\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x18\n\x10\x64ist_init_method\x18\x0b \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\"\x95\x01\n\x0e\x43\x61pacityReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12.\n\x0ekv_store_slice\x18\x05 \x01(\x0b\x32\x16.splitserve.v1.KvSlice\"u\n\x07KvSlice\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nhead_start\x18\x05 \x01(\r\x12\x10\n\x08head_end\x18\x06 \x01(\r\"\r\n\x0b\x43\x61pacityAck\"p\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1c\n\x14num_kv_chunks_stored\x18\x03 \x01(\x04\x12\x1c\n\x14num_kv_saves_skipped\x18\x04 \x01(\x04\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf9\x01\n\rWorkerControl\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12K\n\x0eReportCapacity\x12\x1d.splitserve.v1.CapacityReport\x1a\x1a.splitserve.v1.CapacityAck\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitserve/v1/control.proto\x12\rsplitserve.v1\"\xbf\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cstep_address\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\x0fpreferred_dtype\x18\x07 \x01(\t\x12\x11\n\tcpu_level\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\xcb\x02\n\x10RegisterResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x16\n\x0eoutput_address\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x18\n\x10\x64ist_init_method\x18\x0b \x01(\t\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12\x14\n\x0cquantization\x18\x0f \x01(\t\"\x95\x01\n\x0e\x43\x61pacityReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\x04 \x01(\x04\x12.\n\x0ekv_store_slice\x18\x05 \x01(\x0b\x32\x16.splitserve.v1.KvSlice\"u\n\x07KvSlice\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nhead_start\x18\x05 \x01(\r\x12\x10\n\x08head_end\x18\x06 \x01(\r\"\r\n\x0b\x43\x61pacityAck\"p\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x1c\n\x14num_kv_chunks_stored\x18\x03 \x01(\x04\x12\x1c\n\x14num_kv_saves_skipped\x18\x04 \x01(\x04\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\xf9\x01\n\rWorkerControl\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12K\n\x0eReportCapacity\x12\x1d.splitserve.v1.CapacityReport\x1a\x1a.splitserve.v1.CapacityAck\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=47
   _globals['_REGISTERREQUEST']._serialized_end=238
   _globals['_REGISTERRESPONSE']._serialized_start=241
-  _globals['_REGISTERRESPONSE']._serialized_end=526
-  _globals['_CAPACITYREPORT']._serialized_start=529
-  _globals['_CAPACITYREPORT']._serialized_end=678
-  _globals['_KVSLICE']._serialized_start=680
-  _globals['_KVSLICE']._serialized_end=797
-  _globals['_CAPACITYACK']._serialized_start=799
-  _globals['_CAPACITYACK']._serialized_end=812
-  _globals['_HEARTBEATREQUEST']._serialized_start=814
-  _globals['_HEARTBEATREQUEST']._serialized_end=926
-  _globals['_HEARTBEATRESPONSE']._serialized_start=928
-  _globals['_HEARTBEATRESPONSE']._serialized_end=962
-  _globals['_WORKERCONTROL']._serialized_start=965
-  _globals['_WORKERCONTROL']._serialized_end=1214
+  _globals['_REGISTERRESPONSE']._serialized_end=572
+  _globals['_CAPACITYREPORT']._serialized_start=575
+  _globals['_CAPACITYREPORT']._serialized_end=724
+  _globals['_KVSLICE']._serialized_start=726
+  _globals['_KVSLICE']._serialized_end=843
+  _globals['_CAPACITYACK']._serialized_start=845
+  _globals['_CAPACITYACK']._serialized_end=858
+  _globals['_HEARTBEATREQUEST']._serialized_start=860
+  _globals['_HEARTBEATREQUEST']._serialized_end=972
+  _globals['_HEARTBEATRESPONSE']._serialized_start=974
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1008
+  _globals['_WORKERCONTROL']._serialized_start=1011
+  _globals['_WORKERCONTROL']._serialized_end=1260
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., device: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., step_address: _Optional[str] = ..., model: _Optional[str] = ..., preferred_dtype: _Optional[str] = ..., cpu_level: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method", "max_num_batched_tokens", "max_num_seqs")
+    __slots__ = ("replica_id", "pp_rank", "tp_rank", "pp_size", "tp_size", "first_layer", "end_layer", "block_size", "output_address", "dtype", "dist_init_method", "max_num_batched_tokens", "max_num_seqs", "kv_cache_dtype", "quantization")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class RegisterResponse(_message.Message):
     DIST_INIT_METHOD_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     pp_rank: int
     tp_rank: int
@@ -55,7 +57,9 @@ class RegisterResponse(_message.Message):
     dist_init_method: str
     max_num_batched_tokens: int
     max_num_seqs: int
-    def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    quantization: str
+    def __init__(self, replica_id: _Optional[int] = ..., pp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., block_size: _Optional[int] = ..., output_address: _Optional[str] = ..., dtype: _Optional[str] = ..., dist_init_method: _Optional[str] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class CapacityReport(_message.Message):
     __slots__ = ("worker_id", "epoch", "num_kv_blocks", "kv_bytes_per_block", "kv_store_slice")

@@ -287,7 +287,10 @@ def run_cpu(a: argparse.Namespace) -> int:
 
     results: dict[str, object] = {"dtype": a.dtype, "num_prompts": len(prompts),
                                   "max_tokens": max_tokens, "cpus": os.cpu_count(),
-                                  "cpu": cpu, "repeats": a.repeats}
+                                  "cpu": cpu, "repeats": a.repeats,
+                                  "scheduler_args": a.scheduler_arg,
+                                  "worker_args": a.worker_arg,
+                                  "vllm_kv_cache_dtype": a.vllm_kv_cache_dtype}
     table = {name: medians(r) for name, r in runs.items()}
     for name in table:
         results[RESULT_KEYS.get(name, name.replace(" ", "_"))] = table[name]
@@ -296,7 +299,8 @@ def run_cpu(a: argparse.Namespace) -> int:
                            "start_s": {d: peer.start_s for d, peer in vllm.items()}}
 
     print(f"\nshared workload, {a.dtype}, {len(prompts)} prompts x {max_tokens} tokens, "
-          f"median of {a.repeats} round(s); cpu: {cpu['model']}")
+          f"median of {a.repeats} round(s); cpu: {cpu['model']}; splitserve flags: "
+          f"{' '.join(a.scheduler_arg + a.worker_arg) or 'defaults'}")
     print(f"{'system':<18}{'all at once tok/s':>18}{'single decode tok/s':>21}"
           f"{'single TTFT ms':>16}")
     for name, r in table.items():
@@ -316,7 +320,7 @@ def run_cpu(a: argparse.Namespace) -> int:
     if "hf transformers" in table:
         add_ratios(results, table, runs, ["hf transformers"], "")
     if vllm:
-        add_ratios(results, table, runs, [f"vllm {d}" for d in vllm], "_vllm")
+        add_ratios(results, table, runs, [n for n in table if n.startswith("vllm ")], "_vllm")
     write_result(results, a.out, f"throughput-{a.dtype}")
     return 0
 

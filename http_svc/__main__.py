@@ -55,6 +55,10 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
         p.error("--port must be in [1, 65535]")
     if a.max_body_bytes < 1 or a.drain_timeout < 0:
         p.error("--max-body-bytes must be >= 1 and --drain-timeout >= 0")
+    if a.max_prompts_per_request < 1 or a.max_connections < 1 or a.request_read_timeout <= 0:
+        p.error("--max-prompts-per-request and --max-connections must be >= 1, "
+                "--request-read-timeout > 0")
+    origins = tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip())
     if (tls_error := tls.files_error(a.ssl_certfile, a.ssl_keyfile)
             or tls.ca_error("--scheduler-ssl-ca", a.scheduler_ssl_ca)) is not None:
         p.error(tls_error)
@@ -63,6 +67,9 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
         p.error(f"--scheduler-metrics: {a.scheduler_metrics!r} is not an http(s) URL")
     return HttpConfig(host=a.host, port=a.port, scheduler_address=a.scheduler,
                       max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout,
+                      max_prompts_per_request=a.max_prompts_per_request,
+                      max_connections=a.max_connections,
+                      request_read_timeout_s=a.request_read_timeout, allowed_origins=origins,
                       log_level=a.log_level, tool_call_parser=a.tool_call_parser,
                       enable_auto_tool_choice=a.enable_auto_tool_choice,
                       reasoning_parser=a.reasoning_parser,

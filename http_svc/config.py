@@ -11,6 +11,10 @@ class HttpConfig:
     scheduler_address: str = "127.0.0.1:50051"   # the scheduler's public gRPC HOST:PORT
     max_body_bytes: int = 32 << 20            # request bodies past this are refused (413)
     drain_timeout_s: float = 30.0             # after SIGTERM, open responses may finish
+    max_prompts_per_request: int = 256        # completions prompts x n per request (400 past)
+    max_connections: int = 1024               # open connections at once (503 past)
+    request_read_timeout_s: float = 10.0      # to send a request's headers and body
+    allowed_origins: tuple[str, ...] = ()     # CORS allow-list (empty: no CORS headers)
     log_level: str = "info"
     # vLLM's flags: the format tool calls are parsed from (http_svc.tool_parsers), whether
     # tool_choice "auto" (the default with tools) is served, and the reasoning format.

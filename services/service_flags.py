@@ -283,6 +283,18 @@ def add_http_flags(p: FlagParser) -> FlagParser:
                help="longest request body read; longer ones are refused (413)")
     p.add_flag("--drain-timeout", env="HTTP_DRAIN_TIMEOUT", type=float, default=30.0,
                help="seconds open responses may take to finish after SIGTERM")
+    p.add_flag("--max-prompts-per-request", env="HTTP_MAX_PROMPTS_PER_REQUEST", type=int,
+               default=256, help="prompts one completions request may carry, times its n "
+                                 "(each is a request of its own to the scheduler); past it "
+                                 "a 400 naming the field")
+    p.add_flag("--max-connections", env="HTTP_MAX_CONNECTIONS", type=int, default=1024,
+               help="connections open at once; past it new ones get 503")
+    p.add_flag("--request-read-timeout", env="HTTP_REQUEST_READ_TIMEOUT", type=float,
+               default=10.0, help="seconds a client may take to send a request's headers "
+                                  "and body; a half-sent request is closed past it")
+    p.add_flag("--allowed-origins", env="HTTP_ALLOWED_ORIGINS", default="",
+               help="CORS: comma-separated origins (scheme://host[:port]) whose web pages may "
+                    "call the API from a browser; '*' for any; empty (the default): none")
     add_edge_flags(p, "the HTTP API", "HTTP_")
     p.add_flag("--scheduler-ssl-ca", env="HTTP_SCHEDULER_SSL_CA",
                help="PEM CA certificate(s) to trust the scheduler's TLS client port with "

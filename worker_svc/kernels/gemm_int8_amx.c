@@ -45,12 +45,13 @@
 #pragma GCC target("amx-int8")
 #endif
 
+#include "int8_rows.h" /* the row quantization and epilogue, shared with gemm_int8.c */
+
 #define NR 32           /* output columns per panel: two tiles of 16 */
 #define KS 64           /* inputs per tile step */
 #define TILE_BYTES 1024 /* one 16 x 64-byte tile */
 #define MC 256          /* rows per chunk kept in L2 */
 
-enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_I32 = 2 };
 
 int64_t packed_size(int64_t n, int64_t k) { return round_up(n, NR) * round_up(k, KS); }
 
@@ -71,76 +72,6 @@ void pack_weight(const int8_t *q, int8_t *packed, int64_t n, int64_t k) {
       }
 }
 
-/* ---- the per-row quantization and the epilogue: gemm_int8.c's, line for line (a header
- * shared by the two would be the tidier home; the tests hold both to one torch twin) ---- */
-
-static inline __m512 load16(const void *row, int bf16, int64_t at, __mmask16 mask) {
-  if (bf16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + at);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_maskz_loadu_ps(mask, (const float *)row + at);
-}
-
-static inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
-/* One row of k values -> kp int8 of round(x * 127 / max|x|) clamped to +-127 (zeros past
- * k), and the row's scale max|x| / 127. */
-static void quantize_row(const void *row, int bf16, int64_t k, int64_t kp, int8_t *q,
-                         float *scale) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16)
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row, bf16, i, tail_mask(k - i))));
-  const float top = _mm512_reduce_max_ps(amax);
-  float inv = top > 0 ? 127.0f / top : 0.0f;
-  if (inv > FLT_MAX) inv = FLT_MAX;
-  *scale = top / 127.0f;
-  const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  for (int64_t i = 0; i < k; i += 16) {
-    const __mmask16 mask = tail_mask(k - i);
-    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row, bf16, i, mask), vinv));
-    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
-    _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtepi32_epi8(v));
-  }
-  memset(q + k, 0, (size_t)(kp - k));
-}
-
-/* Rows of x [m, k] -> q [m, k] int8 and scales [m], as the matmul quantizes (the wrapper
- * quantizes weights with it too). */
-void quantize_rows(const void *x, int bf16, int8_t *q, float *scales, int64_t m, int64_t k) {
-  const int64_t row_bytes = bf16 ? 2 * k : 4 * k;
-#pragma omp parallel for
-  for (int64_t r = 0; r < m; r++)
-    quantize_row((const char *)x + r * row_bytes, bf16, k, k, q + r * k, scales + r);
-}
-
-static inline __m256i to_bf16(__m512 f) {
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16),
-                                 _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
-static inline void store_vec(__m512i exact, float a_scale, __m512 w_scale, void *c, int kind,
-                             int64_t at, __mmask16 mask) {
-  if (kind == OUT_I32) {
-    _mm512_mask_storeu_epi32((int32_t *)c + at, mask, exact);
-    return;
-  }
-  const __m512 f =
-      _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(a_scale)), w_scale);
-  if (kind == OUT_F32)
-    _mm512_mask_storeu_ps((float *)c + at, mask, f);
-  else
-    _mm256_mask_storeu_epi16((uint16_t *)c + at, mask, to_bf16(f));
-}
 
 /* ---- the tile products ---- */
 
@@ -162,7 +93,7 @@ static void store_block(const int32_t *acc, int row_tiles, int64_t r0, int64_t m
       const __m512 ws = _mm512_loadu_ps(w_scale + col);
       for (int64_t i = 0; i < 16 && r0 + t * 16 + i < m; i++) {
         const int64_t r = r0 + t * 16 + i;
-        store_vec(_mm512_loadu_si512(acc + (t * 2 + h) * 256 + i * 16), a_scale[r], ws, c,
+        store_exact(_mm512_loadu_si512(acc + (t * 2 + h) * 256 + i * 16), a_scale[r], ws, c,
                   kind, r * n + col, mask);
       }
     }
@@ -275,8 +206,8 @@ void gemm_int8_amx(const void *a, int a_bf16, const int8_t *packed, const float 
 #pragma omp for
     for (int64_t r = 0; r < mp; r++) {
       if (r < m)
-        quantize_row((const char *)a + r * a_row_bytes, a_bf16, k, kp, qa + r * kp,
-                     a_scale + r);
+        quantize_row((const char *)a + r * a_row_bytes, a_bf16, k, kp, 0,
+                     (uint8_t *)qa + r * kp, a_scale + r);
       else
         memset(qa + r * kp, 0, (size_t)kp);
     }

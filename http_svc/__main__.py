@@ -19,6 +19,7 @@ import uvicorn
 from http_svc.app import build_app
 from http_svc.config import HttpConfig
 from http_svc.reasoning import REASONING_PARSERS
+from http_svc.slow_clients import protocol_factory
 from http_svc.tool_parsers import TOOL_PARSERS
 from services import tls
 from services.flags import FlagParser
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(uvicorn.Config(
         build_app(config), host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=int(config.drain_timeout_s), log_config=None,
-        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile,
+        # h11 with a read deadline and a connection cap (503 past it) instead of uvicorn's
+        # limit_concurrency, whose 503 is plain text and logged once per request.
+        http=protocol_factory(config.request_read_timeout_s,  # type: ignore[arg-type]
+                              config.max_connections)))
     try:
         server.run()
     except SystemExit as exc:    # uvicorn exits 1 when it cannot bind

@@ -33,9 +33,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from http_svc.auth import ApiKeyMiddleware
 from http_svc.config import HttpConfig
+from http_svc.content_type import JsonContentTypeMiddleware
+from http_svc.cors import add_cors
 from http_svc.disconnect import ClientGone, unless_disconnected
 from http_svc.errors import ApiError, bad_request, from_validation
 from http_svc.ignored import warn_ignored
+from http_svc.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 from http_svc.metrics import install as install_metrics
 from http_svc.metrics import scheduler_url
 from http_svc.protocol import (
@@ -51,6 +54,7 @@ from http_svc.request_ids import RequestIdMiddleware
 from http_svc.responses import ResponsesRequest, responses
 from http_svc.scheduler_client import SchedulerClient
 from http_svc.serving import OpenAIServing
+from http_svc.slow_clients import QuietDisconnectMiddleware
 from http_svc.streaming import EventStream
 from services.api_keys import ApiKeys
 from services.service_flags import METRICS_PORT
@@ -78,6 +82,9 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         data += part
         if len(data) > max_bytes:
             raise ApiError(413, f"the request body is over {max_bytes} bytes")
+    # Before parsing: json.loads and every walk after it recurse once per level.
+    if nested_deeper_than(data, MAX_JSON_DEPTH):
+        raise bad_request(f"request body nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(data)
     except ValueError as exc:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -119,8 +126,12 @@ def build_app(config: HttpConfig) -> FastAPI:
     app = FastAPI(title="splitserve", version=package_version(), lifespan=lifespan)
     install_metrics(app, scheduler_url(config.scheduler_metrics, config.scheduler_address,
                                        METRICS_PORT))
+    # The last added runs first: CORS, request ids, API keys, then the body's content type.
+    app.add_middleware(QuietDisconnectMiddleware)       # http_svc.slow_clients
+    app.add_middleware(JsonContentTypeMiddleware)       # http_svc.content_type: 415
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(config.api_keys))   # http_svc.auth
     app.add_middleware(RequestIdMiddleware)
+    add_cors(app, config.allowed_origins)               # http_svc.cors: off by default
     version = package_version()
 
     def serving(request: Request) -> OpenAIServing:

@@ -28,7 +28,9 @@ GRPC_TO_HTTP = {
     grpc.StatusCode.UNAUTHENTICATED: 401,       # no or a wrong API key (services.api_keys)
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,    # too many live requests: try again later
+    # Too many live requests: try again later. A message too large for gRPC is the same code
+    # and is told apart by its text (`message_too_large`): 413, never 429.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,           # no ready replica, draining, scheduler down
     grpc.StatusCode.ABORTED: 503,               # work lost, not resumable: a retry may succeed
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -44,10 +46,11 @@ UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
 # words, the request field. "PROMPT" stands for the prompt's own field (prompt or messages).
 GRPC_MESSAGE_FIELDS = (
     (re.compile(r"(temperature|top_p|top_k|max_tokens|min_tokens|seed|cache_salt|min_p|n|"
-                r"presence_penalty|frequency_penalty|repetition_penalty|logit_bias)\b"), None),
+                r"presence_penalty|frequency_penalty|repetition_penalty|logit_bias|"
+                r"stop_token_ids)\b"), None),
     (re.compile(r"logprobs\b"), "logprobs"),
     (re.compile(r"stop token id"), "stop_token_ids"),
-    (re.compile(r"(at most \d+ )?stop strings"), "stop"),
+    (re.compile(r"(at most \d+ )?stop( strings|\[\d+\])?\b"), "stop"),
     (re.compile(r"(prompt|token id|chat|rendered chat)\b"), "PROMPT"),
     (re.compile(r"unknown model"), "model"),
     (re.compile(r"structured_output\b"), "STRUCTURED"),
@@ -107,10 +110,36 @@ def from_validation(exc: ValidationError) -> ApiError:
     return bad_request(f"{path}: {first['msg']}" if path else first["msg"], path or None)
 
 
+# gRPC's own refusal of a message past a channel's or server's size limit ("SERVER: Received
+# message larger than max (3000123 vs. 2375680)"; "CLIENT: Sent ..." past our send limit;
+# "CLIENT: Received ..." for a reply past our receive limit).
+MESSAGE_TOO_LARGE = re.compile(r"(SERVER|CLIENT): (Received|Sent) message larger than max "
+                               r"\((\d+) vs\. (\d+)\)")
+
+
+def message_too_large(details: str) -> ApiError | None:
+    """A gRPC size refusal as the client's error: a request too large for the scheduler is
+    413 with its size (a client that shortens it may retry; a 429 would say "wait"). A reply
+    too large for the front end is the server's fault (500). None: not a size refusal."""
+    match = MESSAGE_TOO_LARGE.search(details)
+    if match is None:
+        return None
+    side, verb, size, limit = match.groups()
+    if side == "CLIENT" and verb == "Received":
+        return ApiError(500, f"the scheduler's reply ({size} bytes) is larger than the "
+                             f"{limit} bytes the front end reads")
+    return ApiError(413, f"the request is {size} bytes as sent to the scheduler, which takes "
+                         f"at most {limit}; shorten its largest fields (prompt, messages, stop, "
+                         f"stop_token_ids, tools, structured output)")
+
+
 def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
     """The scheduler's refusal as an HTTP error; its message already names the field."""
-    status = GRPC_TO_HTTP.get(exc.code(), 500)
     details = exc.details() or exc.code().name
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if (too_large := message_too_large(details)) is not None:
+            return too_large
+    status = GRPC_TO_HTTP.get(exc.code(), 500)
     if status == 503 and exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details:
         details = f"the scheduler cannot be reached: {details}"
     return ApiError(status, details)

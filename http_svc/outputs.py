@@ -15,16 +15,32 @@ at -9999.0.
   -> {"logprob", "rank", "decoded_token"} of the prompt token and the `prompt_logprobs` best.
   With completions' `echo` and `logprobs`, the prompt's tokens lead the completions shape,
   the first with null logprobs.
+
+`collect` reads one call's choices; `collect_all` reads a batch's calls, a bounded number open
+at once.
 """
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from http_svc.errors import ApiError
 from http_svc.sampling import Sampling
-from http_svc.scheduler_client import Chunk, TokenLogprob, Usage
+from http_svc.scheduler_client import (
+    Chunk,
+    GenerateSpec,
+    GenerationCall,
+    TokenLogprob,
+    Usage,
+)
 
 MIN_LOGPROB = -9999.0   # what -inf becomes: JSON has no infinity
+# Scheduler calls one non-streamed request keeps open at once; its other prompts wait their
+# turn. Thousands at once overflow the backlog of calls the scheduler's gRPC server has taken
+# but not yet handed to its servicer, and gRPC cancels calls past that backlog
+# (`grpc.server.max_pending_requests`), another client's as well as ours.
+MAX_CALLS_IN_FLIGHT = 16
 
 
 def candidates(lp: TokenLogprob) -> list[tuple[int, float]]:
@@ -176,3 +192,42 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """vLLM's continuous usage stats: one choice's tokens so far, on each streamed chunk."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def collect(call: GenerationCall, n: int = 1) -> list[Collected]:
+    """Each of the call's `n` choices, gathered."""
+    collected = [Collected() for _ in range(n)]
+    async for chunk in call:
+        if chunk.index >= n:
+            raise ApiError(500, f"the scheduler sent choice {chunk.index} of {n}")
+        collected[chunk.index].add(chunk)
+    if any(c.last is None or c.last.finish_reason is None for c in collected):
+        raise ApiError(500, "the scheduler ended the stream without a finish reason")
+    return collected
+
+
+async def collect_all(generate: Callable[[GenerateSpec, bool], GenerationCall],
+                      specs: Sequence[GenerateSpec], whole: bool, n: int,
+                      ) -> list[list[Collected]]:
+    """Each spec's `n` choices, in the specs' order, with at most MAX_CALLS_IN_FLIGHT calls
+    open at once (`generate(spec, whole)` opens one). Every call is closed once read; on any
+    failure, or when the caller is cancelled, the open ones are cancelled and no more start."""
+    results: list[list[Collected]] = [[] for _ in specs]
+    pending = iter(enumerate(specs))
+
+    async def run_some() -> None:
+        for i, spec in pending:
+            call = generate(spec, whole)
+            try:
+                results[i] = await collect(call, n)
+            finally:
+                call.cancel()
+
+    runners = [asyncio.ensure_future(run_some())
+               for _ in range(min(MAX_CALLS_IN_FLIGHT, len(specs)))]
+    try:
+        await asyncio.gather(*runners)
+    finally:
+        for runner in runners:
+            runner.cancel()
+    return results

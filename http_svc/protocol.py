@@ -13,7 +13,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.wire import MAX_CACHE_SALT_BYTES
+
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]   # the API's token ids are uint32
+
+# Sizes past which a field is refused (400 naming it and the limit) before anything is sent
+# on: the scheduler refuses the same (scheduler_svc.frontend.validation, structured_output),
+# and a list past these could not reach it inside gRPC's message size limit.
+MAX_STOP_TOKEN_IDS = 1024      # stop_token_ids; with the EOS ids, within the wire's 2048
+MAX_CHOICES = 1024             # guided_choice strings (structured_output.MAX_CHOICES)
+MAX_ROLE_CHARS = 64            # a message's role; the scheduler takes a closed set of them
 
 
 class StrictModel(BaseModel):
@@ -54,7 +63,7 @@ class GenerationFields(StrictModel):
     min_p: float | None = None
     seed: int | None = None             # int64, as vLLM; the engine takes its 64 bits
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None
@@ -72,9 +81,10 @@ class GenerationFields(StrictModel):
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
-    cache_salt: str | None = None       # prefix-cache salt (GenerateRequest.cache_salt)
+    # prefix-cache salt (GenerateRequest.cache_salt); the scheduler bounds its UTF-8 bytes
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_BYTES)
     # OpenAI's bookkeeping fields, accepted and ignored as vLLM ignores them.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -96,7 +106,7 @@ class CompletionRequest(GenerationFields):
 
 
 class ChatMessageParam(StrictModel):
-    role: str
+    role: str = Field(max_length=MAX_ROLE_CHARS)
     # Text, or a list of parts of which only {"type": "text", "text": ...} is taken.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

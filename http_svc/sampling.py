@@ -15,6 +15,13 @@ Penalties and min_p as vLLM: presence/frequency in [-2, 2], repetition > 0, min_
 logit_bias keys are token ids written as strings, values clamped to [-100, 100] as vLLM clamps
 them. `n` choices come from one scheduler request (SamplingParams.n).
 
+Sizes are bounded here, each refused with a 400 naming the field and the limit before the
+request is sent on (the scheduler's own limits, so that none is left to gRPC's message size
+limit): at most `MAX_STOP_STRINGS` stop strings of `MAX_STOP_LEN` characters, and output
+constraints within the MAX_*_BYTES below; a schema sent as JSON text is measured for depth
+before it is parsed (http_svc.json_limits). List lengths pydantic can bound are in
+http_svc.protocol.
+
 `NOT_YET` lists what the engine cannot do yet. Such a parameter is accepted at its neutral
 value (`suffix: null`) and otherwise refused with a 400 that names it. `best_of` is served
 when it equals `n` and refused by name above it, as vLLM V1 does.
@@ -29,7 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_svc.errors import bad_request, not_supported
-from http_svc.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from http_svc.json_limits import MAX_JSON_DEPTH, nested_deeper_than
+from http_svc.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+)
 from http_svc.structured import Structured, structured_output
 from services.wire import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_TOP_LOGPROBS
 
@@ -37,6 +50,13 @@ INT32_MAX = (1 << 31) - 1   # the engine's token counts are int32
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 UINT64 = 1 << 64
 MAX_N = 64                  # choices per prompt, as the scheduler takes them
+# As the scheduler takes them (scheduler_svc.frontend.validation, .structured_output).
+MAX_STOP_STRINGS = 16       # stop strings per request
+MAX_STOP_LEN = 256          # characters of one stop string
+MAX_SCHEMA_BYTES = 64 << 10     # UTF-8 bytes of a JSON schema (as compact JSON text)
+MAX_REGEX_BYTES = 16 << 10      # UTF-8 bytes of a regular expression
+MAX_GRAMMAR_BYTES = 64 << 10    # UTF-8 bytes of an EBNF grammar
+MAX_CHOICE_BYTES = 64 << 10     # UTF-8 bytes of a choice list's strings together
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +184,7 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
     seed = request.seed
     if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
         raise bad_request(f"seed must be a 64-bit signed integer, got {seed}", "seed")
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    if any(not s for s in stop):
-        raise bad_request("stop must not contain an empty string", "stop")
+    stop = _stop(request.stop)
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is not None:
         if not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -190,8 +208,52 @@ def _sampling(request: GenerationFields, max_tokens: int | None, max_tokens_name
                                    -2.0, 2.0),
         repetition_penalty=_repetition_penalty(request.repetition_penalty),
         logit_bias=_logit_bias(request.logit_bias), prompt_logprobs=prompt_logprobs,
-        structured=structured_output(request),
+        structured=_structured(request),
         include_stop_str_in_output=bool(request.include_stop_str_in_output))
+
+
+def _stop(value: str | list[str] | None) -> tuple[str, ...]:
+    stop = (value,) if isinstance(value, str) else tuple(value or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
+                          "taken", "stop")
+    for i, text in enumerate(stop):
+        where = "stop" if isinstance(value, str) else f"stop[{i}]"
+        if not text:
+            raise bad_request("stop must not contain an empty string", "stop")
+        if len(text) > MAX_STOP_LEN:
+            raise bad_request(f"{where} is {len(text)} characters long; at most "
+                              f"{MAX_STOP_LEN} are taken", "stop")
+    return stop
+
+
+def _structured(request: GenerationFields) -> Structured | None:
+    """The output constraint, its sizes checked here (a 400 naming the field) rather than
+    by gRPC's message size limit on the way to the scheduler. A schema sent as JSON text is
+    measured for depth before it is parsed (http_svc.json_limits)."""
+    texts = [("guided_json", request.guided_json)]
+    if isinstance(request.structured_outputs, dict):
+        texts.append(("structured_outputs.json", request.structured_outputs.get("json")))
+    for name, text in texts:
+        if isinstance(text, str) and nested_deeper_than(text, MAX_JSON_DEPTH):
+            raise bad_request(f"{name} is nested deeper than {MAX_JSON_DEPTH} levels", name)
+    structured = structured_output(request)
+    if structured is None:
+        return None
+    param = structured.param
+    limits = ((structured.json_schema, MAX_SCHEMA_BYTES, "its JSON schema"),
+              (structured.regex, MAX_REGEX_BYTES, "its regular expression"),
+              (structured.grammar, MAX_GRAMMAR_BYTES, "its grammar"),
+              ("".join(structured.choice), MAX_CHOICE_BYTES, "its choices"))
+    for text, limit, what in limits:
+        num_bytes = 0 if text is None else len(text.encode("utf-8", "surrogatepass"))
+        if num_bytes > limit:
+            raise bad_request(f"{param}: {what} is {num_bytes} bytes of UTF-8; at most {limit} "
+                              "are taken", param)
+    if len(structured.choice) > MAX_CHOICES:
+        raise bad_request(f"{param} has {len(structured.choice)} choices; at most "
+                          f"{MAX_CHOICES} are taken", param)
+    return structured
 
 
 def _bounded(value: float | None, name: str, default: float | None, low: float, high: float,

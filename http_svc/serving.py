@@ -2,6 +2,10 @@
 check (404 for another model), the parameter mapping (`http_svc.sampling`, `http_svc.chat`),
 the readiness check (503 while no replica can serve), the scheduler calls and the response.
 
+A completions request's prompts times `n` (and chat's `n`) are bounded by
+--max-prompts-per-request, checked before anything is sent; a non-streamed batch keeps at most
+`http_svc.outputs.MAX_CALLS_IN_FLIGHT` of its scheduler calls open at once.
+
 A generation's request id is also the response's `id` (`cmpl-...`, `chatcmpl-...`; prompt i
 of a batch `cmpl-...-i`), so the scheduler's logs name what the client saw. Where the output
 may fill the rest of the context (chat without max_completion_tokens, completions with
@@ -18,7 +22,6 @@ request's tool choice (`http_svc.tools`) and the server's `--reasoning-parser` s
 that made calls finishes with "tool_calls" where it stopped on its own.
 """
 
-import asyncio
 import dataclasses
 import time
 import uuid
@@ -29,9 +32,10 @@ from http_svc.chat import chat_extras, extras_num_bytes, flatten_messages, refus
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
 from http_svc.outputs import (
-    Collected,
     chat_choice,
     chat_logprobs,
+    collect,
+    collect_all,
     completion_choice,
     completion_logprobs,
     echo_logprobs,
@@ -179,9 +183,19 @@ class OpenAIServing:
                 prompts.append(Prompt(token_ids=tuple(p)))
         return prompts
 
+    def _check_fan_out(self, num_prompts: int, n: int, param: str) -> None:
+        """Each prompt times n is a scheduler request of its own (n > 1: one request with n
+        choices): bounded per HTTP request, before anything is sent."""
+        limit = self.config.max_prompts_per_request
+        if num_prompts * n > limit:
+            raise bad_request(f"{param}: {num_prompts} prompts x n {n} is more than "
+                              f"--max-prompts-per-request {limit}", param)
+
     async def completions(self, body: CompletionRequest) -> Body | EventStream:
         card = await self._model(body.model)
         sampling = completion_sampling(body)
+        num_prompts = _num_prompts(body.prompt)
+        self._check_fan_out(num_prompts, sampling.n, "prompt" if num_prompts > 1 else "n")
         prompts = self._completion_prompts(body.prompt, card)
         self._require_ready()
         with grpc_fields_named("prompt", structured_param=param_of(sampling.structured)):
@@ -212,20 +226,16 @@ class OpenAIServing:
         specs = [GenerateSpec(response_id if len(prompts) == 1 else f"{response_id}-{i}", p,
                               await self._fill(sampling, len(p.token_ids or ()), card),
                               body.cache_salt or "") for i, p in enumerate(prompts)]
-        calls = [self.client.generate(spec, _whole(body.stream, sampling)) for spec in specs]
         head = StreamHead(response_id, "text_completion", int(time.time()), card.name)
         if body.stream:
-            started = await _start(calls)
+            started = await _start([self.client.generate(spec) for spec in specs])
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
                                      bool(options and options.include_usage), echoes,
                                      first_ids, [len(p.token_ids or ()) for p in prompts]
                                      if continuous else None)
-        try:
-            per_prompt = await asyncio.gather(*(_collect(c, sampling.n) for c in calls))
-        finally:
-            for call in calls:
-                call.cancel()
+        per_prompt = await collect_all(self.client.generate, specs,
+                                       _whole(body.stream, sampling), sampling.n)
         results = [r for choices_of_prompt in per_prompt for r in choices_of_prompt]
         choices = []
         for i, r in enumerate(results):
@@ -259,6 +269,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest) -> Body | EventStream:
         card = await self._model(body.model)
         sampling = chat_sampling(body)
+        self._check_fan_out(1, sampling.n, "n")
         refuse_template_inputs(body)
         plan = plan_tools(body, self.config)
         sampling = _with_tools(sampling, plan)
@@ -298,7 +309,7 @@ class OpenAIServing:
                                lambda: ReplyReader(plan, self.reasoning),
                                num_prompt_tokens if _continuous(body) else None)
         try:
-            results = await _collect(call, sampling.n)
+            results = await collect(call, sampling.n)
         finally:
             call.cancel()
         choices = []
@@ -366,6 +377,14 @@ class OpenAIServing:
         return {"prompt": text}
 
 
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts a completions `prompt` holds: a string or a list of token ids is
+    one, a list of either is one each."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return len(prompt)
+
+
 async def _start(calls: Sequence[GenerationCall]) -> list[Started]:
     """Each call with its first chunk; on any failure every call is cancelled."""
     try:
@@ -374,15 +393,3 @@ async def _start(calls: Sequence[GenerationCall]) -> list[Started]:
         for call in calls:
             call.cancel()
         raise
-
-
-async def _collect(call: GenerationCall, n: int = 1) -> list[Collected]:
-    """Each of the call's `n` choices, gathered."""
-    collected = [Collected() for _ in range(n)]
-    async for chunk in call:
-        if chunk.index >= n:
-            raise ApiError(500, f"the scheduler sent choice {chunk.index} of {n}")
-        collected[chunk.index].add(chunk)
-    if any(c.last is None or c.last.finish_reason is None for c in collected):
-        raise ApiError(500, "the scheduler ended the stream without a finish reason")
-    return collected

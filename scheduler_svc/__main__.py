@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
     if a.stream_interval < 1:
         p.error("--stream-interval must be >= 1")
+    if not 0 < a.max_grammar_compile_s <= 3600:
+        p.error(f"--max-grammar-compile-s must be in (0, 3600], got {a.max_grammar_compile_s}")
     if not 1 <= a.frontends <= MAX_FRONTENDS:
         p.error(f"--frontends must be in [1, {MAX_FRONTENDS}], got {a.frontends}")
     if a.max_prompt_bytes is not None and not 1 <= a.max_prompt_bytes <= MAX_PROMPT_BYTES:
@@ -80,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         stream_interval=a.stream_interval, chat_template=a.chat_template,
         tokenizer_path=a.tokenizer, generation_config=a.generation_config,
         num_frontends=a.frontends, api_keys=tuple(a.api_key), ssl_certfile=a.ssl_certfile,
-        ssl_keyfile=a.ssl_keyfile, seed=a.seed)
+        ssl_keyfile=a.ssl_keyfile, seed=a.seed,
+        max_grammar_compile_s=a.max_grammar_compile_s)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,

@@ -39,6 +39,8 @@ class ServerConfig:
     metrics_port: int | None = 50056      # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # live requests per front end before RESOURCE_EXHAUSTED
     stream_interval: int = 1              # tokens per client stream message (OutputStream)
+    max_grammar_compile_s: float = 5.0    # a request's grammar compile budget, seconds
+                                          # (frontend.grammar_pool; --max-grammar-compile-s)
     max_batches_in_flight: int = 0        # PP batch queue depth; 0 = pp_size
     async_scheduling: bool = False        # PP = 1: plan the next step while one runs
     max_prompt_bytes: int | None = None   # text prompt limit in UTF-8 bytes; None = derived

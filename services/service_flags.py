@@ -147,6 +147,11 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
     p.add_flag("--route-tokens-per-request", env="ROUTE_TOKENS_PER_REQUEST", type=float,
                default=64.0, help="routing across replicas: how many cached prefix tokens "
                                   "outweigh one more live request on a replica")
+    p.add_flag("--max-grammar-compile-s", env="MAX_GRAMMAR_COMPILE_S", type=float,
+               default=5.0,
+               help="seconds a request's structured output (JSON schema, regex, choice, "
+                    "grammar) may take to compile, waiting for the compile pool included; "
+                    "past it the request is refused (INVALID_ARGUMENT, HTTP 400)")
     p.add_flag("--stream-interval", env="STREAM_INTERVAL", type=int, default=1,
                help="tokens a client stream collects before it sends a message (the first "
                     "tokens and the end go at once): fewer messages for the event loop, "

@@ -5,8 +5,9 @@ types and bounds validated); data frames are raw bytes, one per ChunkHeader of a
 none for any other request. Nothing is believed before it is checked: the number of data frames
 against the header, each frame's size and checksum against its ChunkHeader (`KvStore.check`).
 A bad request changes nothing and is answered `StoreRefused` (its sender need not wait out a
-timeout) and logged; the loop serves on. A reply is [identity, header, data...] the same way,
-data frames sent without a copy.
+timeout) and logged through the loop's rate-limited refusal log (services.refusal_log: one line
+per peer and interval, as every listener does); the loop serves on. A reply is [identity,
+header, data...] the same way, data frames sent without a copy.
 
 Frames above MAX_CHUNK_BYTES are refused by libzmq itself (ZMQ_MAXMSGSIZE), which drops the
 peer before buffering them. `StoreRequestHandler` holds the protocol and needs no socket;
@@ -31,6 +32,7 @@ import zmq
 
 from kvcache_svc.kv_store.store import ChunkRejected, KvStore
 from services import cluster_token
+from services.channels import peer_of
 from services.codec import Codec, DecodeError
 from services.kv_store_wire import (
     MAX_CHUNK_BYTES,
@@ -48,6 +50,7 @@ from services.kv_store_wire import (
     StoreRefused,
     ToKvStore,
 )
+from services.refusal_log import RefusalLog
 from services.zmq_gate import guard_listener
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,7 @@ class StoreRequestHandler:
         return Reply(LoadReply(headers), [chunk.data for chunk in chunks if chunk is not None])
 
     def refuse(self, why: str) -> "Reply":
-        log.warning("refused a KV store request: %s", why)
+        """The refusal to send back (logged by the loop, which knows the peer)."""
         return Reply(StoreRefused(why[:MAX_ERROR_LEN]))
 
 
@@ -163,7 +166,7 @@ class KvStoreLoop:
         self.failed = False
         self._saves = ThreadPoolExecutor(NUM_SAVE_THREADS, thread_name_prefix="kv-store-save")
         self._others = ThreadPoolExecutor(NUM_LOAD_THREADS, thread_name_prefix="kv-store-load")
-        self._done: queue.SimpleQueue[tuple[bytes | memoryview, Reply, bool]] = (
+        self._done: queue.SimpleQueue[tuple[bytes | memoryview, str, Reply, bool]] = (
             queue.SimpleQueue())
         self._wake_read, self._wake_write = os.pipe()
         self._num_pending_saves = 0         # the loop thread's own count
@@ -184,6 +187,7 @@ class KvStoreLoop:
             raise
         self.port = port
         self.address = f"tcp://{host}:{port}"
+        self.refusals = RefusalLog(log, f"KV store requests on {self.address}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvcache-store-loop")
 
@@ -226,24 +230,25 @@ class KvStoreLoop:
         """Every request waiting on the socket, handed to its pool."""
         while self._socket.poll(0):
             identity, *frames = self._socket.recv_multipart(copy=False)
+            peer = peer_of(identity)
             decoded = self.handler.decode([frame.buffer for frame in frames])
             if isinstance(decoded, Reply):
-                self._send(identity.buffer, decoded)
+                self._send(identity.buffer, peer, decoded)
                 continue
             message, data = decoded
             is_save = isinstance(message, SaveChunks)
             if is_save and self._num_pending_saves >= MAX_PENDING_SAVES:
-                self._send(identity.buffer, self.handler.refuse(
+                self._send(identity.buffer, peer, self.handler.refuse(
                     f"busy: {MAX_PENDING_SAVES} saves in flight, try later"))
                 continue
             self._num_pending_saves += is_save
             pool = self._saves if is_save else self._others
-            pool.submit(self._work, identity.buffer, message, data, is_save)
+            pool.submit(self._work, identity.buffer, peer, message, data, is_save)
 
-    def _work(self, identity: bytes | memoryview, message: ToKvStore,
+    def _work(self, identity: bytes | memoryview, peer: str, message: ToKvStore,
               data: Sequence[bytes | memoryview], is_save: bool) -> None:
         """On a pool thread: the reply, queued for the loop, which is woken up."""
-        self._done.put((identity, self.handler.work(message, data), is_save))
+        self._done.put((identity, peer, self.handler.work(message, data), is_save))
         try:
             os.write(self._wake_write, b"x")
         except OSError:         # stopped meanwhile
@@ -252,11 +257,13 @@ class KvStoreLoop:
     def _send_done(self) -> None:
         while True:
             try:
-                identity, reply, is_save = self._done.get_nowait()
+                identity, peer, reply, is_save = self._done.get_nowait()
             except queue.Empty:
                 return
             self._num_pending_saves -= is_save
-            self._send(identity, reply)
+            self._send(identity, peer, reply)
 
-    def _send(self, identity: bytes | memoryview, reply: Reply) -> None:
+    def _send(self, identity: bytes | memoryview, peer: str, reply: Reply) -> None:
+        if isinstance(reply.message, StoreRefused):
+            self.refusals.refused(peer, reply.message.error)
         self._socket.send_multipart([identity, *self.handler.encode(reply)], copy=False)

@@ -2,9 +2,10 @@
 request to a replica's engine core and turns each step message that comes back into text for
 the client's stream. No protobuf here; `servicer.py` adapts it to gRPC.
 
-Everything runs on the front end's event loop but two kinds of work: prompts are rendered and
-tokenized (and grammars compiled) on a small thread pool (scheduler_svc.frontend.prompts), and
-the prefix query of routing runs on the router's thread.
+Everything runs on the front end's event loop but three kinds of work: prompts are rendered
+and tokenized on a small thread pool (scheduler_svc.frontend.prompts), grammars compile on
+their own bounded pool within `--max-grammar-compile-s` (scheduler_svc.frontend.grammar_pool),
+and the prefix query of routing runs on the router's thread.
 
 A request's life here: `generate` registers it (parked) and dispatches it: the router picks a
 ready replica from the cluster's state and the request goes to its engine core as token ids.

@@ -1,10 +1,13 @@
 """Structured output's grammars, with xgrammar: compiled once per constraint (cached) against
 the front end's tokenizer, and sent to the engine cores as xgrammar's serialized JSON.
 
-The front end compiles a request's constraint (`Grammars.compile`, on its tokenizer threads: a
-large schema takes a while, and the event loop serves every client) and sends the compiled
-grammar with the request (`EngineRequest.grammar`), after the vocabulary (`vocabulary`, once
-per engine core). The engine core keeps each request's place in its grammar
+The front end compiles a request's constraint (`Grammars.compile_async`, on the compile
+pool's own threads, scheduler_svc.frontend.grammar_pool: never on the event loop, which serves
+every client, nor on the tokenizer threads, which every prompt needs; within the request's
+budget, `--max-grammar-compile-s`) and sends the compiled grammar with the request
+(`EngineRequest.grammar`), after the vocabulary (`vocabulary`, once per engine core). A request
+reaches an engine core only once its grammar is compiled, so one waiting for it holds no batch
+slot. The engine core keeps each request's place in its grammar
 (scheduler_svc.engine.grammar): for each step that samples a token for the request it packs
 the allowed tokens into the step's token masks (the worker masks the logits with them,
 worker_svc.token_mask), and advances with the token that comes back; a grammar that is
@@ -14,13 +17,16 @@ Vocabulary: the tokenizer's ids, padded to the model's logits width (`vocab_size
 extra ids xgrammar never allows. The model's EOS ids are the grammar's stop tokens.
 """
 
+import asyncio
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scheduler_svc.frontend.grammar_pool import DEFAULT_MAX_COMPILE_S, GrammarPool
 from scheduler_svc.frontend.structured_output import (
     FIELD,
     OutputKind,
@@ -50,8 +56,10 @@ class Grammars:
     """Compiles constraints into grammars for one tokenizer; thread-safe."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
-        """`vocab_size`: the model's logits width, the length of every mask."""
+                 eos_token_ids: tuple[int, ...],
+                 max_compile_s: float = DEFAULT_MAX_COMPILE_S) -> None:
+        """`vocab_size`: the model's logits width, the length of every mask.
+        `max_compile_s`: a request's compile budget (--max-grammar-compile-s)."""
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._eos_token_ids = list(eos_token_ids)
@@ -60,6 +68,25 @@ class Grammars:
         self._compiler_lock = threading.Lock()   # held while it is built (off the loop)
         self._lock = threading.Lock()            # the cache's; never held while compiling
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        self.num_compiled = 0                    # constraints compiled (cache misses)
+        self.pool: GrammarPool[StructuredOutput, CompiledGrammar] = GrammarPool(
+            self.compile, max_compile_s)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The grammar of `spec`: from the cache, or compiled on the compile pool within the
+        budget. Raises StructuredOutputError naming the field (CompileTimeout past the
+        budget)."""
+        grammar = self.cached(spec)
+        if grammar is not None:
+            return grammar
+        if self._compiler is None:
+            # Built once (importing xgrammar, reading the vocabulary: seconds), outside any
+            # request's budget and off the loop.
+            await asyncio.to_thread(self._get_compiler)
+        return await self.pool.compile(spec, f"{FIELD}.{spec.kind.value}")
 
     def _get_compiler(self) -> "xgr.GrammarCompiler":
         if self._tokenizer.vocab_size > self.vocab_size:
@@ -110,6 +137,7 @@ class Grammars:
         if grammar is not None:
             return grammar
         compiler = self._get_compiler()
+        start = time.monotonic()
         try:
             if spec.kind is OutputKind.JSON_SCHEMA:
                 compiled = compiler.compile_json_schema(spec.text)
@@ -129,7 +157,10 @@ class Grammars:
                 f"{FIELD}.{spec.kind.value} does not compile: {_drop_location(reason)}"
             ) from None
         grammar = CompiledGrammar(spec, compiled.serialize_json().encode())
+        log.info("compiled a %s grammar (%d bytes of constraint) in %.3f s", spec.kind.value,
+                 len(spec.text) + sum(len(c) for c in spec.choices), time.monotonic() - start)
         with self._lock:
+            self.num_compiled += 1
             self._cache[spec] = grammar
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

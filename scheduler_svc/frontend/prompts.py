@@ -1,8 +1,9 @@
-"""A front end's prompts: rendered (chat templates) and tokenized, token ids decoded back to
-text, and structured output's grammars compiled, on a small thread pool beside the event loop
-(HF tokenizers release the GIL while encoding, so these run beside the loop rather than taking
-turns with it). Sizes and roles are checked on the loop first, so no thread is handed more
-than `Limits.max_prompt_bytes` bytes.
+"""A front end's prompts: rendered (chat templates) and tokenized, and token ids decoded back
+to text, on a small thread pool beside the event loop (HF tokenizers release the GIL while
+encoding, so these run beside the loop rather than taking turns with it); structured
+output's grammars compile on their own pool within a budget (scheduler_svc.frontend.
+grammar_pool), never on these threads. Sizes and roles are checked on the loop first, so no
+thread is handed more than `Limits.max_prompt_bytes` bytes.
 
 Owned by the front end's core (scheduler_svc.frontend.core: `Frontend.prompts`), whose
 `prepare` makes a `PreparedRequest` from a client's `PromptInput` and settings.
@@ -114,16 +115,11 @@ class Prompts:
                 lists, skip_special_tokens=skip_special_tokens))
 
     async def compile_grammar(self, spec: StructuredOutput) -> CompiledGrammar:
-        """The constraint's grammar: from the cache, or compiled on a tokenizer thread (a
-        large schema takes long enough to stall every other client on the loop)."""
+        """The constraint's grammar: from the cache, or compiled on the grammars' own compile
+        pool within the request's budget (never on the tokenizer threads every prompt needs)."""
         if self.grammars is None:
             raise InvalidRequest("structured_output is not served by this scheduler")
-        grammars = self.grammars
-        grammar = grammars.cached(spec)
-        if grammar is not None:
-            return grammar
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._pool, grammars.compile, spec)
+            return await self.grammars.compile_async(spec)
         except StructuredOutputError as exc:
             raise InvalidRequest(str(exc)) from None

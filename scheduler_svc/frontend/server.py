@@ -77,7 +77,8 @@ async def serve(launch: FrontendLaunch) -> int:
         router, engines, max_live_requests=config.max_queue_len,
         replica_wait_s=config.replica_wait_s,
         metrics=RequestMetrics(launch.served_name, max_model_len=max_model_len),
-        grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids),
+        grammars=Grammars(tokenizer, model.vocab_size, model.eos_token_ids,
+                          config.max_grammar_compile_s),
         stream_interval=config.stream_interval, generation_defaults=defaults)
     if defaults.as_dict() and launch.index == 0:
         log.info("default sampling settings from the model's generation config: %s (unset "

@@ -3,7 +3,9 @@ message (mapped to INVALID_ARGUMENT by the servicer) before anything reaches the
 
 What is checked before the prompt is tokenized (`validate_prompt_text`, `validate_chat`) is
 cheap and bounds the tokenizer's work; the rest (`validate_prompt`, `validate_sampling`) runs
-on the token ids.
+on the token ids. Lists and strings are measured before they are walked (`validate_sizes`),
+and JSON the client sent as text is refused past `MAX_JSON_DEPTH` levels before anything
+recurses over it: gRPC's limit on a message's size is not the only bound on either.
 """
 
 import json
@@ -29,7 +31,9 @@ from services.wire import (
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 256
+MAX_STOP_LEN = 256                # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024         # with the EOS ids, within the wire's MAX_MIN_TOKENS_IDS
+MAX_JSON_DEPTH = 128              # levels of arrays and objects in tools, documents, calls
 # Below this a temperature is greedy: logits / 1e-45 overflow to inf and softmax gives NaN.
 # The same floor as vLLM's; the worker's sampler applies it again.
 MIN_TEMPERATURE = 1e-5
@@ -110,7 +114,9 @@ class RawSampling:
 
 def validate_model(model: str, limits: Limits) -> None:
     if model and model != limits.model_name:
-        raise InvalidRequest(f"unknown model {model!r}; this server serves {limits.model_name!r}")
+        shown = model if len(model) <= 256 else f"{model[:256]}... ({len(model)} characters)"
+        raise InvalidRequest(f"unknown model {shown!r}; this server serves "
+                             f"{limits.model_name!r}")
 
 
 def validate_request_id(request_id: str) -> None:
@@ -149,11 +155,31 @@ def parse_json_objects(text: str, what: str, max_bytes: int | None = None,
         raise InvalidRequest(f"{what} is longer than the {max_bytes} bytes a prompt may take")
     try:
         value = json.loads(text)
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:        # json's own recursion bound, some 1,000 levels
+        raise InvalidRequest(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:
         raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
         raise InvalidRequest(f"{what} must be a JSON array of objects")
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
     return value
+
+
+def json_depth(value: Any) -> int:
+    """Levels of lists and dicts in a parsed JSON value, walked without recursion (the
+    template renderer and json.dumps, which come later, recurse)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in item)
+    return deepest
 
 
 def validate_chat(messages: Sequence[ChatMessage], limits: Limits,
@@ -177,6 +203,7 @@ def validate_chat(messages: Sequence[ChatMessage], limits: Limits,
                                  f"{', '.join(CHAT_ROLES)}")
     extras = [json.dumps(x) for x in (tools, documents) if x is not None]
     extras += [json.dumps(m.tool_calls) for m in messages if m.tool_calls is not None]
+    extras += [m.name or "" for m in messages] + [m.tool_call_id or "" for m in messages]
     validate_prompt_text("".join(m.content for m in messages) + "".join(extras), limits,
                          "chat content")
 
@@ -195,8 +222,27 @@ def validate_prompt(token_ids: Sequence[int], limits: Limits) -> None:
             f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})")
 
 
+def validate_sizes(raw: RawSampling) -> None:
+    """The lengths of the sampling's lists and strings, each refused by the field's name
+    before any of them is walked."""
+    if len(raw.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(raw.stop)} strings; at most {MAX_STOP_STRINGS} "
+                             "are allowed")
+    long = next((i for i, s in enumerate(raw.stop) if len(s) > MAX_STOP_LEN), None)
+    if long is not None:
+        raise InvalidRequest(f"stop[{long}] is {len(raw.stop[long])} characters long; at most "
+                             f"{MAX_STOP_LEN} are allowed")
+    if len(raw.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids has {len(raw.stop_token_ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+    if len(raw.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(raw.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+
+
 def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
                       limits: Limits) -> SamplingParams:
+    validate_sizes(raw)
     room = limits.max_model_len - num_prompt_tokens
     temperature = 1.0 if raw.temperature is None else raw.temperature
     if not math.isfinite(temperature) or temperature < 0:
@@ -227,9 +273,6 @@ def validate_sampling(raw: RawSampling, num_prompt_tokens: int,
         raise InvalidRequest(
             f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs more KV cache than "
             f"a replica has ({limits.max_kv_tokens} tokens)")
-    if len(raw.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in raw.stop):
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most "
-                             f"{MAX_STOP_LEN} characters")
     if any(not s for s in raw.stop):
         raise InvalidRequest("stop strings must not be empty")
     bad = next((t for t in raw.stop_token_ids if not 0 <= t < limits.vocab_size), None)

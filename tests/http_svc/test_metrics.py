@@ -61,7 +61,8 @@ def test_requests_are_counted_by_route_and_the_scheduler_is_served_again(
     version = client.get("/version")
     client.get("/version")
     assert client.get("/no/such/path").status_code == 404
-    assert client.post("/v1/completions", content=b"{not json").status_code == 400
+    assert client.post("/v1/completions", content=b"{not json",
+                       headers={"content-type": "application/json"}).status_code == 400
     reply = client.get("/metrics")
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     text = reply.text

@@ -1,0 +1,153 @@
+"""Structured output under hostile input (issue 40, point 1), through the real services: a
+grammar compiles on its own pool within a budget, so two slow-to-compile schemas delay no
+other client's completion; a schema past the budget or the limits gets a 400 (HTTP) or
+INVALID_ARGUMENT (gRPC) naming the field; the same schema compiles once; no traceback.
+
+The slow schema is one the limits let through (one level deep, ~14 kB): 300 required string
+properties with a maxLength each, which xgrammar takes several seconds to compile here."""
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from services.rpc.splitserve.v1 import generation_pb2 as pb
+from tests.e2e.harness import RunningCluster, run_cluster
+from tests.e2e.test_http_api import PROMPT, post, wait_for_http
+
+pytestmark = pytest.mark.e2e
+
+BUDGET_S = 2.0                  # --max-grammar-compile-s here (the default is 5)
+CONTROL_LIMIT_S = 2.0           # the issue's bound on a control request while a case runs
+COMPILED = "compiled a json_schema grammar"     # grammar.Grammars' log line
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    with run_cluster(tmp_path_factory.mktemp("grammar-hostile"), http=True,
+                     scheduler_args=["--max-grammar-compile-s", str(BUDGET_S)]) as running:
+        wait_for_http(f"http://{running.procs.http_address}", 200)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def base(cluster: RunningCluster) -> str:
+    return f"http://{cluster.procs.http_address}"
+
+
+def slow_schema(tag: str, num_properties: int = 300) -> dict[str, Any]:
+    names = [f"{tag}{i}" for i in range(num_properties)]
+    return {"type": "object", "required": names,
+            "properties": {n: {"type": "string", "maxLength": 20} for n in names}}
+
+
+def nested_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def with_schema(schema: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": "", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "s", "schema": schema}}}
+
+
+def control(base: str) -> float:
+    """Seconds a short greedy completion takes."""
+    start = time.monotonic()
+    status, body = post(f"{base}/v1/completions", {"model": "", "prompt": PROMPT,
+                                                    "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    return time.monotonic() - start
+
+
+def scheduler_log(cluster: RunningCluster) -> str:
+    return "".join(p.read_text() for p in sorted(cluster.log_dir.glob("*sched*")))
+
+
+def test_slow_grammars_do_not_delay_other_clients(cluster: RunningCluster, base: str) -> None:
+    control(base)                                # warm: the first request pays for imports
+    # The first grammar builds the compiler (xgrammar's import, the vocabulary: seconds, off
+    # the loop and outside any budget).
+    status, body = post(f"{base}/v1/chat/completions", with_schema({"type": "object"}))
+    assert status == 200, body
+    results: dict[str, tuple[int, Any, float]] = {}
+
+    def hostile(tag: str) -> None:
+        start = time.monotonic()
+        status, body = post(f"{base}/v1/chat/completions", with_schema(slow_schema(tag)),
+                            timeout=120)
+        results[tag] = (status, body, time.monotonic() - start)
+
+    threads = [threading.Thread(target=hostile, args=(tag,)) for tag in ("p", "q")]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)                              # both are compiling now
+    seconds = [control(base) for _ in range(3)]
+    for t in threads:
+        t.join(120)
+    assert max(seconds) < CONTROL_LIMIT_S, seconds
+    for status, body, took in results.values():
+        # Past the budget: a 400 naming the field and the budget, soon after the budget.
+        assert status == 400, body
+        assert body["error"]["param"] == "response_format", body
+        assert f"within the {BUDGET_S:g} s budget" in body["error"]["message"], body
+        assert took < BUDGET_S + 2.0, took
+    # The same schema again is refused at once (it never compiles twice).
+    start = time.monotonic()
+    status, body = post(f"{base}/v1/chat/completions", with_schema(slow_schema("p")))
+    assert status == 400 and "ran past it before" in body["error"]["message"], body
+    assert time.monotonic() - start < 1.0
+
+
+def test_schemas_past_the_limits_are_refused_naming_the_field(cluster: RunningCluster,
+                                                              base: str) -> None:
+    start = time.monotonic()
+    # 40 nested objects: within the HTTP front end's own bound on a body's nesting, past the
+    # schema's.
+    status, body = post(f"{base}/v1/chat/completions", with_schema(nested_schema(40)))
+    assert status == 400, body
+    assert "nests 81 deep; at most 64" in body["error"]["message"], body
+    assert body["error"]["param"] == "response_format", body
+    enum = {"type": "string", "enum": [f"v{i}" for i in range(5000)]}
+    status, body = post(f"{base}/v1/completions", {"model": "", "prompt": "x", "max_tokens": 4,
+                                                   "guided_json": enum})
+    assert status == 400, body
+    assert "5000 enum values; at most 4096" in body["error"]["message"], body
+    assert time.monotonic() - start < 2.0         # refused before compiling
+    request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(
+        max_tokens=4, structured_output=pb.StructuredOutput(
+            json_schema=json.dumps(nested_schema(440)))))
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.stub.GenerateOnce(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.json_schema nests 881 deep" in info.value.details()
+
+
+def test_the_same_schema_compiles_once(cluster: RunningCluster, base: str) -> None:
+    schema = {"type": "object", "properties": {"once": {"type": "integer"}},
+              "required": ["once"]}
+    before = scheduler_log(cluster).count(COMPILED)
+    status, body = post(f"{base}/v1/chat/completions", with_schema(schema, 16))
+    assert status == 200, body
+    spaced = json.loads(json.dumps(schema, indent=3))   # the same schema, however written
+    status, body = post(f"{base}/v1/chat/completions", with_schema(spaced, 16))
+    assert status == 200, body
+    content = body["choices"][0]["message"]["content"]
+    assert content.startswith("{") and '"once"' in content, content   # the schema held
+    time.sleep(0.5)                                       # the log reaches its file
+    assert scheduler_log(cluster).count(COMPILED) - before == 1
+
+
+def test_no_traceback_in_the_logs(cluster: RunningCluster) -> None:
+    logs = {p.name: p.read_text() for p in Path(cluster.log_dir).glob("*")}
+    assert logs and not [n for n, text in logs.items() if "Traceback" in text]
+    assert not [n for n, text in logs.items() if " ERROR " in text]

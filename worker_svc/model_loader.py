@@ -67,7 +67,7 @@ def load_model(config: ModelConfig, model_path: str | Path, dtype: torch.dtype,
 
 def _loaded_bytes(name: str, tensor: torch.Tensor, int8: bool) -> int:
     """What one weight takes once loaded: with int8, a decoder layer's matmul weight is one
-    byte a value plus a float32 scale per output row (worker_svc.model.llama.Linear keeps
+    byte a value plus a float32 scale per output row (worker_svc.model.linear.Linear keeps
     no dense copy of it)."""
     if int8 and name.startswith("model.layers.") and name.endswith("_proj.weight"):
         return tensor.numel() + 4 * tensor.shape[0]

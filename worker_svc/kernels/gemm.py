@@ -42,7 +42,7 @@ class Bf16Gemm:
 
     def __init__(self, library: ctypes.CDLL, max_rows: int):
         self.lib = library
-        # The rows it takes; oneDNN does larger steps (worker_svc.model.llama.Linear).
+        # The rows it takes; oneDNN does larger steps (worker_svc.model.linear.Linear).
         self.max_rows: int | None = max_rows
         library.pack_weight.restype = None
         library.pack_weight.argtypes = [_P, _P, _I, _I]

@@ -130,20 +130,6 @@ tile_rows(const uint8_t *qa, int64_t lda, const float *a_scale, const int8_t *pa
   }
 }
 
-/* The calling thread's buffer of at least `bytes`, kept between calls (a prefill's rows
- * would otherwise fault in fresh pages every call). */
-static uint8_t *row_buffer(size_t bytes) {
-  static __thread uint8_t *buffer;
-  static __thread size_t size;
-  if (bytes > size) {
-    free(buffer);
-    size = (size_t)round_up((int64_t)bytes, 4096);
-    buffer = aligned_alloc(64, size);
-    if (buffer == NULL) abort();
-  }
-  return buffer;
-}
-
 /* The calling thread's share of the products: threads as a grid, column groups taking
  * panels and row groups (only when panels are fewer than threads) row tiles. Not inlined:
  * clang's OpenMP region bodies do not inherit this file's VNNI target. */

@@ -10,7 +10,7 @@ w_scale[col] in float32, rounded once to x's dtype (bfloat16 or float32).
 
 Both quantize, sum and round exactly as the torch twin here (`quantize_rows`,
 `int8_products`, `reference_matmul`), so tests compare bit for bit. The model's decoder-layer
-matmuls take one of them for every step when asked (worker_svc.model.llama.Linear); the LM
+matmuls take one of them for every step when asked (worker_svc.model.linear.Linear); the LM
 head and the embedding stay dense.
 
 Measured (bench/int8_gemm.py, 2 threads of an AMD EPYC Zen 5 at level avx512_bf16, SmolLM2's

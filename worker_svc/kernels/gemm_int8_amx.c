@@ -178,19 +178,6 @@ static __attribute__((noinline)) void multiply_share(
   _tile_release();
 }
 
-/* The calling thread's buffer of at least `bytes`, kept between calls. */
-static uint8_t *row_buffer(size_t bytes) {
-  static __thread uint8_t *buffer;
-  static __thread size_t size;
-  if (bytes > size) {
-    free(buffer);
-    size = (size_t)round_up((int64_t)bytes, 4096);
-    buffer = aligned_alloc(64, size);
-    if (buffer == NULL) abort();
-  }
-  return buffer;
-}
-
 /* c [m, n] = a [m, k] @ w^T with w packed by pack_weight (scales [np]); a bfloat16 (a_bf16)
  * or float32, c float32, bfloat16 or int32 (the exact sums) by `kind`. */
 void gemm_int8_amx(const void *a, int a_bf16, const int8_t *packed, const float *w_scale,

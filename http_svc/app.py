@@ -11,21 +11,21 @@
 
 Routes only parse and answer: a body is read up to `max_body_bytes` (413 past it), parsed
 into its request model (400 naming the field; fields it does not declare are ignored with a
-rate-limited warning, http_svc.ignored) and handed to `OpenAIServing`. Every response
+rate-limited warning, http_svc.ignored; a large body on a thread of its own,
+http_svc.request_body) and handed to `OpenAIServing`. Every response
 carries an X-Request-Id (http_svc.request_ids). Every error is
 an OpenAI-style error object (`http_svc.errors`), unknown paths included. The scheduler
 channel and the readiness watch live as long as the app (its lifespan).
 """
 
 import importlib.metadata
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -36,9 +36,8 @@ from http_svc.config import HttpConfig
 from http_svc.content_type import JsonContentTypeMiddleware
 from http_svc.cors import add_cors
 from http_svc.disconnect import ClientGone, unless_disconnected
-from http_svc.errors import ApiError, bad_request, from_validation
+from http_svc.errors import ApiError
 from http_svc.ignored import warn_ignored
-from http_svc.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 from http_svc.metrics import install as install_metrics
 from http_svc.metrics import scheduler_url
 from http_svc.protocol import (
@@ -50,6 +49,7 @@ from http_svc.protocol import (
     ignored_fields,
 )
 from http_svc.readiness import Readiness
+from http_svc.request_body import BodyReader, validate
 from http_svc.request_ids import RequestIdMiddleware
 from http_svc.responses import ResponsesRequest, responses
 from http_svc.scheduler_client import SchedulerClient
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-
 def package_version() -> str:
     try:
         return importlib.metadata.version("splitserve")
@@ -71,35 +70,9 @@ def package_version() -> str:
         return "unknown"
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, read no further than `max_bytes`."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"the request body is {declared} bytes; at most {max_bytes} are "
-                            f"read")
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > max_bytes:
-            raise ApiError(413, f"the request body is over {max_bytes} bytes")
-    # Before parsing: json.loads and every walk after it recurse once per level.
-    if nested_deeper_than(data, MAX_JSON_DEPTH):
-        raise bad_request(f"request body nested deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        body = json.loads(data)
-    except ValueError as exc:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    return body
-
-
-def parse(body: dict[str, Any], model: type[M]) -> M:
-    try:
-        parsed = model.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-    warn_ignored(model.__name__, ignored_fields(parsed))
+def warned(parsed: M) -> M:
+    """A parsed body, its ignored fields warned about (rate-limited)."""
+    warn_ignored(type(parsed).__name__, ignored_fields(parsed))
     return parsed
 
 
@@ -111,17 +84,21 @@ def respond(result: dict[str, Any] | EventStream) -> Response:
 
 
 def build_app(config: HttpConfig) -> FastAPI:
+    bodies = BodyReader(config.max_body_bytes)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = SchedulerClient(config.scheduler_address, config.scheduler_ssl_ca)
         readiness = Readiness(client.channel, client.forget_model)
         readiness.start()
         app.state.serving = OpenAIServing(client, readiness, config)
+        bodies.start()
         try:
             yield
         finally:
             await readiness.stop()
             await client.close()
+            bodies.close()
 
     app = FastAPI(title="splitserve", version=package_version(), lifespan=lifespan)
     install_metrics(app, scheduler_url(config.scheduler_metrics, config.scheduler_address,
@@ -161,17 +138,17 @@ def build_app(config: HttpConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse(await read_json(request, config.max_body_bytes), CompletionRequest)
+        body = warned(await bodies.parse(request, CompletionRequest))
         return respond(await unless_disconnected(request, serving(request).completions(body)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse(await read_json(request, config.max_body_bytes), ChatCompletionRequest)
+        body = warned(await bodies.parse(request, ChatCompletionRequest))
         return respond(await unless_disconnected(request, serving(request).chat(body)))
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        body = parse(await read_json(request, config.max_body_bytes), ResponsesRequest)
+        body = warned(await bodies.parse(request, ResponsesRequest))
         return respond(await unless_disconnected(request, responses(serving(request), body)))
 
     @app.get("/tokenizer_info")
@@ -184,14 +161,14 @@ def build_app(config: HttpConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        raw = await read_json(request, config.max_body_bytes)
-        body = parse(raw, TokenizeChatRequest if "messages" in raw
-                     else TokenizeCompletionRequest)
+        raw = await bodies.json(request)
+        body = warned(validate(raw, TokenizeChatRequest if "messages" in raw
+                               else TokenizeCompletionRequest))
         return JSONResponse(await serving(request).tokenize(body))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = parse(await read_json(request, config.max_body_bytes), DetokenizeRequest)
+        body = warned(await bodies.parse(request, DetokenizeRequest))
         return JSONResponse(await serving(request).detokenize(body))
 
     @app.get("/health")

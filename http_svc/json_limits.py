@@ -2,7 +2,7 @@
 
 Python's json module, pydantic, json.dumps and the front end's own walks over a body all
 recurse once per level; a body nested 100,000 deep would end in a RecursionError (a 500 with
-a traceback) somewhere among them. `app.read_json` refuses a body nested deeper than
+a traceback) somewhere among them. `request_body.decode` refuses a body nested deeper than
 `MAX_JSON_DEPTH` before `json.loads` sees it, and `sampling` does the same for JSON schemas
 sent as JSON text inside a string (`guided_json`). Nothing here recurses.
 

@@ -3,8 +3,8 @@ check (404 for another model), the parameter mapping (`http_svc.sampling`, `http
 the readiness check (503 while no replica can serve), the scheduler calls and the response.
 
 A completions request's prompts times `n` (and chat's `n`) are bounded by
---max-prompts-per-request, checked before anything is sent; a non-streamed batch keeps at most
-`http_svc.outputs.MAX_CALLS_IN_FLIGHT` of its scheduler calls open at once.
+--max-prompts-per-request, checked before anything is sent; a batch, streamed or not, keeps
+at most `http_svc.outputs.MAX_CALLS_IN_FLIGHT` of its scheduler calls open at once.
 
 A generation's request id is also the response's `id` (`cmpl-...`, `chatcmpl-...`; prompt i
 of a batch `cmpl-...-i`), so the scheduler's logs name what the client saw. Where the output
@@ -14,8 +14,9 @@ sent as token ids with the room it leaves, as vLLM computes it.
 
 Streamed responses wait for each generation's first chunk before answering, so that a
 refusal by the scheduler (a prompt too long for the context, say) is an HTTP error status and
-not an error event in a 200 stream. With continuous usage stats the prompt is tokenized first
-too, so every event can count it.
+not an error event in a 200 stream (in a larger batch, for the first MAX_CALLS_IN_FLIGHT
+prompts; a later one's refusal ends the stream with an error event). With continuous usage
+stats the prompt is tokenized first too, so every event can count it.
 
 A chat reply is read into content, reasoning and tool calls (`http_svc.replies`) as the
 request's tool choice (`http_svc.tools`) and the server's `--reasoning-parser` say; a choice
@@ -23,6 +24,7 @@ that made calls finishes with "tool_calls" where it stopped on its own.
 """
 
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from http_svc.chat import chat_extras, extras_num_bytes, flatten_messages, refus
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, bad_request, grpc_fields_named, not_supported
 from http_svc.outputs import (
+    MAX_CALLS_IN_FLIGHT,
     chat_choice,
     chat_logprobs,
     collect,
@@ -228,12 +231,14 @@ class OpenAIServing:
                               body.cache_salt or "") for i, p in enumerate(prompts)]
         head = StreamHead(response_id, "text_completion", int(time.time()), card.name)
         if body.stream:
-            started = await _start([self.client.generate(spec) for spec in specs])
+            started = await _start([self.client.generate(s) for s in specs[:MAX_CALLS_IN_FLIGHT]])
             options = body.stream_options
             return completion_events(head, started, sampling, vocab,
                                      bool(options and options.include_usage), echoes,
                                      first_ids, [len(p.token_ids or ()) for p in prompts]
-                                     if continuous else None)
+                                     if continuous else None,
+                                     [functools.partial(self.client.generate, spec)
+                                      for spec in specs[MAX_CALLS_IN_FLIGHT:]])
         per_prompt = await collect_all(self.client.generate, specs,
                                        _whole(body.stream, sampling), sampling.n)
         results = [r for choices_of_prompt in per_prompt for r in choices_of_prompt]

@@ -14,10 +14,16 @@ no choices; with `continuous_usage_stats` too, every event carries its choice's 
 (vLLM's). An error after the stream began is sent as an event holding the error object (the
 `openai` client raises it), then `[DONE]`.
 
+A batch of prompts keeps a bounded number of calls open (http_svc.outputs.MAX_CALLS_IN_FLIGHT):
+the first prompts' calls start before the response, and each later prompt's call opens as one
+of those ends; its choices keep their indices, whenever their events come.
+
 The stream owns its generation calls: however it ends (finished, failed, or the client gone,
-which cancels it), every call is cancelled, so the scheduler aborts what is still running.
+which cancels it), every call is cancelled, so the scheduler aborts what is still running,
+and no later prompt's call opens.
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,7 +43,6 @@ from http_svc.outputs import (
 from http_svc.replies import ReplyReader, merge
 from http_svc.sampling import Sampling
 from http_svc.scheduler_client import Chunk, GenerationCall, TokenLogprob, Usage
-from services.merge_streams import merge_streams
 
 log = logging.getLogger(__name__)
 
@@ -84,49 +89,97 @@ class StreamHead:
                     "model": self.model, "choices": choices, **extra})
 
 
-async def merged(streams: Sequence[Started], n: int = 1) -> AsyncIterator[tuple[int, Chunk]]:
-    """(choice index, chunk) of every stream as they come, each stream's first chunk first;
-    stream i's choice j is choice i * n + j."""
-    async for i, chunk in _merged(streams, n):
+async def merged(streams: Sequence[Started], n: int = 1,
+                 more: Sequence[Callable[[], GenerationCall]] = (),
+                 ) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) of every stream as they come, each started stream's first chunk
+    first; stream i's choice j is choice i * n + j. `more`: the streams after `streams`, each
+    opened as one before it ends (see `_merged`)."""
+    async for i, chunk in _merged(streams, n, more):
         yield i * n + chunk.index, chunk
 
 
-async def _merged(streams: Sequence[Started], n: int) -> AsyncIterator[tuple[int, Chunk]]:
-    """(stream index, chunk) of every stream as they come, each stream's first chunk first
-    (a stream whose first chunk ends it is done, unless it carries several choices)."""
+async def _merged(streams: Sequence[Started], n: int,
+                  more: Sequence[Callable[[], GenerationCall]] = (),
+                  ) -> AsyncIterator[tuple[int, Chunk]]:
+    """(stream index, chunk) of every stream as they come, each started stream's first chunk
+    first (a stream whose first chunk ends it is done, unless it carries several choices).
+    Stream len(streams) + j is `more[j]()`, opened when one of the streams before it ends:
+    never more than len(streams) calls are open at once. The first error of any stream is
+    raised here; however the reading ends, every call opened here is cancelled."""
     for i, s in enumerate(streams):
         yield i, s.first
-    open_streams = [(i, s.call) for i, s in enumerate(streams)
-                    if s.first.finish_reason is None or n > 1]
-    if len(open_streams) == 1:
-        i, call = open_streams[0]
+    ongoing = [(i, s.call) for i, s in enumerate(streams)
+               if s.first.finish_reason is None or n > 1]
+    if len(ongoing) == 1 and not more:
+        i, call = ongoing[0]
         async for chunk in call:
             yield i, chunk
         return
-    indices = [i for i, _ in open_streams]
-    async for position, chunk in merge_streams([call for _, call in open_streams]):
-        yield indices[position], chunk
+    queue: asyncio.Queue[tuple[int, Chunk] | Exception | None] = asyncio.Queue()
+    later = iter(enumerate(more, start=len(streams)))
+
+    async def pump(i: int, call: GenerationCall) -> None:
+        try:
+            async for chunk in call:
+                queue.put_nowait((i, chunk))
+        finally:
+            call.cancel()
+
+    async def run(first: tuple[int, GenerationCall] | None) -> None:
+        """`first`'s chunks, then the next of `more`'s, one by one, until none is left."""
+        try:
+            if first is not None:
+                await pump(*first)
+            for j, open_call in later:
+                await pump(j, open_call())
+            queue.put_nowait(None)
+        except Exception as exc:         # the stream's own failure: the reader raises it
+            queue.put_nowait(exc)
+
+    firsts: list[tuple[int, GenerationCall] | None] = [*ongoing]
+    firsts += [None] * min(len(streams) - len(ongoing), len(more))
+    runners = [asyncio.create_task(run(first)) for first in firsts]
+    try:
+        num_running = len(runners)
+        while num_running:
+            item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
 
 
 def completion_events(head: StreamHead, streams: Sequence[Started], sampling: Sampling,
                       vocab: Sequence[str] | None, include_usage: bool,
                       echoes: Sequence[str] | None = None,
                       first_ids: Sequence[int] | None = None,
-                      prompt_tokens: Sequence[int] | None = None) -> EventStream:
-    """`echoes`: each prompt's text, to start its choices' text with (echo); `first_ids`:
-    each prompt's first token, where the echo comes with logprobs (then the prompt's tokens
-    lead each choice's logprobs, their logprobs from choice 0's first chunk);
-    `prompt_tokens`: each prompt's length, for usage on every event (continuous usage)."""
+                      prompt_tokens: Sequence[int] | None = None,
+                      more: Sequence[Callable[[], GenerationCall]] = ()) -> EventStream:
+    """`streams`: the first prompts' generations, started; `more`: how to open each later
+    prompt's, each as one before it ends (so no more calls are open at once than
+    `streams`). `echoes`: each prompt's text, to start its choices' text with (echo);
+    `first_ids`: each prompt's first token, where the echo comes with logprobs (then the
+    prompt's tokens lead each choice's logprobs, their logprobs from choice 0's first
+    chunk); `prompt_tokens`: each prompt's length, for usage on every event (continuous
+    usage)."""
     n = sampling.n
-    num_choices = len(streams) * n
+    num_prompts = len(streams) + len(more)
+    num_choices = num_prompts * n
     counts = [0] * num_choices         # tokens generated so far per choice
     num_chars = [0] * num_choices      # text sent so far per choice: logprobs' text_offset
     usages: list[Usage | None] = [None] * num_choices
     echo_pending = [bool(echoes)] * num_choices
-    prompt_lps: list[tuple[TokenLogprob, ...]] = [()] * len(streams)
+    prompt_lps: list[tuple[TokenLogprob, ...]] = [()] * num_prompts
 
     async def events() -> AsyncIterator[bytes]:
-        async for i, chunk in merged(streams, n):
+        async for i, chunk in merged(streams, n, more):
             text = chunk.text
             prompt_lps[i // n] = prompt_lps[i // n] or chunk.prompt_logprobs
             echo_now = bool(echoes) and echo_pending[i]

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         p.error("--max-num-seqs, --max-num-batched-tokens and --block-size must be >= 1")
     if a.stream_interval < 1:
         p.error("--stream-interval must be >= 1")
+    if a.max_concurrent_calls < 1:
+        p.error(f"--max-concurrent-calls must be >= 1, got {a.max_concurrent_calls}")
     if not 0 < a.max_grammar_compile_s <= 3600:
         p.error(f"--max-grammar-compile-s must be in (0, 3600], got {a.max_grammar_compile_s}")
     if not 1 <= a.frontends <= MAX_FRONTENDS:
@@ -83,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         tokenizer_path=a.tokenizer, generation_config=a.generation_config,
         num_frontends=a.frontends, api_keys=tuple(a.api_key), ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile, seed=a.seed,
-        max_grammar_compile_s=a.max_grammar_compile_s)
+        max_grammar_compile_s=a.max_grammar_compile_s,
+        max_concurrent_calls=a.max_concurrent_calls)
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill=not a.no_chunked_prefill,

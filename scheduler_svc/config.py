@@ -38,6 +38,10 @@ class ServerConfig:
                                             # cached prefix tokens (see frontend.router)
     metrics_port: int | None = 50056      # Prometheus /metrics over HTTP (None: off)
     max_queue_len: int = 4096             # live requests per front end before RESOURCE_EXHAUSTED
+    # Calls a front end serves at once on the client port (services.grpc_server.CallLimit):
+    # twice its live requests (max_queue_len), so that every request it may hold and as many
+    # short calls (tokenize, detokenize, model card) fit; past it, RESOURCE_EXHAUSTED.
+    max_concurrent_calls: int = 8192
     stream_interval: int = 1              # tokens per client stream message (OutputStream)
     max_grammar_compile_s: float = 5.0    # a request's grammar compile budget, seconds
                                           # (frontend.grammar_pool; --max-grammar-compile-s)

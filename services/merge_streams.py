@@ -1,10 +1,11 @@
 """Several async streams read at once as one: `(index, item)` in the order items arrive.
 
 Used where one client request fans out into several streams: a scheduler request's `n`
-choices (scheduler_svc.frontend.choices) and the HTTP front end's several prompts or choices
-(http_svc.streaming). Each stream runs as its own task; the first error any stream raises is
-raised to the reader (the other streams are then cancelled, as they are when the reader stops
-early). Exits (GeneratorExit, cancellation) are not errors of a stream.
+choices (scheduler_svc.frontend.choices). (The HTTP front end's several prompts open their
+calls a few at a time instead: http_svc.streaming.) Each stream runs as its own task; the
+first error any stream raises is raised to the reader (the other streams are then cancelled,
+as they are when the reader stops early). Exits (GeneratorExit, cancellation) are not errors
+of a stream.
 """
 
 import asyncio

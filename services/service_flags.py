@@ -152,6 +152,11 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="seconds a request's structured output (JSON schema, regex, choice, "
                     "grammar) may take to compile, waiting for the compile pool included; "
                     "past it the request is refused (INVALID_ARGUMENT, HTTP 400)")
+    p.add_flag("--max-concurrent-calls", env="MAX_CONCURRENT_CALLS", type=int, default=8192,
+               help="calls each front end serves at once on the client port, health checks "
+                    "aside; past it a call is refused at once (RESOURCE_EXHAUSTED, HTTP 429), "
+                    "so that a flood of calls never makes gRPC cancel other clients' calls "
+                    "(default: twice the 4,096 requests a front end holds, queued or running)")
     p.add_flag("--stream-interval", env="STREAM_INTERVAL", type=int, default=1,
                help="tokens a client stream collects before it sends a message (the first "
                     "tokens and the end go at once): fewer messages for the event loop, "

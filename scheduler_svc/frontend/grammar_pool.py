@@ -16,8 +16,10 @@ interrupted (no timeout, no cancel in its API). So:
   left blocked, for up to `max_overrun` of them at a time (past that they keep their place:
   the threads never number more than `num_threads + max_overrun`);
 - a constraint that ran past the budget is remembered (bounded), and refused at once when
-  asked again: the same hostile schema never burns a thread twice (one that only queued past
-  it, the pool being busy, is not held against it);
+  asked again: the same hostile schema never burns a thread twice;
+- one that only queued past it (every thread busy, e.g. with others' overrunning compiles)
+  is not held against it: it gets `CompilePoolBusy`, a load refusal (RESOURCE_EXHAUSTED,
+  HTTP 429: try again), not a 400 telling its client to simplify a schema that never ran;
 - requests for a constraint already compiling wait for that compile (it runs once).
 
 The limits checked before compiling (structured_output.py: size, nesting depth, enum items)
@@ -48,6 +50,11 @@ OVERRUN_NICENESS = 19         # an overrunning compile's: the least, as nobody w
 
 class CompileTimeout(StructuredOutputError):
     """The constraint did not compile within the budget."""
+
+
+class CompilePoolBusy(RuntimeError):
+    """The budget ran out while the constraint waited for a compile thread: the server is
+    busy, the constraint is not at fault (RESOURCE_EXHAUSTED)."""
 
 
 class GrammarPool(Generic[K, V]):
@@ -95,8 +102,12 @@ class GrammarPool(Generic[K, V]):
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
                                           max(0.0, deadline - loop.time()))
         except TimeoutError:
-            self._overrun(key, future)
-            raise self._timeout(what, again=False) from None
+            if self._overrun(key, future):
+                raise self._timeout(what, again=False) from None
+            raise CompilePoolBusy(
+                f"{what} waited {self.max_compile_s:g} s (--max-grammar-compile-s) for a "
+                f"grammar compile thread, all busy with other requests' grammars; try again "
+                f"later") from None
 
     def _timeout(self, what: str, again: bool) -> CompileTimeout:
         before = " (it ran past it before)" if again else ""
@@ -144,26 +155,28 @@ class GrammarPool(Generic[K, V]):
         with self._lock:
             self.num_threads -= 1
 
-    def _overrun(self, key: K, future: Future[V]) -> None:
-        """The budget ran out while `key` compiled (or queued): remembered as too slow; a
-        compile under way is replaced by a fresh worker, up to `max_overrun` at a time."""
+    def _overrun(self, key: K, future: Future[V]) -> bool:
+        """The budget ran out while `key` compiled (or queued). Compiling: remembered as too
+        slow, and replaced by a fresh worker, up to `max_overrun` at a time; True. Still
+        queued (the pool was busy: not its fault): False."""
         with self._lock:
             self.num_timeouts += 1
-            if future.cancel():            # still queued (the pool was busy): not its fault
+            if future.cancel():
                 self._running.pop(key, None)
-                return
+                return False
             if future.done():
-                return
+                return True
             self._overran[key] = None
             while len(self._overran) > MAX_REMEMBERED_OVERRUNS:
                 self._overran.popitem(last=False)
             if id(future) in self._replaced:
-                return
+                return True
             _set_niceness(self._thread_ids.get(id(future)), OVERRUN_NICENESS)
             if self.num_overrunning < self._max_overrun:
                 self._replaced.add(id(future))
                 self.num_overrunning += 1
                 self._start_worker()
+            return True
 
 
 def _set_niceness(thread_id: int | None, niceness: int) -> None:

@@ -107,6 +107,30 @@ class FrontRequest:
             self.stream.put(self.unsent(False))
         return abort
 
+    def take_token(self, token_id: int) -> bool:
+        """`take([token_id], [None], None, None)` for a plain decode step's row (one token, no
+        logprobs, no ending): the same outcome without the per-row lists and loop, as every
+        streamed token passes here (tests/scheduler_svc/frontend/test_requests.py compares
+        the two)."""
+        abort = False
+        outputs = self.output_token_ids
+        if self.stop_string is None:
+            outputs.append(token_id)
+            self.unsent_logprobs.append(None)
+            sampling = self.sampling
+            matched = self.detokenizer.update(token_id, len(outputs) >= sampling.min_tokens,
+                                              sampling.include_stop_str_in_output)
+            if matched is not None:
+                self.stop_string = matched
+                abort = True
+            if self.placement is not None:
+                self.timer.tokens(1, self.placement[0])
+        num_unsent = len(outputs) - self.num_sent
+        if self.unsent_prompt_logprobs is not None or (
+                num_unsent and self.stream.wants(num_unsent)):
+            self.stream.put(self.unsent(False))
+        return abort
+
     def unsent(self, finished: bool) -> RequestOutput:
         """What its stream has not been handed: tokens, their text, logprobs."""
         out = RequestOutput(self.request_id, self.output_token_ids[self.num_sent:],
@@ -243,7 +267,7 @@ class LiveRequests:
                 request = by_handle.get(handle)
                 if (request is not None and not request.done
                         and request.placement == placement
-                        and request.take([token_id], [None], None, None)):
+                        and request.take_token(token_id)):
                     aborts.append(request)
             return aborts
         # Endings, logprobs or several rows of one request.

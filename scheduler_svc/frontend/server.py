@@ -7,7 +7,8 @@ that reports to the cluster every STATE_INTERVAL_S and takes its state (readines
 moves off lost replicas), and a task that reads the engine cores' step messages. It exits on
 SIGTERM after draining its live requests, or 2 when it cannot serve at all. With
 `--api-key`, the client port takes calls with a configured key only (frontend.auth); with
-`--ssl-certfile`/`--ssl-keyfile`, TLS only (services.tls).
+`--ssl-certfile`/`--ssl-keyfile`, TLS only (services.tls). At most `--max-concurrent-calls`
+calls run at once on the client port, health checks aside (services.grpc_server.CallLimit).
 """
 
 import asyncio
@@ -35,7 +36,7 @@ from scheduler_svc.frontend.validation import (
 )
 from services import heap, tls
 from services.api_keys import ApiKeys
-from services.grpc_server import Health, bind, make_server
+from services.grpc_server import CallLimit, Health, bind, make_server
 from services.model_config import load_model_config
 from services.rpc.splitserve.v1 import generation_pb2_grpc
 
@@ -61,7 +62,9 @@ async def serve(launch: FrontendLaunch) -> int:
         max_model_len, tokenizer.max_token_bytes)
     keys = ApiKeys(config.api_keys)
     server = make_server(max_request_bytes(max_prompt_bytes, max_model_len), reuse_port=True,
-                         first=[ApiKeyInterceptor(keys)] if keys else [])
+                         first=[ApiKeyInterceptor(keys)] if keys else [],
+                         call_limit=CallLimit(config.max_concurrent_calls,
+                                              "--max-concurrent-calls"))
     health = Health(server, [GENERATION_SERVICE])
     ctx = zmq.Context()
     engines = EngineLinks(ctx, launch.index, time.time_ns(), launch.internal_host)
@@ -117,8 +120,9 @@ async def serve(launch: FrontendLaunch) -> int:
 
     tasks = [asyncio.ensure_future(cluster.run(frontend.report, take_state)),
              asyncio.ensure_future(read_outputs())]
-    log.info("front end %d serving %r on %s:%d (prompts up to %d bytes; %s; %s)",
-             launch.index, launch.served_name, config.host, config.port, max_prompt_bytes,
+    log.info("front end %d serving %r on %s:%d (prompts up to %d bytes; up to %d calls at "
+             "once; %s; %s)", launch.index, launch.served_name, config.host, config.port,
+             max_prompt_bytes, config.max_concurrent_calls,
              "TLS" if credentials is not None else "plaintext",
              f"{len(keys)} API key(s)" if keys else "no API key: open to all")
     stop = asyncio.Event()

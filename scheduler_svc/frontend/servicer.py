@@ -20,6 +20,7 @@ from scheduler_svc.frontend.core import (
     QueueFull,
     RequestFailed,
 )
+from scheduler_svc.frontend.grammar_pool import CompilePoolBusy
 from scheduler_svc.frontend.id_space import (
     check_length,
     client_message,
@@ -119,6 +120,9 @@ def output_to_pb(out: RequestOutput, request_id: str | None = None,
     msg = generation_pb2.GenerateResponse(request_id=request_id or out.request_id,
                                           token_ids=out.new_token_ids, text=out.text,
                                           index=index)
+    if (out.finish_reason is None and out.prompt_logprobs is None
+            and out.logprobs.count(None) == len(out.logprobs)):
+        return msg      # a plain streamed token: 1.2 µs here instead of 1.9 (timeit)
     for token_id, lp in zip(out.new_token_ids, out.logprobs):
         if lp is not None:
             msg.logprobs.append(generation_pb2.TokenLogprob(
@@ -165,10 +169,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.keys = keys or ApiKeys()
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext,
-                       ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                       context: grpc.aio.ServicerContext) -> None:
+        """Writes each output with `context.write` rather than yielding it: an async-generator
+        handler's messages would pass through each interceptor's wrapping generator too
+        (services.grpc_server's parse check and call limit), a coroutine's go straight to
+        grpc. Most of a streamed token's cost is grpc's own write, not ours: on the shared
+        2-core Zen 5, a bare grpc.aio handler writing one small message per stream every
+        10 ms costs 40-46 µs of server CPU per message at 64 streams, 31-38 at 256 (clients
+        in 2 processes), where this front end's own Python per token (the real Frontend and
+        servicer, grpc's write stubbed) is 9-12 at 64 and 10-18 at 256."""
         async for request_id, index, out in self._run(request, context):
-            yield output_to_pb(out, request_id, index)
+            await context.write(output_to_pb(out, request_id, index))
 
     async def GenerateOnce(self, request: generation_pb2.GenerateRequest,
                            context: grpc.aio.ServicerContext) -> generation_pb2.GenerateResponse:
@@ -210,6 +221,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 client_message(str(exc), internal, request_id))
+        except CompilePoolBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if owner is None:                # without keys the core may have made the id
             request_id = internal = prepared.request_id
         aborted = asyncio.Event()

@@ -70,7 +70,11 @@ class OutputStream:
         self._waiting: list[RequestOutput] = []
         self._num_waiting_tokens = 0
         self._sent_tokens = False
-        self._ready = asyncio.Event()
+        # Set when what waits should go; `get` waits on a bare future of its own rather than
+        # an asyncio.Event (no waiter list to walk, no lock object): one stream, one
+        # consumer, and this runs once per token.
+        self._ready = False
+        self._waiter: asyncio.Future[None] | None = None
         self._held: RequestOutput | None = None
 
     def wants(self, num_unsent_tokens: int) -> bool:
@@ -87,14 +91,22 @@ class OutputStream:
         if (out.finish_reason is not None or out.error is not None
                 or self.interval is not None and (self._num_waiting_tokens >= self.interval
                                                   or not self._sent_tokens)):
-            self._ready.set()
+            self._ready = True
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():    # done: its get was cancelled
+                waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         if self._held is not None:
             out, self._held = self._held, None
             return out
-        await self._ready.wait()
-        self._ready.clear()
+        if not self._ready:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._ready = False
         ready, self._waiting, self._num_waiting_tokens = self._waiting, [], 0
         if len(ready) > 1 and ready[-1].error is not None:
             self._held = ready.pop()

@@ -126,7 +126,10 @@ def test_rank_missing_from_the_rendezvous_is_a_clear_error() -> None:
     env = member_env()
     scheduler = subprocess.Popen(
         [sys.executable, "-m", "scheduler_svc", "--port", str(port), "--control-port",
-         str(control_port), "--tp", "2", "--kvcache", "tcp://127.0.0.1:1"],
+         str(control_port), "--tp", "2", "--kvcache", "tcp://127.0.0.1:1",
+         # off: the default port lies in the ephemeral range, where another connection's
+         # TIME_WAIT (seen in a full-suite run) refuses the bind
+         "--metrics-port", "-1"],
         cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
     try:
         worker = subprocess.run(

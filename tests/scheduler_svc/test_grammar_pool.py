@@ -12,7 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from scheduler_svc.frontend.grammar import Grammars
-from scheduler_svc.frontend.grammar_pool import COMPILE_NICENESS, CompileTimeout, GrammarPool
+from scheduler_svc.frontend.grammar_pool import (
+    COMPILE_NICENESS,
+    CompilePoolBusy,
+    CompileTimeout,
+    GrammarPool,
+)
 from scheduler_svc.frontend.structured_output import (
     MAX_ENUM_ITEMS,
     MAX_SCHEMA_BYTES,
@@ -90,9 +95,15 @@ def test_threads_stay_bounded_past_max_overrun(slow: SlowCompile) -> None:
     pool = GrammarPool(slow, max_compile_s=0.2, num_threads=1, max_overrun=1)
 
     async def main() -> None:
-        for key in ("slow1", "slow2", "slow3"):
+        for key in ("slow1", "slow2"):
             with pytest.raises(CompileTimeout):
                 await pool.compile(key)
+        # Every thread is taken by an overrunning compile: slow3 waits out its budget in the
+        # queue, a load refusal (RESOURCE_EXHAUSTED), not a 400 blaming its schema.
+        with pytest.raises(CompilePoolBusy, match=r"structured_output.json_schema waited "
+                                                  r"0.2 s \(--max-grammar-compile-s\) for a "
+                                                  r"grammar compile thread, all busy"):
+            await pool.compile("slow3", "structured_output.json_schema")
 
     asyncio.run(main())
     # slow1 overran and was replaced; slow2 overran on the replacement, which keeps its place;

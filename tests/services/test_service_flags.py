@@ -77,6 +77,7 @@ ENV = {
         "BLOCK_SIZE": ("block_size", "32", 32),
         "NUM_KV_BLOCKS": ("num_kv_blocks", "64", 64),
         "MAX_PROMPT_BYTES": ("max_prompt_bytes", "1000", 1000),
+        "MAX_CONCURRENT_CALLS": ("max_concurrent_calls", "64", 64),
         "NO_CHUNKED_PREFILL": ("no_chunked_prefill", "1", True),
         "NO_PREFIX_CACHING": ("no_prefix_caching", "1", True),
         "ASYNC_SCHEDULING": ("async_scheduling", "0", False),
@@ -145,5 +146,6 @@ def test_scheduler_defaults_are_its_configs() -> None:
         "route_tokens_per_request": server.route_tokens_per_request,
         "metrics_port": server.metrics_port,
         "max_batches_in_flight": server.max_batches_in_flight,
-        "max_prompt_bytes": server.max_prompt_bytes}
+        "max_prompt_bytes": server.max_prompt_bytes,
+        "max_concurrent_calls": server.max_concurrent_calls}
     assert {dest: getattr(a, dest) for dest in same} == same

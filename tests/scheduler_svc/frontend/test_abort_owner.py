@@ -25,9 +25,21 @@ class KeyedContext(FakeContext):
 
     def __init__(self, key: str | None) -> None:
         self.metadata = call_metadata(key)
+        self.written: list[pb.GenerateResponse] = []     # Generate's messages, in order
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
+
+    async def write(self, message: pb.GenerateResponse) -> None:
+        self.written.append(message)
+
+
+async def generate(servicer: GenerationServicer, request: pb.GenerateRequest,
+                   key: str | None) -> list[pb.GenerateResponse]:
+    """Every message a Generate made with `key` writes, once it returns."""
+    context = KeyedContext(key)
+    await servicer.Generate(request, context)  # type: ignore[arg-type]
+    return context.written
 
 
 async def start(servicer: GenerationServicer, frontend: Frontend, links: FakeEngineLinks,
@@ -37,10 +49,7 @@ async def start(servicer: GenerationServicer, frontend: Frontend, links: FakeEng
     request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=[5, 6]),
                                  sampling=pb.SamplingParams(max_tokens=8))
 
-    async def consume() -> list[pb.GenerateResponse]:
-        return [m async for m in servicer.Generate(request, KeyedContext(key))]  # type: ignore[arg-type]
-
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(generate(servicer, request, key))
     for _ in range(200):
         if links.requests():
             break

@@ -27,7 +27,13 @@ from tests.scheduler_svc.frontend.fakes import (
     settle,
     step_message,
 )
-from tests.scheduler_svc.frontend.test_abort_owner import OTHER_KEY, OWNER_KEY, KeyedContext, abort
+from tests.scheduler_svc.frontend.test_abort_owner import (
+    OTHER_KEY,
+    OWNER_KEY,
+    KeyedContext,
+    abort,
+    generate,
+)
 from tests.scheduler_svc.grpc_context import Aborted
 
 A = replica(0)
@@ -52,11 +58,7 @@ async def stream(servicer: GenerationServicer, links: FakeEngineLinks, request_i
     """A live Generate made with `key`, once its engine request was sent."""
     before = len(links.requests())
 
-    async def consume() -> list[pb.GenerateResponse]:
-        return [m async for m in servicer.Generate(request(request_id),
-                                                   KeyedContext(key))]  # type: ignore[arg-type]
-
-    task = asyncio.ensure_future(consume())
+    task = asyncio.ensure_future(generate(servicer, request(request_id), key))
     for _ in range(500):
         if len(links.requests()) > before:
             return task
@@ -166,14 +168,10 @@ def test_a_keyed_id_too_long_is_refused_by_the_clients_limit(
         frontend: Frontend, model_path: Path) -> None:
     servicer = keyed_servicer(frontend, model_path)
 
-    async def generate(req: pb.GenerateRequest) -> None:
-        async for _ in servicer.Generate(req, KeyedContext(OWNER_KEY)):  # type: ignore[arg-type]
-            pass
-
     for n in (1, 2):
         limit = max_client_len(OWNER, n)
         with pytest.raises(Aborted) as refused:
-            asyncio.run(generate(request("x" * (limit + 1), n)))
+            asyncio.run(generate(servicer, request("x" * (limit + 1), n), OWNER_KEY))
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details.startswith(f"request_id longer than {limit} characters")
         assert OWNER[:TAG_LEN] not in refused.value.details

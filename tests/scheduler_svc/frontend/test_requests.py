@@ -2,7 +2,10 @@
 request, by handle and by the client's id, where each runs (the router's load measure) and
 which are parked. The front end's use of it (cancel, outputs, moves) is test_core*.py."""
 
+import random
+
 from scheduler_svc.frontend.requests import LiveRequests
+from scheduler_svc.frontend.streams import OutputStream, RequestOutput
 from scheduler_svc.frontend.tokenizer import TextTokenizer
 from tests.scheduler_svc.frontend.fakes import front_request
 
@@ -61,3 +64,42 @@ def test_token_ids_are_the_prompt_and_the_outputs_so_far(tokenizer: TextTokenize
     r = front_request(tokenizer, "r", [5, 6])
     r.output_token_ids += [9, 10]
     assert r.token_ids == [5, 6, 9, 10] and r.prompt_token_ids == [5, 6]
+
+
+class RecordingStream(OutputStream):
+    """Records every output the request hands over: (tokens, text)."""
+
+    def __init__(self, interval: int | None) -> None:
+        super().__init__(interval)
+        self.handed: list[tuple[list[int], str]] = []
+
+    def put(self, out: RequestOutput) -> None:
+        self.handed.append((list(out.new_token_ids), out.text))
+        super().put(out)
+
+
+def test_a_plain_decode_token_takes_the_same_path_as_a_step_of_one_token(
+        tokenizer: TextTokenizer) -> None:
+    """`take_token` (every plain decode step's row) against `take` with one token: the same
+    outputs, text, stop string and abort, with stop strings, min_tokens, kept stops and
+    stream intervals drawn at random."""
+    rng = random.Random(37)
+    text = tokenizer.encode("One fish, two fish. Red fish — blue fish! Ünïcode 漢字 🙂 END. " * 3)
+    for case in range(60):
+        start = rng.randrange(len(text) - 40)
+        tokens = text[start:start + rng.randrange(5, 40)]
+        sampling = {"stop": tuple(rng.sample(["fish", ". R", "END", "🙂", "zz"],
+                                             rng.randrange(0, 3))),
+                    "min_tokens": rng.randrange(0, 6),
+                    "include_stop_str_in_output": rng.random() < 0.5}
+        interval = rng.choice([1, 1, 3, None])
+        slow, fast = (front_request(tokenizer, f"r{case}", [5, 6], **sampling)
+                      for _ in range(2))
+        slow.stream, fast.stream = RecordingStream(interval), RecordingStream(interval)
+        slow.placement = fast.placement = A
+        for token in tokens:
+            assert fast.take_token(token) == slow.take([token], [None], None, None)
+        assert fast.output_token_ids == slow.output_token_ids
+        assert fast.stop_string == slow.stop_string
+        assert fast.stream.handed == slow.stream.handed, (case, sampling, interval)
+        assert fast.unsent(True).text == slow.unsent(True).text

@@ -119,3 +119,20 @@ def test_error_is_not_merged_into_the_tokens_before_it(interval: int) -> None:
         assert failed.error == "replica lost" and failed.new_token_ids == []
 
     asyncio.run(run())
+
+
+def test_a_cancelled_get_leaves_the_stream_usable() -> None:
+    """The client went away mid-wait (its get cancelled): a later put wakes nobody and
+    nothing breaks; the next get takes what waited."""
+    async def run() -> None:
+        stream = OutputStream()
+        waiting = asyncio.ensure_future(stream.get())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.sleep(0)
+        stream.put(out(1))
+        assert (await stream.get()).new_token_ids == [1]
+        stream.put(out(2, finish=FinishReason.STOP))
+        assert (await stream.get()).finish_reason is FinishReason.STOP
+
+    asyncio.run(run())

@@ -49,6 +49,10 @@ class MetricsServer(ThreadingHTTPServer):
     """A threading HTTP server with a connection cap; `serve_in_background` starts it."""
 
     daemon_threads = True
+    # The listen backlog: socketserver's default of 5 drops the SYNs of a burst of
+    # connections, each then retried after 1 s, 3 s, ... (200 connections at once took 20-34 s
+    # to open, tests/e2e/test_outsider.py); past the cap they are closed at once anyway.
+    request_queue_size = 128
 
     def __init__(self, host: str, port: int, render: Callable[[], tuple[bytes, str]],
                  max_connections: int = MAX_CONNECTIONS) -> None:

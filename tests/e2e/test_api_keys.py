@@ -25,7 +25,7 @@ from services import healthcheck
 from services.api_keys import INVALID, MISSING, call_metadata
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
-from tests.e2e.harness import greedy_request, run_cluster
+from tests.e2e.harness import greedy_request, run_cluster, wait_for
 from tests.services.tls_files import self_signed
 
 pytestmark = pytest.mark.e2e
@@ -93,10 +93,16 @@ def test_keys_on_grpc_and_http(tmp_path: Path, prompts: list[list[int]]) -> None
     with run_cluster(tmp_path, http=True, env={"SPLITSERVE_API_KEY": ",".join(KEYS)},
                      scheduler_args=("--frontends", "2")) as cluster:
         address = cluster.procs.address
-        # Health needs no key: run_cluster waited on it, and so does this.
+        # Health needs no key. run_cluster waited for a SERVING answer, from whichever front
+        # end its connection reached; this channel may reach the other, which can still be
+        # taking the cluster's first state (NOT_SERVING, seen once in a full-suite run).
         health = health_pb2_grpc.HealthStub(cluster.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"),
-                            timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+        def serving() -> bool:
+            request = health_pb2.HealthCheckRequest(service="splitserve.v1.Generation")
+            return (health.Check(request, timeout=10).status
+                    == health_pb2.HealthCheckResponse.SERVING)
+        assert wait_for(serving, 30)
         assert_grpc_keys(cluster.stub, prompts[0])
 
         base = f"http://{cluster.procs.http_address}"

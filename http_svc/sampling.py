@@ -43,7 +43,7 @@ from http_svc.protocol import (
     CompletionRequest,
     GenerationFields,
 )
-from http_svc.structured import Structured, structured_output
+from http_svc.structured import MAX_SCHEMA_BYTES, Structured, structured_output
 from services.wire import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_TOP_LOGPROBS
 
 INT32_MAX = (1 << 31) - 1   # the engine's token counts are int32
@@ -53,7 +53,6 @@ MAX_N = 64                  # choices per prompt, as the scheduler takes them
 # As the scheduler takes them (scheduler_svc.frontend.validation, .structured_output).
 MAX_STOP_STRINGS = 16       # stop strings per request
 MAX_STOP_LEN = 256          # characters of one stop string
-MAX_SCHEMA_BYTES = 64 << 10     # UTF-8 bytes of a JSON schema (as compact JSON text)
 MAX_REGEX_BYTES = 16 << 10      # UTF-8 bytes of a regular expression
 MAX_GRAMMAR_BYTES = 64 << 10    # UTF-8 bytes of an EBNF grammar
 MAX_CHOICE_BYTES = 64 << 10     # UTF-8 bytes of a choice list's strings together

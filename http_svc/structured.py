@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_svc.errors import bad_request
+from http_svc.json_limits import json_text_longer_than
 from http_svc.protocol import GenerationFields
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+MAX_SCHEMA_BYTES = 64 << 10     # UTF-8 bytes of a JSON schema (as compact JSON text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,8 @@ def _response_format(value: dict[str, Any] | None) -> Structured | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise bad_request('response_format of type "json_schema" needs json_schema.schema, '
                           "a JSON schema object", "response_format.json_schema.schema")
-    return Structured("response_format", json_schema=json.dumps(spec["schema"]))
+    return Structured("response_format", json_schema=_schema_text(spec["schema"],
+                                                                  "response_format"))
 
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -132,7 +135,7 @@ def _guided_json(value: Any, name: str = "guided_json",
             raise bad_request(f"{name} is not valid JSON: {exc}", name) from None
     if not isinstance(value, dict):
         raise bad_request(f"{name} must be a JSON schema object", name)
-    return Structured(param or name, json_schema=json.dumps(value))
+    return Structured(param or name, json_schema=_schema_text(value, param or name))
 
 
 def _guided_regex(value: Any, name: str = "guided_regex",
@@ -162,3 +165,13 @@ def _guided_grammar(value: Any, name: str = "guided_grammar",
     if not isinstance(value, str) or not value.strip():
         raise bad_request(f"{name} must be a non-empty string (an EBNF grammar)", name)
     return Structured(param or name, grammar=value)
+
+
+def _schema_text(schema: dict[str, Any], param: str) -> str:
+    """The schema as JSON text; a schema surely past MAX_SCHEMA_BYTES is refused before
+    json.dumps spends the event loop's time on it (http_svc.json_limits). What passes is
+    measured exactly by the caller (http_svc.sampling)."""
+    if json_text_longer_than(schema, MAX_SCHEMA_BYTES):
+        raise bad_request(f"{param}: its JSON schema is more than {MAX_SCHEMA_BYTES} bytes "
+                          f"of UTF-8; at most {MAX_SCHEMA_BYTES} are taken", param)
+    return json.dumps(schema)

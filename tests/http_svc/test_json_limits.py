@@ -15,7 +15,12 @@ import pytest
 from http_svc.app import build_app
 from http_svc.config import HttpConfig
 from http_svc.errors import from_grpc
-from http_svc.json_limits import MAX_JSON_DEPTH, json_depth, nested_deeper_than
+from http_svc.json_limits import (
+    MAX_JSON_DEPTH,
+    json_depth,
+    json_text_longer_than,
+    nested_deeper_than,
+)
 from http_svc.serving import OpenAIServing
 from tests.http_svc.test_app import Reply
 from tests.http_svc.test_serving import Ready
@@ -183,6 +188,34 @@ def test_an_oversized_field_is_named_with_its_limit(fields: dict[str, Any], para
     error = reply.json()["error"]
     assert (reply.status, error["param"]) == (400, param), error
     assert limit in error["message"]
+
+
+def test_the_json_length_bound_never_refuses_what_fits() -> None:
+    """A lower bound: whatever it calls longer than the limit is, compact or not; at the
+    exact compact length it says no, one below it yes (quote-free texts)."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        value = random_json(rng, rng.randrange(6))
+        compact = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+        for limit in (0, 1, compact // 2, compact - 1, compact, compact + 1):
+            if json_text_longer_than(value, limit):
+                assert compact > limit, (value, limit)
+    plain = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(50)}}
+    exact = len(json.dumps(plain, separators=(",", ":")))
+    assert not json_text_longer_than(plain, exact)
+    assert json_text_longer_than(plain, exact - 1)
+
+
+class Trap(dict):  # type: ignore[type-arg]
+    def items(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("walked past the limit")
+
+
+def test_the_json_length_bound_stops_at_the_limit() -> None:
+    """A million-item enum is refused after the items that pass the limit: nothing after
+    them is visited (the trap at item 50,000 never springs), nothing is copied."""
+    enum: list[Any] = ["x"] * 50_000 + [Trap(a=1)] + ["x"] * 950_000
+    assert json_text_longer_than({"type": "string", "enum": enum}, 64 << 10)
 
 
 def test_a_huge_role_is_named() -> None:

@@ -35,14 +35,20 @@ def call(method: str, path: str, body: Any = None, headers: dict[str, str] | Non
     app = build_app(HttpConfig())
     app.state.serving = OpenAIServing(ScriptedClient(text), Ready(ready))  # type: ignore[arg-type]
     data = json.dumps(body).encode() if body is not None else b""
+    return Reply(drive(app, method, path, data, [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]))
+
+
+def drive(app: Any, method: str, path: str, body: bytes,
+          headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
+    """One request through `app` as an ASGI server would hand it over (the body in one
+    message, the client staying connected); the messages the app sent back."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(data)).encode()),
-                         *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items())]}
-    incoming = [{"type": "http.request", "body": data, "more_body": False}]
+             "server": ("127.0.0.1", 8000), "headers": headers}
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -55,7 +61,7 @@ def call(method: str, path: str, body: Any = None, headers: dict[str, str] | Non
         sent.append(message)
 
     asyncio.run(app(scope, receive, send))
-    return Reply(sent)
+    return sent
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

@@ -4,7 +4,6 @@ connections past the cap get 503 while one below it is served; POST bodies must 
 JSON (415 otherwise); CORS is off unless origins are listed. Socket-level cases run a real
 uvicorn on a free port with `http_svc.__main__`'s protocol; the rest drive the ASGI app."""
 
-import asyncio
 import json
 import logging
 import socket
@@ -22,6 +21,7 @@ from http_svc.config import HttpConfig
 from http_svc.content_type import JSON_BODY_PATHS
 from http_svc.serving import OpenAIServing
 from http_svc.slow_clients import protocol_factory
+from tests.http_svc.test_app import drive
 from tests.http_svc.test_serving import Ready
 from tests.http_svc.test_serving_tools import ScriptedClient
 
@@ -181,24 +181,8 @@ def test_connections_past_the_cap_get_503_and_one_below_it_is_served(
 
 def call(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b"",
          config: HttpConfig | None = None) -> tuple[int, dict[str, str], bytes]:
-    app = app_for(config or HttpConfig())
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "client": (HOST, 1),
-             "server": (HOST, 8000), "headers": [(b"host", b"x"), *headers]}
-    incoming = [{"type": "http.request", "body": body, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
+    sent = drive(app_for(config or HttpConfig()), method, path, body,
+                 [(b"host", b"x"), *headers])
     start = next(m for m in sent if m["type"] == "http.response.start")
     return (start["status"], {k.decode(): v.decode() for k, v in start["headers"]},
             b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))

@@ -2,7 +2,6 @@
 twin that walks it byte by byte; and the front end's refusals of deep bodies and oversized
 fields, through the ASGI app with no scheduler behind it."""
 
-import asyncio
 import json
 import logging
 import random
@@ -22,7 +21,7 @@ from http_svc.json_limits import (
     nested_deeper_than,
 )
 from http_svc.serving import OpenAIServing
-from tests.http_svc.test_app import Reply
+from tests.http_svc.test_app import Reply, drive
 from tests.http_svc.test_serving import Ready
 from tests.http_svc.test_serving_tools import ScriptedClient
 
@@ -100,26 +99,8 @@ def test_deep_and_large_bodies_are_measured_fast() -> None:
 def post(path: str, data: bytes) -> Reply:
     app = build_app(HttpConfig())
     app.state.serving = OpenAIServing(ScriptedClient("Hello."), Ready(True))  # type: ignore[arg-type]
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(data)).encode())]}
-    incoming = [{"type": "http.request", "body": data, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop(0)
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    return Reply(sent)
+    return Reply(drive(app, "POST", path, data, [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]))
 
 
 def nested(depth: int) -> str:

@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "thread_buffer.h"
 
 #define NR 32          /* output columns per panel: two tiles of 16 */
 #define KS 32          /* inputs per tile step */
@@ -235,19 +236,6 @@ static inline __attribute__((always_inline)) void dequant_panel(
     }
 }
 
-/* The calling thread's buffer of at least `bytes`, kept between calls. */
-static uint16_t *panel_buffer(size_t bytes) {
-  static __thread uint16_t *buffer;
-  static __thread size_t size;
-  if (bytes > size) {
-    free(buffer);
-    size = round_up((int64_t)bytes, 4096);
-    buffer = aligned_alloc(64, size);
-    if (buffer == NULL) abort();
-  }
-  return buffer;
-}
-
 /* c [m, n] = a [m, k] @ w^T, w as blocks (layout above); a and c row-major, contiguous. */
 void gemm_amx_blocks(const uint16_t *a, const uint8_t *values, int bits,
                      const uint16_t *scales, const uint16_t *offsets, uint16_t *c, int64_t m,
@@ -261,7 +249,7 @@ void gemm_amx_blocks(const uint16_t *a, const uint8_t *values, int bits,
   {
     config_matmul_tiles(rows);
     float acc[4 * 256] __attribute__((aligned(64)));
-    uint16_t *w = panel_buffer((size_t)steps * 2 * TILE_ELEMS * 2);
+    uint16_t *w = thread_buffer((size_t)steps * 2 * TILE_ELEMS * 2);
     int64_t first, end;
     thread_share(panels, &first, &end);
     for (int64_t t0 = 0; t0 < row_tiles; t0 += MC / 16) {

@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "thread_buffer.h"
 
 #define NR 32          /* output columns per panel: two tiles of 16 */
 #define KS 32          /* inputs per block, and per tile product */
@@ -119,20 +120,6 @@ static void split_rows(const float *a, int64_t m, int64_t k, uint16_t *parts, fl
         asum[r * blocks + b] = _mm512_reduce_add_ps(sum);
       }
     }
-}
-
-/* The calling thread's scratch of at least `bytes`, kept between calls (a prefill step's split
- * rows are megabytes: a fresh allocation each call would fault in every page again). */
-static char *scratch(size_t bytes) {
-  static __thread char *buffer;
-  static __thread size_t size;
-  if (bytes > size) {
-    free(buffer);
-    size = (bytes + 4095) / 4096 * 4096;
-    buffer = aligned_alloc(64, size);
-    if (buffer == NULL) abort();
-  }
-  return buffer;
 }
 
 /* sums[r] (16 columns) += offset * asum[r] + scale * t[r], for `rows` rows of one tile. */
@@ -229,7 +216,7 @@ void gemm_amx_quant(const float *a, const uint16_t *values, const float *scales,
   if (m <= 0 || n <= 0) return;
   const int64_t blocks = k / KS;
   const size_t parts_bytes = (size_t)((m + 15) / 16 * blocks * 3 * TILE_ELEMS * 2);
-  char *buffer = scratch(parts_bytes + (size_t)round_up(m * blocks * 4, 64));
+  char *buffer = thread_buffer(parts_bytes + (size_t)round_up(m * blocks * 4, 64));
   uint16_t *parts = (uint16_t *)buffer;
   float *asum = (float *)(buffer + parts_bytes);
   split_rows(a, m, k, parts, asum);

@@ -179,7 +179,7 @@ void gemm_int8(const void *a, int a_bf16, const int8_t *packed, const int32_t *c
   if (m <= 0 || n <= 0) return;
   const int64_t kp = round_up(k, 4), a_row_bytes = a_bf16 ? 2 * k : 4 * k;
   const int64_t scale_bytes = round_up(m * 4, 64);
-  uint8_t *buffer = row_buffer((size_t)(scale_bytes + m * kp));
+  uint8_t *buffer = thread_buffer((size_t)(scale_bytes + m * kp));
   float *a_scale = (float *)buffer;
   uint8_t *qa = buffer + scale_bytes;
 #pragma omp parallel

@@ -185,7 +185,7 @@ void gemm_int8_amx(const void *a, int a_bf16, const int8_t *packed, const float 
   if (m <= 0 || n <= 0) return;
   const int64_t kp = round_up(k, KS), mp = round_up(m, 16), a_row_bytes = a_bf16 ? 2 * k : 4 * k;
   const int64_t scale_bytes = round_up(m * 4, 64);
-  uint8_t *buffer = row_buffer((size_t)(scale_bytes + mp * kp));
+  uint8_t *buffer = thread_buffer((size_t)(scale_bytes + mp * kp));
   float *a_scale = (float *)buffer;
   int8_t *qa = (int8_t *)(buffer + scale_bytes);
 #pragma omp parallel

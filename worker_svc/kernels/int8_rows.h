@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "thread_buffer.h"
 #include <string.h>
 
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_I32 = 2 };
@@ -87,20 +89,6 @@ static inline void store_exact(__m512i exact, float a_scale, __m512 w_scale, voi
     _mm512_mask_storeu_ps((float *)c + at, mask, f);
   else
     _mm256_mask_storeu_epi16((uint16_t *)c + at, mask, to_bf16(f));
-}
-
-/* The calling thread's buffer of at least `bytes`, kept between calls (a prefill's rows
- * would otherwise fault in fresh pages every call). */
-static uint8_t *row_buffer(size_t bytes) {
-  static __thread uint8_t *buffer;
-  static __thread size_t size;
-  if (bytes > size) {
-    free(buffer);
-    size = (bytes + 4095) / 4096 * 4096;
-    buffer = aligned_alloc(64, size);
-    if (buffer == NULL) abort();
-  }
-  return buffer;
 }
 
 #endif

@@ -3,8 +3,11 @@
 vLLM's OpenAI server (its CPU build, .venv-vllm) and splitserve's HTTP front end, started in
 turn on the same weights, each driven by vLLM's own load generator (`vllm bench serve`,
 bench/vllm_bench_serve.py) with the same prompts and settings in one invocation; then the
-same prompts through splitserve's gRPC API (streamed, a channel per client process) on the
-cluster that served HTTP, for the HTTP path's cost.
+same prompts through splitserve's gRPC API (streamed, one client process) and through its
+HTTP API with a lean client (bench/http_lean_client.py, one process, raw sockets), in turn on
+the cluster that served HTTP, for the HTTP path's cost: the load generator costs ~850 µs of
+CPU per token, which on 2 cores is a core taken from the server, so HTTP against gRPC is
+taken with clients of like cost.
 
     bash bench/vllm_env.sh     # once
     .venv/bin/python bench/http_serving.py [--dtype bfloat16|float32] [--concurrency 64]
@@ -20,8 +23,8 @@ vLLM loads that directory, splitserve the GGUF, both the same float weights.
 Printed per system: output tok/s, TTFT and inter-token latency (p50, p99) as the load
 generator measures them (its own definitions: TTFT from sending to the first content chunk,
 ITL between content chunks), and the ratios: splitserve HTTP over vLLM's server, HTTP over
-gRPC (gRPC: tokens / wall time of the same prompts through the native API). With several
-rounds each figure is the median round's.
+gRPC (tokens / wall time of the same prompts, each API with its lean client; and the load
+generator's HTTP figure over gRPC's). With several rounds each figure is the median round's.
 """
 
 import argparse
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_io import load_workload, write_result  # noqa: E402
+from http_lean_client import http_stream_process  # noqa: E402
 from splitserve_runs import CLIENT_NICE, CpuUse, batch_client_process, free_port  # noqa: E402
 from throughput import cpu_info, cpu_line  # noqa: E402
 from vllm_peer import KV_CACHE_GIB, MAX_MODEL_LEN, save_hf_dir  # noqa: E402
@@ -129,10 +133,12 @@ def run_vllm(model_dir: Path, dtype: str, a: argparse.Namespace, dataset: Path,
 
 def run_splitserve(model_dir: Path, dtype: str, a: argparse.Namespace, dataset: Path,
                    prompts: list[str], out_dir: Path,
-                   ) -> tuple[list[dict[str, float]], list[dict[str, object]]]:
+                   ) -> tuple[list[dict[str, float]], list[dict[str, object]],
+                              list[dict[str, object]]]:
     """splitserve (`splitserve up`'s cluster with its HTTP front end) on the GGUF: HTTP
-    rounds under the load generator, then as many gRPC rounds (tok/s) on the same cluster;
-    each with the CPU seconds every service's process tree used (`cpu_s`) and the client's."""
+    rounds under the load generator, then as many rounds of the gRPC batch client and of the
+    lean HTTP client (bench/http_lean_client.py) in turn, on the same cluster (tok/s); each
+    with the CPU seconds every service's process tree used (`cpu_s`) and the client's."""
     http_port = free_port()
     spec = ClusterSpec(model=str(default_model_path()), port=free_port(),
                        control_port=free_port(), kv_plan_port=free_port(),
@@ -148,14 +154,22 @@ def run_splitserve(model_dir: Path, dtype: str, a: argparse.Namespace, dataset: 
         model = wait_http(base_url, out_dir / "splitserve-logs", READY_TIMEOUT_S)
         http = timed_rounds(base_url, model, model_dir, dataset, a, out_dir, "splitserve",
                             procs)
-        grpc_runs = []
-        for _ in range(a.rounds):
+        grpc_runs, lean_runs = [], []
+        expected = len(prompts) * a.max_tokens
+        for _ in range(a.rounds):       # alternating: the machine's speed drifts
             cpu = CpuUse(procs)
             counts, _, wall, client_cpu_s = batch_client_process(procs.address, prompts,
                                                                  a.max_tokens)
             grpc_runs.append({"output_throughput": sum(counts) / wall,
                               "cpu_s": cpu.since_start(), "client_cpu_s": client_cpu_s})
-        return http, grpc_runs
+            cpu = CpuUse(procs)
+            counts, wall, client_cpu_s = http_stream_process(base_url, model, prompts,
+                                                             a.max_tokens, CLIENT_NICE)
+            if sum(counts) != expected:
+                raise RuntimeError(f"lean HTTP client: {sum(counts)} tokens, not {expected}")
+            lean_runs.append({"output_throughput": sum(counts) / wall,
+                              "cpu_s": cpu.since_start(), "client_cpu_s": client_cpu_s})
+        return http, grpc_runs, lean_runs
     finally:
         procs.stop()
 
@@ -197,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per run (the shared prompts, repeated as needed)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default the workload's, 128)")
-    p.add_argument("--rounds", type=int, default=1, help="timed runs per system")
+    p.add_argument("--rounds", type=int, default=3, help="timed runs per system")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--out", help="result JSON (default bench/results/http-serving-<time>.json)")
     return p
@@ -221,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.dtype}; logs and raw results in {out_dir}", flush=True)
 
     results: dict[str, object] = {"cpu": cpu, "args": vars(a)}
-    http, grpc_runs = run_splitserve(model_dir, a.dtype, a, dataset, prompts, out_dir)
+    http, grpc_runs, lean_runs = run_splitserve(model_dir, a.dtype, a, dataset, prompts,
+                                                out_dir)
     results["splitserve_http"], results["splitserve_grpc"] = http, grpc_runs
+    results["splitserve_http_lean"] = lean_runs
     if not a.skip_vllm:
         results["vllm_server"] = run_vllm(model_dir, a.dtype, a, dataset, out_dir)
 
@@ -233,9 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     grpc_run = median_run(grpc_runs)  # type: ignore[arg-type]
     grpc = grpc_run["output_throughput"]
     print(f"{'splitserve gRPC':<18}{grpc:>10.1f}")
-    print(f"HTTP / gRPC throughput: {ours['output_throughput'] / grpc:.3f}")
+    lean_run = median_run(lean_runs)  # type: ignore[arg-type]
+    lean = lean_run["output_throughput"]
+    print(f"{'splitserve HTTP, lean client':<30}{lean:>10.1f}")
+    print(f"HTTP / gRPC throughput: {lean / grpc:.3f} with clients of like cost (lean HTTP, "
+          f"gRPC batch); {ours['output_throughput'] / grpc:.3f} with the load generator")
+    results["http_over_grpc"] = {"lean_client": lean / grpc,
+                                 "load_generator": ours["output_throughput"] / grpc}
     num_tokens = a.num_prompts * a.max_tokens
-    for label, run in (("HTTP", ours), ("gRPC", grpc_run)):
+    for label, run in (("HTTP, load generator", ours), ("HTTP, lean client", lean_run),
+                       ("gRPC", grpc_run)):
         parts = {**run["cpu_s"], "client": run["client_cpu_s"]}  # type: ignore[dict-item]
         print(f"CPU us per token, {label}: " + ", ".join(
             f"{k} {v / num_tokens * 1e6:.1f}" for k, v in parts.items()))

@@ -7,7 +7,10 @@ preflights (OPTIONS, which browsers send without credentials).
 Whatever key the client presented, checked here or not, is passed on to the scheduler with
 every gRPC call made for the request (`presented_key`, read by http_svc.scheduler_client), so
 one key list, the scheduler's, can serve both APIs, and an Abort by the scheduler knows whose
-request it is. A plain ASGI middleware: a streamed response passes through it untouched.
+request it is. Without keys, the HTTP client's address (host only) is passed on instead
+(`client_host`): the scheduler queues each client's requests in turn, and every call of
+http_svc would otherwise be one client, http_svc's own. (With keys, the key is the client.)
+A plain ASGI middleware: a streamed response passes through it untouched.
 """
 
 from contextvars import ContextVar
@@ -22,6 +25,9 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 # The key the HTTP client presented (None: none), for the gRPC calls made on its behalf.
 presented_key: ContextVar[str | None] = ContextVar("presented_key", default=None)
+# The HTTP client's host when the port has no keys (None: keys on, or no address known), for
+# the scheduler's turns between clients (http_svc.scheduler_client sends it).
+client_host: ContextVar[str | None] = ContextVar("client_host", default=None)
 
 
 class ApiKeyMiddleware:
@@ -43,7 +49,10 @@ class ApiKeyMiddleware:
             await response(scope, receive, send)
             return
         token = presented_key.set(key)
+        peer = scope.get("client")
+        host = client_host.set(str(peer[0]) if peer and not self.keys else None)
         try:
             await self.app(scope, receive, send)
         finally:
+            client_host.reset(host)
             presented_key.reset(token)

@@ -9,7 +9,9 @@ tokens (fetched once, in slices, through Detokenize). For a few seconds: the KV 
 the smallest replica (ServerInfo), which bounds "the rest of the context".
 
 Every call carries the key the HTTP client presented (http_svc.auth) as the scheduler's API
-key metadata; the channel is TLS when a CA to trust the scheduler with is given.
+key metadata; a Generate call without keys also declares the HTTP client's host as the
+client the scheduler queues its requests for (`splitserve-client`: each client's requests
+are admitted in turn). The channel is TLS when a CA to trust the scheduler with is given.
 """
 
 import asyncio
@@ -20,13 +22,13 @@ from typing import Any
 
 import grpc
 
-from http_svc.auth import presented_key
+from http_svc.auth import client_host, presented_key
 from http_svc.chat import ChatExtras
 from http_svc.errors import ApiError, from_grpc
 from http_svc.sampling import Sampling
 from http_svc.structured import to_pb as structured_to_pb
 from services import tls
-from services.api_keys import call_metadata
+from services.api_keys import CLIENT_METADATA_KEY, MAX_DECLARED_CLIENT_LEN, call_metadata
 from services.grpc_server import CHANNEL_OPTIONS
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -249,6 +251,8 @@ class SchedulerClient:
         """`whole`: the client wants the completion only when it is done (a non-streaming
         request with one choice): GenerateOnce, so that no message is sent per token."""
         metadata = call_metadata(presented_key.get())
+        if (host := client_host.get()) is not None:
+            metadata += ((CLIENT_METADATA_KEY, host[:MAX_DECLARED_CLIENT_LEN]),)
         if whole:
             return GenerationCall(self._stub.GenerateOnce(spec_to_pb(spec), metadata=metadata))
         return GenerationCall(self._stub.Generate(spec_to_pb(spec), metadata=metadata))

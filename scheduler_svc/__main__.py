@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         long_prefill_token_threshold=a.long_prefill_token_threshold,
         prefix_caching=not a.no_prefix_caching, block_size=a.block_size,
         layerwise_loads=not a.no_layerwise_kv_loads,
-        max_model_len=a.max_model_len or 0)
+        max_model_len=a.max_model_len or 0, scheduling_policy=a.scheduling_policy)
     return Settings(server, sched, a.drain_timeout, a.log_level)
 
 

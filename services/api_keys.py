@@ -24,6 +24,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 METADATA_KEY = "authorization"     # gRPC metadata keys are lower case
+# The client a caller declares (gRPC metadata), for its requests' turn in the engine cores'
+# waiting queues (scheduler_svc.frontend.call_client); http_svc declares each HTTP client's.
+CLIENT_METADATA_KEY = "splitserve-client"
+MAX_DECLARED_CLIENT_LEN = 128       # characters of a declared client id
 SCHEME = "bearer"                  # matched case-insensitively, as HTTP auth schemes are
 ENV = "SPLITSERVE_API_KEY"
 

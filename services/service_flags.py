@@ -112,6 +112,11 @@ def add_scheduler_flags(p: FlagParser) -> FlagParser:
                help="requests running at once in a replica")
     p.add_flag("--max-num-batched-tokens", env="MAX_NUM_BATCHED_TOKENS", type=int,
                default=2048, help="tokens computed per step (the token budget)")
+    p.add_flag("--scheduling-policy", env="SCHEDULING_POLICY", choices=("fair", "fcfs"),
+               default="fair",
+               help="order of a replica's waiting requests: fair (clients in turn: a client's "
+                    "request waits behind at most one of each other client's, however many "
+                    "one client queued) or fcfs (order of arrival)")
     p.add_flag("--long-prefill-token-threshold", env="LONG_PREFILL_TOKEN_THRESHOLD", type=int,
                default=0, help=">0: cap one request's prefill chunk per step")
     p.add_flag("--block-size", env="BLOCK_SIZE", type=int, default=16,

@@ -24,6 +24,9 @@ class SchedulerConfig:
     # The model's KV groups' windows (services.kv_groups `KvGroupLayout.windows`; 0 = full
     # attention): one block table per group per request.
     kv_group_windows: tuple[int, ...] = (0,)
+    # The waiting queue's order (scheduler_svc.engine.fair_queue): "fair" admits clients in
+    # turn, "fcfs" in order of arrival.
+    scheduling_policy: str = "fair"
 
     @property
     def token_budget(self) -> int:

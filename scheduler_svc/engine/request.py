@@ -126,23 +126,25 @@ class Request:
         "finish_reason", "stop_reason", "num_preemptions", "block_size",
         "hash_blocks", "num_in_flight", "num_pending_tokens", "num_migrations",
         "cache_salt", "num_freed_blocks", "grammar", "prompt_logprobs", "prompt_ranks",
-        "frontend", "handle", "slot", "scheduled_time", "first_token_time",
+        "frontend", "handle", "slot", "scheduled_time", "first_token_time", "client",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, block_size: int,
                  hash_blocks: bool, cache_salt: bytes = b"",
                  num_prompt_tokens: int | None = None, frontend: int = 0,
-                 handle: int = 0) -> None:
+                 handle: int = 0, client: str = "") -> None:
         """`prompt_token_ids`: the prompt, then any outputs the client already has (a request
         moved off a lost replica); `num_prompt_tokens` says where the prompt ends (None: all
-        of them are prompt). `frontend`, `handle`: where its outputs go."""
+        of them are prompt). `frontend`, `handle`: where its outputs go. `client`: whose
+        request it is, for its turn in the waiting queue (scheduler_svc.engine.fair_queue)."""
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)       # prompt + outputs
         self.num_prompt_tokens = (len(prompt_token_ids) if num_prompt_tokens is None
                                   else num_prompt_tokens)
         self.frontend = frontend
         self.handle = handle
+        self.client = client
         self.slot = -1          # its name while the workers hold it (NewRequest.slot)
         self.sampling = sampling
         self.eos_token_ids = eos_token_ids

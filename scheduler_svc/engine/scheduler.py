@@ -4,12 +4,13 @@ A step has three phases, and the scheduler owns the state between them (no netwo
 
 1. `schedule()` drafts the step: grows of running requests (in arrival order, each capped by
    the token budget; when the free-block estimate runs out the latest running request is
-   preempted by recompute), then admissions of waiting requests. It returns a `PlanRequest`
-   for kvcache_svc only when something there must change (`_needs_plan`): an admission, a
-   request that needs a block it does not hold, frees that are due; None otherwise, and the
-   step runs on the blocks the requests hold. A plan grows each of its requests a few blocks
-   ahead (`KvBlocks.lookahead`, while the pool has room), so steady decodes make no plan call
-   for many steps; the block hashes that became full wait for the next plan (a request being
+   preempted by recompute), then admissions of waiting requests (clients in turn, or in order
+   of arrival: scheduler_svc.engine.fair_queue). It returns a `PlanRequest` for kvcache_svc
+   only when something there must change (`_needs_plan`): an admission, a request that needs
+   a block it does not hold, frees that are due; None otherwise, and the step runs on the
+   blocks the requests hold. A plan grows each of its requests a few blocks ahead
+   (`KvBlocks.lookahead`, while the pool has room), so steady decodes make no plan call for
+   many steps; the block hashes that became full wait for the next plan (a request being
    freed commits its last ones first: `CommitOp`), and so do finished requests' frees.
 2. `apply_plan(reply)` takes what kvcache_svc granted (scheduler_svc.engine.granted, per
    request; `reply` None: no plan was needed) and returns the workers' `StepInput` diff
@@ -34,12 +35,12 @@ grow's `num_computed_tokens`; the scheduler mirrors it with the same `first_kept
 estimates count a sliding group's blocks as bounded by the window).
 """
 
-from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc.engine.chunking import Chunking
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.engine.decode_rows import DecodeRowBook
+from scheduler_svc.engine.fair_queue import SCHEDULING_POLICIES, FairQueue
 from scheduler_svc.engine.granted import apply_admission, apply_grow
 from scheduler_svc.engine.kv_blocks import KvBlocks
 from scheduler_svc.engine.plan_book import Grow, PlanBook
@@ -80,10 +81,14 @@ class Scheduler(StepResults):
         still being sampled (the worker feeds its own sample in)."""
         if num_batches < 1:
             raise ValueError(f"num_batches must be at least 1, got {num_batches}")
+        if config.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                             f"{config.scheduling_policy!r}")
         self.config = config
         self.replica_id = replica_id
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        # Admitted in turn by client, or in order of arrival (fair_queue.py)
+        self.waiting = FairQueue(fair=config.scheduling_policy == "fair")
         self.running: list[Request] = []
         self.num_free_blocks = 0            # as of the last plan reply
         self.num_total_blocks = 0

@@ -201,7 +201,7 @@ class CommandReader:
                        sched.max_model_len, sched.block_size,
                        hash_blocks=sched.prefix_caching, cache_salt=m.cache_salt,
                        num_prompt_tokens=min(m.num_prompt_tokens, len(m.token_ids)),
-                       frontend=m.frontend, handle=m.handle)
+                       frontend=m.frontend, handle=m.handle, client=m.client)
 
     def _set_vocabulary(self, vocabulary: bytes) -> None:
         try:

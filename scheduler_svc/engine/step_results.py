@@ -10,11 +10,11 @@ the attributes below name.
 """
 
 import itertools
-from collections import deque
 from collections.abc import Iterator
 
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.engine.decode_rows import DecodeRowBook
+from scheduler_svc.engine.fair_queue import FairQueue
 from scheduler_svc.engine.outputs import StepPacker, finished_record
 from scheduler_svc.engine.plan_book import PlanBook
 from scheduler_svc.engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -35,7 +35,7 @@ class StepResults:
     loads: StoreLoads
     ship_sampled_tokens: bool
     plans: PlanBook
-    waiting: deque[Request]
+    waiting: FairQueue
     _new_token_ids: dict[str, list[int]]
     _finished_ids: list[str]
 

@@ -41,6 +41,7 @@ MAX_GRAMMAR_BYTES = 32 << 20         # a compiled grammar (xgrammar's JSON)
 MAX_VOCABULARY_BYTES = 256 << 20     # a tokenizer's vocabulary for grammars (xgrammar's JSON)
 MAX_STOP_TOKEN_IDS = 1024            # token ids one request stops at
 MAX_REASON_LEN = 4096                # characters of an error or a reason to stop
+MAX_CLIENT_LEN = 256                 # characters of a client key (EngineRequest.client)
 
 Handle = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]   # a request, as its front end knows it
 FrontendIndex = Annotated[int, Meta(ge=0, lt=MAX_FRONTENDS)]
@@ -94,6 +95,10 @@ class EngineRequest(_Wire):
     # Structured output: the compiled grammar (xgrammar's serialized JSON) the outputs must
     # follow; the engine advances it over the outputs so far first. None: free text.
     grammar: Annotated[bytes, Meta(max_length=MAX_GRAMMAR_BYTES)] | None = None
+    # Whose request it is, for its turn in the waiting queue (scheduler_svc.engine.fair_queue;
+    # the front end sets it per call). Last, with a default: an older front end's message
+    # still decodes, all of its requests one client.
+    client: Annotated[str, Meta(max_length=MAX_CLIENT_LEN)] = ""
 
 
 class EngineAbort(_Wire):

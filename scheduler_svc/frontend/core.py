@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from scheduler_svc.cluster.wire import ClusterState, FrontendReport, ReplicaEntry
@@ -58,6 +59,13 @@ from scheduler_svc.frontend.validation import (
 log = logging.getLogger(__name__)
 
 MAX_GONE = 1024           # engine cores remembered as down
+CLIENT_RESERVE_DIVISOR = 4  # a quarter of the live requests is kept from any one client
+
+# Whose call the requests `generate` makes now belong to, for their turn in the engine core's
+# waiting queue (scheduler_svc.engine.fair_queue): set by the servicer for the call it serves,
+# so every choice of the call (n > 1, generated in tasks of their own) inherits it. Empty:
+# one client for every request that has none.
+calling_client: ContextVar[str] = ContextVar("calling_client", default="")
 
 
 class Draining(RuntimeError):
@@ -167,6 +175,11 @@ class Frontend:
             grammar = await self.prompts.compile_grammar(sampling.structured_output)
         return PreparedRequest(request_id, token_ids, sampling, salt, grammar)
 
+    @property
+    def max_live_per_client(self) -> int:
+        """The most live requests one client may hold here: the rest are kept for others."""
+        return self.max_live_requests - self.max_live_requests // CLIENT_RESERVE_DIVISOR
+
     # ------------------------------------------------------------------ a request's life
 
     async def generate(self, prepared: PreparedRequest, time_remaining: float | None = None,
@@ -180,6 +193,14 @@ class Frontend:
             raise Draining("the server is draining; send new requests elsewhere")
         if len(self.live) >= self.max_live_requests:
             raise QueueFull(f"{len(self.live)} requests are live; try again later")
+        client = calling_client.get()
+        if self.live.num_of(client) >= self.max_live_per_client:
+            # The rest of the table is kept for other clients: one client's flood fills it
+            # up to here, and everyone else is still admitted.
+            raise QueueFull(f"this client has {self.live.num_of(client)} requests live, the "
+                            f"most one client may hold (a front end holds "
+                            f"{self.max_live_requests}, a quarter kept for other clients); "
+                            f"try again later")
         now = time.monotonic()
         # End before the client's own deadline fires.
         client_deadline = None if time_remaining is None else now + time_remaining - 0.5
@@ -221,7 +242,7 @@ class Frontend:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer.tokenizer, prepared.prompt_token_ids,
                 prepared.sampling.skip_special_tokens, prepared.sampling.stop),
-            timer=RequestTimer(self.metrics), deadline=deadline)
+            timer=RequestTimer(self.metrics), deadline=deadline, client=calling_client.get())
 
     def _set_deadline(self, request: FrontRequest, now: float) -> None:
         """A parked request waits for a ready replica `replica_wait_s` (at start, or after its
@@ -300,7 +321,8 @@ class Frontend:
             sampling=s.to_spec(), max_tokens=s.max_tokens, min_tokens=s.min_tokens,
             stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             cache_salt=request.cache_salt,
-            grammar=None if request.grammar is None else request.grammar.serialized))
+            grammar=None if request.grammar is None else request.grammar.serialized,
+            client=request.client))
         self.live.place(request, placement)
 
     def _finished_already(self, request: FrontRequest) -> bool:

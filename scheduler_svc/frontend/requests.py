@@ -44,6 +44,7 @@ class FrontRequest:
     timer: RequestTimer
     deadline: float                    # time.monotonic() by which it must have a replica
     client_deadline: float | None = None   # its client's own (monotonic), if it set one
+    client: str = ""                   # whose call it is: its turn on the engine (EngineRequest)
     output_token_ids: list[int] = field(default_factory=list)   # what its client has
     # Of those, how many its stream was handed (the rest wait for the stream's interval:
     # --stream-interval, or the end for a client that takes the whole output), and the
@@ -171,6 +172,7 @@ class LiveRequests:
         self._by_handle: dict[int, FrontRequest] = {}
         self._by_id: dict[str, FrontRequest] = {}
         self._num_on: Counter[Placement] = Counter()
+        self._num_of: Counter[str] = Counter()     # live requests per client
         self.num_parked = 0
         self._next_handle = 1
 
@@ -190,12 +192,17 @@ class LiveRequests:
     def by_id(self, request_id: str) -> FrontRequest | None:
         return self._by_id.get(request_id)
 
+    def num_of(self, client: str) -> int:
+        """Live requests of `client` (FrontRequest.client)."""
+        return self._num_of[client]
+
     def add(self, request: FrontRequest) -> bool:
         """A new request, parked until placed; False if its id is taken."""
         if request.request_id in self._by_id:
             return False
         self._by_handle[request.handle] = request
         self._by_id[request.request_id] = request
+        self._num_of[request.client] += 1
         self.num_parked += 1
         return True
 
@@ -203,6 +210,9 @@ class LiveRequests:
         if self._by_handle.pop(request.handle, None) is None:
             return
         del self._by_id[request.request_id]
+        self._num_of[request.client] -= 1
+        if not self._num_of[request.client]:
+            del self._num_of[request.client]
         self._leave(request)
 
     def place(self, request: FrontRequest, placement: Placement) -> None:

@@ -2,7 +2,8 @@
 
 Thin by design: convert protobuf to core types (`from_pb`), call the core, convert back
 (`to_pb`), and map core exceptions to status codes. Policy lives in the front end's core
-(core.py); ServerInfo's figures come from the cluster process (links.ClusterLink).
+(core.py); ServerInfo's figures come from the cluster process (links.ClusterLink). A call's
+requests queue on their engine core as one client's (call_client.py).
 """
 
 import asyncio
@@ -13,12 +14,15 @@ import grpc
 
 from scheduler_svc.cluster.wire import prefix_cache_hit_rate
 from scheduler_svc.engine.config import SchedulerConfig
+from scheduler_svc.frontend.call_client import call_client
 from scheduler_svc.frontend.choices import choice_ids, generate_choices
+from scheduler_svc.frontend.compile_process import CompileServerLost
 from scheduler_svc.frontend.core import (
     Draining,
     Frontend,
     QueueFull,
     RequestFailed,
+    calling_client,
 )
 from scheduler_svc.frontend.grammar_pool import CompilePoolBusy
 from scheduler_svc.frontend.id_space import (
@@ -48,6 +52,7 @@ from services.model_config import ModelConfig
 from services.rpc.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
+
 
 
 def prompt_from_pb(request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest,
@@ -211,6 +216,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = client_request_id(owner, request.request_id)
         internal = internal_id(owner, request_id)
         try:
+            client = call_client(context.invocation_metadata(), owner, context.peer())
             check_length(owner, request_id)
             prepared = await self.frontend.prepare(internal, request.model,
                                                    prompt_from_pb(request),
@@ -223,8 +229,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                 client_message(str(exc), internal, request_id))
         except CompilePoolBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except CompileServerLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"structured_output: {exc}")
         if owner is None:                # without keys the core may have made the id
             request_id = internal = prepared.request_id
+        calling_client.set(client)       # every choice's request is this client's
         aborted = asyncio.Event()
         if n > 1:
             if internal in self._choices:

@@ -1,13 +1,15 @@
 """Structured output under hostile input (issue 40, point 1), through the real services: a
 request waiting for its grammar holds no batch slot (the cluster has one, --max-num-seqs 1);
-a grammar compiles on its own pool within a budget, so two slow-to-compile schemas delay no
-other client's completion; a schema past the budget or the limits gets a 400 (HTTP) or
-INVALID_ARGUMENT (gRPC) naming the field; the same schema compiles once; no traceback.
+a grammar compiles in a child process within a budget, so two slow-to-compile schemas delay
+no other client's completion, and are killed when the budget runs out; a schema past the
+budget or the limits gets a 400 (HTTP) or INVALID_ARGUMENT (gRPC) naming the field;
+the same schema compiles once; no traceback.
 
 The slow schema is one the limits let through (one level deep, ~14 kB): 300 required string
 properties with a maxLength each, which xgrammar takes several seconds to compile here."""
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -82,15 +84,52 @@ def assert_not_stalled(base: str, seconds: list[float]) -> None:
         f"the control completions took {seconds} s ({idle:.2f} s with nothing else)")
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def compile_servers(cluster: RunningCluster) -> list[int]:
+    """Pids of the cluster's grammar compile servers (one per front end that compiled)."""
+    roots = {p.pid for p in cluster.procs.procs.values()}
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"scheduler_svc.frontend.compile_server" not in f.read():
+                    continue
+            ancestor = pid
+            while ancestor > 1 and ancestor not in roots:
+                ancestor = _parent(ancestor)
+            if ancestor in roots:
+                found.append(pid)
+        except OSError:
+            pass
+    # Not their children (forked: the same command line).
+    return [pid for pid in found if _parent(pid) not in found]
+
+
+def compiling(cluster: RunningCluster) -> list[int]:
+    """Pids of the cluster's compile servers' children: compiles running."""
+    pids = []
+    for server in compile_servers(cluster):
+        try:
+            with open(f"/proc/{server}/task/{server}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
 def scheduler_log(cluster: RunningCluster) -> str:
     return "".join(p.read_text() for p in sorted(cluster.log_dir.glob("*sched*")))
 
 
 def test_a_request_waiting_for_its_grammar_holds_no_batch_slot(base: str) -> None:
     """Runs first in this file. The cluster's first structured request waits seconds for its
-    grammar: the compiler is built on first use (importing xgrammar, reading the vocabulary:
-    2.0 s of CPU here, measured with time.process_time around `Grammars._get_compiler`, 4.8 s
-    of wall time on the shared machine). With one batch slot, plain completions sent after it
+    grammar: the compile server starts on first use (importing xgrammar, reading the
+    vocabulary: 1.8 s of wall time on a quiet machine, measured around
+    `CompileProcess.vocabulary`). With one batch slot, plain completions sent after it
     finish meanwhile (one that held the slot from its arrival would make them wait for its
     end); then it finishes, its output held to its schema."""
     control(base)                                # warm: the first request pays for imports
@@ -137,10 +176,14 @@ def test_slow_grammars_do_not_delay_other_clients(cluster: RunningCluster, base:
     for t in threads:
         t.start()
     time.sleep(0.3)                              # both are compiling now
+    assert len(compiling(cluster)) == 2
     seconds = [control(base) for _ in range(3)]
     for t in threads:
         t.join(120)
+    time.sleep(0.2)                              # the server reaps the killed children
     assert_not_stalled(base, seconds)
+    # Both compiles were killed when their budget ran out: nothing compiles on.
+    assert len(compile_servers(cluster)) == 1 and not compiling(cluster)
     for status, body, took in results.values():
         # Past the budget: a 400 naming the field and the budget, soon after the budget.
         assert status == 400, body

@@ -2,7 +2,8 @@
 OpenAI-style error object for a missing or wrong key (never echoing it), the open paths, the
 presented key handed on to the scheduler client; and the scheduler client (http_svc.
 scheduler_client) sending it as gRPC metadata to a real server that checks keys, over
-plaintext and over TLS."""
+plaintext and over TLS. Without keys the HTTP client's host is handed on instead, and a
+Generate call declares it as the client the scheduler queues the request for."""
 
 import asyncio
 import json
@@ -12,12 +13,13 @@ from typing import Any
 import grpc
 import pytest
 
-from http_svc.auth import ApiKeyMiddleware, presented_key
+from http_svc.auth import ApiKeyMiddleware, client_host, presented_key
 from http_svc.errors import ApiError
-from http_svc.scheduler_client import SchedulerClient
+from http_svc.sampling import Sampling
+from http_svc.scheduler_client import GenerateSpec, Prompt, SchedulerClient
 from scheduler_svc.frontend.auth import ApiKeyInterceptor
 from services import tls
-from services.api_keys import INVALID, MISSING, ApiKeys
+from services.api_keys import CLIENT_METADATA_KEY, INVALID, MISSING, ApiKeys
 from services.grpc_server import bind, make_server
 from services.rpc.splitserve.v1 import generation_pb2 as pb
 from services.rpc.splitserve.v1 import generation_pb2_grpc
@@ -87,6 +89,38 @@ def test_without_keys_everything_is_open_and_a_key_is_still_handed_on() -> None:
                 "POST")[3] == ["for-the-scheduler"]
 
 
+def host_handed_on(keys: ApiKeys, client: tuple[str, int] | None,
+                   authorization: str | None = None) -> tuple[str | None, str | None]:
+    """(the client host the app saw, and what it is after the request) for a request from
+    `client` (the ASGI scope's)."""
+    seen: list[str | None] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(client_host.get())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers,
+             "query_string": b"", "root_path": "", "client": client}
+    asyncio.run(ApiKeyMiddleware(app, keys)(scope, receive, send))
+    return seen[0], client_host.get()
+
+
+def test_without_keys_the_client_host_is_handed_on() -> None:
+    assert host_handed_on(ApiKeys(), ("203.0.113.9", 5555)) == ("203.0.113.9", None)
+    assert host_handed_on(ApiKeys(), None) == (None, None)       # no address known
+    # With keys, the key names the client: no host is handed on.
+    assert host_handed_on(ApiKeys([KEY]), ("203.0.113.9", 5555), f"Bearer {KEY}") == (
+        None, None)
+
+
 class ModelServicer(generation_pb2_grpc.GenerationServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest,  # type: ignore[override]
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
@@ -146,3 +180,44 @@ def test_http_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         with pytest.raises(SystemExit):
             parse_config(argv)
         assert words in capsys.readouterr().err
+
+
+class EchoServicer(generation_pb2_grpc.GenerationServicer):
+    """Answers a Generate with one final message; keeps each call's metadata."""
+
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+
+    async def GenerateOnce(self, request: pb.GenerateRequest,  # type: ignore[override]
+                           context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        self.metadata.append(dict(context.invocation_metadata() or ()))
+        return pb.GenerateResponse(finish_reason="stop")
+
+
+def test_a_generate_call_declares_the_http_client() -> None:
+    async def main() -> list[dict[str, str]]:
+        servicer, server = EchoServicer(), make_server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = bind(server, "127.0.0.1", 0, None)
+        await server.start()
+        client = SchedulerClient(f"127.0.0.1:{port}")
+        spec = GenerateSpec("r", Prompt(text="hi"),
+                            Sampling(None, None, None, None, None, 0, (), (), False, None, False))
+        try:
+            for host, key in (("203.0.113.9", None), (None, KEY), ("x" * 300, None)):
+                tokens = client_host.set(host), presented_key.set(key)
+                try:
+                    async for _ in client.generate(spec, whole=True):
+                        pass
+                finally:
+                    client_host.reset(tokens[0])
+                    presented_key.reset(tokens[1])
+        finally:
+            await client.close()
+            await server.stop(None)
+        return servicer.metadata
+
+    plain, keyed, long = asyncio.run(main())
+    assert plain[CLIENT_METADATA_KEY] == "203.0.113.9" and "authorization" not in plain
+    assert CLIENT_METADATA_KEY not in keyed and keyed["authorization"] == f"Bearer {KEY}"
+    assert long[CLIENT_METADATA_KEY] == "x" * 128    # within what the scheduler takes

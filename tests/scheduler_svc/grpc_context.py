@@ -19,3 +19,9 @@ class FakeContext:
 
     def time_remaining(self) -> float | None:
         return None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"

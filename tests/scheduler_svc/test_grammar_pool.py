@@ -1,10 +1,9 @@
 """The grammar compile pool (scheduler_svc.frontend.grammar_pool), the limits checked before
 compiling (structured_output) and the compiled grammars' cache (grammar.Grammars): driven
-directly, a fake compile standing in for xgrammar where timing matters."""
+directly, a fake compile standing in for the compile server where timing matters."""
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,6 @@ import pytest
 
 from scheduler_svc.frontend.grammar import Grammars
 from scheduler_svc.frontend.grammar_pool import (
-    COMPILE_NICENESS,
     CompilePoolBusy,
     CompileTimeout,
     GrammarPool,
@@ -29,23 +27,33 @@ from scheduler_svc.frontend.structured_output import (
 
 
 class SlowCompile:
-    """Keys named "slow*" compile until released; the rest at once. Counts compiles."""
+    """Keys named "slow*" compile until released or cancelled (when `killable`: a compile
+    server's child; else one that cannot be stopped); the rest at once. Counts compiles."""
 
-    def __init__(self) -> None:
+    def __init__(self, killable: bool = True) -> None:
         self.release = threading.Event()
+        self.killable = killable
         self.num_calls: dict[str, int] = {}
+        self.cancelled: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
-        self.niceness = 0
 
     def __call__(self, key: str) -> str:
         with self.lock:
             self.num_calls[key] = self.num_calls.get(key, 0) + 1
-            self.niceness = os.getpriority(os.PRIO_PROCESS, 0)    # this thread's (Linux)
+            cancelled = self.cancelled.setdefault(key, threading.Event())
         if key.startswith("slow"):
-            self.release.wait(10)
+            deadline = time.monotonic() + 10
+            while not self.release.is_set() and time.monotonic() < deadline:
+                if cancelled.wait(0.005):
+                    raise RuntimeError(f"{key} killed")
         if key == "bad":
             raise StructuredOutputError("structured_output.regex does not compile: nope")
         return key.upper()
+
+    def cancel(self, key: str) -> None:
+        if self.killable:
+            with self.lock:
+                self.cancelled.setdefault(key, threading.Event()).set()
 
 
 @pytest.fixture
@@ -62,8 +70,8 @@ def nested_schema(levels: int) -> str:
     return json.dumps(schema)
 
 
-def test_over_budget_is_refused_naming_the_field_and_frees_the_pool(slow: SlowCompile) -> None:
-    pool = GrammarPool(slow, max_compile_s=0.3, num_threads=1, max_overrun=1)
+def test_over_budget_is_refused_naming_the_field_and_killed(slow: SlowCompile) -> None:
+    pool = GrammarPool(slow, slow.cancel, max_compile_s=0.3, num_threads=1)
 
     async def main() -> None:
         start = time.monotonic()
@@ -71,7 +79,7 @@ def test_over_budget_is_refused_naming_the_field_and_frees_the_pool(slow: SlowCo
                                                  r"compile within the 0.3 s budget"):
             await pool.compile("slow1", "structured_output.json_schema")
         assert time.monotonic() - start < 1.0
-        # The one thread is still compiling "slow1", yet another key compiles at once.
+        # Its compile was killed: the pool's one thread compiles another key at once.
         start = time.monotonic()
         assert await pool.compile("fast") == "FAST"
         assert time.monotonic() - start < 0.2
@@ -81,36 +89,52 @@ def test_over_budget_is_refused_naming_the_field_and_frees_the_pool(slow: SlowCo
         assert slow.num_calls["slow1"] == 1
 
     asyncio.run(main())
-    assert pool.num_overrunning == 1 and pool.num_threads == 2
-    slow.release.set()
-    for _ in range(100):
-        if pool.num_threads == 1:
-            break
-        time.sleep(0.01)
-    assert pool.num_threads == 1 and pool.num_overrunning == 0   # the overrun one left
+    assert slow.cancelled["slow1"].is_set()
+    assert pool.num_killed == 1 and pool.num_timeouts == 2
     pool.close()
 
 
-def test_threads_stay_bounded_past_max_overrun(slow: SlowCompile) -> None:
-    pool = GrammarPool(slow, max_compile_s=0.2, num_threads=1, max_overrun=1)
+def test_every_waiter_of_a_killed_compile_is_refused_at_once(slow: SlowCompile) -> None:
+    pool = GrammarPool(slow, slow.cancel, max_compile_s=0.4, num_threads=1)
+
+    async def main() -> list[float]:
+        start = time.monotonic()
+
+        async def ask() -> float:
+            with pytest.raises(CompileTimeout):
+                await pool.compile("slow1")
+            return time.monotonic() - start
+
+        first = asyncio.ensure_future(ask())
+        await asyncio.sleep(0.2)
+        # A second request for the same constraint joins the compile, and ends with it,
+        # not 0.4 s after it asked.
+        return await asyncio.gather(first, ask())
+
+    first, second = asyncio.run(main())
+    assert 0.35 < first < 0.9 and abs(second - first) < 0.15, (first, second)
+    assert slow.num_calls["slow1"] == 1
+    pool.close()
+
+
+def test_queued_past_the_budget_is_busy_not_blamed() -> None:
+    # A compile that cannot be stopped keeps the one thread: a second constraint waits out
+    # its budget in the queue, a load refusal (RESOURCE_EXHAUSTED), not a 400 blaming its
+    # schema.
+    stuck = SlowCompile(killable=False)
+    pool = GrammarPool(stuck, stuck.cancel, max_compile_s=0.2, num_threads=1)
 
     async def main() -> None:
-        for key in ("slow1", "slow2"):
-            with pytest.raises(CompileTimeout):
-                await pool.compile(key)
-        # Every thread is taken by an overrunning compile: slow3 waits out its budget in the
-        # queue, a load refusal (RESOURCE_EXHAUSTED), not a 400 blaming its schema.
+        with pytest.raises(CompileTimeout):
+            await pool.compile("slow1")
         with pytest.raises(CompilePoolBusy, match=r"structured_output.json_schema waited "
                                                   r"0.2 s \(--max-grammar-compile-s\) for a "
                                                   r"grammar compile thread, all busy"):
             await pool.compile("slow3", "structured_output.json_schema")
 
     asyncio.run(main())
-    # slow1 overran and was replaced; slow2 overran on the replacement, which keeps its place;
-    # slow3 only queued behind it (the pool was busy), so it is not held against it.
-    assert pool.num_threads == 2
-    assert slow.num_calls == {"slow1": 1, "slow2": 1}
-    slow.release.set()
+    assert stuck.num_calls == {"slow1": 1}   # slow3 never started, so not held against it
+    stuck.release.set()
 
     async def again() -> str:
         return await pool.compile("slow3")
@@ -120,7 +144,7 @@ def test_threads_stay_bounded_past_max_overrun(slow: SlowCompile) -> None:
 
 
 def test_one_compile_per_key_and_errors_reach_every_waiter(slow: SlowCompile) -> None:
-    pool = GrammarPool(slow, max_compile_s=5.0, num_threads=2)
+    pool = GrammarPool(slow, slow.cancel, max_compile_s=5.0, num_threads=2)
 
     async def main() -> None:
         waiters = [asyncio.ensure_future(pool.compile("slowx")) for _ in range(5)]
@@ -133,8 +157,7 @@ def test_one_compile_per_key_and_errors_reach_every_waiter(slow: SlowCompile) ->
 
     asyncio.run(main())
     assert slow.num_calls == {"slowx": 1, "bad": 2}   # an error is not remembered as slow
-    # Compiles run below the process's other threads (the loop, the tokenizers).
-    assert slow.niceness >= os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICENESS
+    assert pool.num_killed == 0
     pool.close()
 
 

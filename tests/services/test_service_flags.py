@@ -81,6 +81,7 @@ ENV = {
         "NO_CHUNKED_PREFILL": ("no_chunked_prefill", "1", True),
         "NO_PREFIX_CACHING": ("no_prefix_caching", "1", True),
         "ASYNC_SCHEDULING": ("async_scheduling", "0", False),
+        "SCHEDULING_POLICY": ("scheduling_policy", "fcfs", "fcfs"),
         "HEARTBEAT_TIMEOUT": ("heartbeat_timeout", "1.5", 1.5),
         "REPLICA_WAIT_TIMEOUT": ("replica_wait_timeout", "5", 5.0),
         "ROUTE_TOKENS_PER_REQUEST": ("route_tokens_per_request", "8", 8.0),
@@ -133,9 +134,10 @@ def test_scheduler_defaults_are_its_configs() -> None:
     a = add_scheduler_flags(FlagParser(environ={})).parse_args([])
     sched, server = SchedulerConfig(), ServerConfig(model_path="", model_name="")
     assert (a.max_num_seqs, a.max_num_batched_tokens, a.long_prefill_token_threshold,
-            a.block_size, not a.no_chunked_prefill, not a.no_prefix_caching) == (
+            a.block_size, not a.no_chunked_prefill, not a.no_prefix_caching,
+            a.scheduling_policy) == (
         sched.max_num_seqs, sched.max_num_batched_tokens, sched.long_prefill_token_threshold,
-        sched.block_size, sched.chunked_prefill, sched.prefix_caching)
+        sched.block_size, sched.chunked_prefill, sched.prefix_caching, sched.scheduling_policy)
     same: dict[str, Any] = {
         "host": server.host, "port": server.port, "control_host": server.control_host,
         "control_port": server.control_port, "kvcache": server.kvcache_address,

@@ -21,6 +21,7 @@ from scheduler_svc.frontend.core import (
     Frontend,
     QueueFull,
     RequestFailed,
+    calling_client,
 )
 from scheduler_svc.frontend.grammar import CompiledGrammar
 from scheduler_svc.frontend.params import SamplingParams
@@ -361,3 +362,30 @@ def test_draining_full_and_duplicate_requests_are_refused(frontend: Frontend) ->
 
     asyncio.run(run())
     assert frontend.report().num_requests_total == 1
+
+
+def test_one_client_holds_at_most_its_share_of_the_live_requests(frontend: Frontend) -> None:
+    frontend.max_live_requests = 4                 # one client may hold 3
+
+    async def run() -> None:
+        frontend.take_state(cluster_state(replica(0)))
+        token = calling_client.set("flooder")
+        flood = [Client(frontend, prepared(f"f{i}")) for i in range(3)]
+        await settle()
+        with pytest.raises(QueueFull, match=r"this client has 3 requests live, the most one "
+                                            r"client may hold \(a front end holds 4, a "
+                                            r"quarter kept for other clients\)"):
+            await anext(frontend.generate(prepared("f3")))
+        calling_client.reset(token)
+        # The last quarter is another client's.
+        token = calling_client.set("control")
+        control = Client(frontend, prepared("c"))
+        await settle()
+        assert len(frontend.live) == 4 and frontend.live.num_of("control") == 1
+        calling_client.reset(token)
+        await stop(control)
+        for client in flood:
+            await stop(client)
+        assert frontend.live.num_of("flooder") == 0 and len(frontend.live) == 0
+
+    asyncio.run(run())

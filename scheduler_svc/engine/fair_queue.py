@@ -2,11 +2,18 @@
 so that one client's thousands of queued requests hold no other client's request back
 behind all of them (issue 40, point 2; `--scheduling-policy fair`).
 
-Admission order: first the requests put back at the front (`appendleft`: preempted, in the
-order a deque would hold them), then round-robin over the clients, each client's own
-requests first in, first out. A client with one request waits behind at most one request of
-each other client. The client whose request is taken goes to the back of the rotation; a
-client that joins (its first request while none of its are queued) starts at the back.
+Admission order: first the requests put back at the front (`appendleft`: preempted for
+memory, in the order a deque would hold them), then round-robin over the clients, each
+client's own requests first in, first out. The client whose request is taken goes to the
+back of the rotation; a client that joins (its first request while none of its are queued)
+takes its turn before every client already served, after those that joined before it. So a
+client with one request waits behind at most the other newcomers', not behind a flood.
+
+When every batch slot is taken, a newcomer that holds at least two fewer running requests
+than the client holding most takes one of that client's slots (`slots_to_share`: its newest
+idle request is preempted by recompute and heads its own client's queue again, `putback`), a
+few per step: a client that joins runs in the next step instead of waiting for the running
+requests to end. Clients already served take their turns as slots free.
 
 What must hold for the scheduler (scheduler_svc.engine.scheduler): iterating the queue
 yields the admission order, and taking the head (`popleft`) leaves a queue whose admission
@@ -19,36 +26,45 @@ yielded, whatever the clients' queues hold. With `fair=False` (`--scheduling-pol
 or when every request has the same client, it is a plain FIFO: the order of arrival.
 """
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from itertools import islice
 
 from scheduler_svc.engine.request import Request
 
 SCHEDULING_POLICIES = ("fair", "fcfs")
+MAX_SHARED_PER_STEP = 4     # slots one step takes from clients that hold more for others
 
 
 class FairQueue:
     """Waiting requests, admitted in turn by `Request.client` (one turn for all: not fair)."""
 
-    __slots__ = ("fair", "_fronts", "_clients", "_len")
+    __slots__ = ("fair", "_fronts", "_new", "_served", "_len")
 
     def __init__(self, fair: bool = True) -> None:
         self.fair = fair
         self._fronts: deque[Request] = deque()     # put back (preempted): before every turn
-        # Each client's requests, oldest first; the dict's order is the rotation's, its first
-        # client's turn next. A client with nothing queued is not in it.
-        self._clients: OrderedDict[str, deque[Request]] = OrderedDict()
+        # Each client's requests, oldest first, in two parts of the rotation: clients that
+        # joined and have not had a turn since (in the order they joined), then the others
+        # (the one served last at the back). A client with nothing queued is in neither.
+        self._new: OrderedDict[str, deque[Request]] = OrderedDict()
+        self._served: OrderedDict[str, deque[Request]] = OrderedDict()
         self._len = 0
 
     def _key(self, request: Request) -> str:
         return request.client if self.fair else ""
 
+    def _queue_of(self, key: str) -> deque[Request] | None:
+        queue = self._new.get(key)
+        return queue if queue is not None else self._served.get(key)
+
     def append(self, request: Request) -> None:
-        """A new (or moved) request, at the end of its client's queue."""
-        queue = self._clients.get(self._key(request))
+        """A new (or moved) request, at the end of its client's queue. A client that joins
+        (none of its requests queued) takes its turn before the clients already served."""
+        key = self._key(request)
+        queue = self._queue_of(key)
         if queue is None:
-            self._clients[self._key(request)] = deque((request,))
+            self._new[key] = deque((request,))
         else:
             queue.append(request)
         self._len += 1
@@ -58,20 +74,31 @@ class FairQueue:
         self._fronts.appendleft(request)
         self._len += 1
 
+    def putback(self, request: Request) -> None:
+        """A request whose slot went to another client (`slots_to_share`): first of its
+        client's queue; a client with none queued joins at the back (it was just served)."""
+        key = self._key(request)
+        queue = self._queue_of(key)
+        if queue is None:
+            self._served[key] = deque((request,))
+        else:
+            queue.appendleft(request)
+        self._len += 1
+
     def popleft(self) -> Request:
         """Takes the head: a request put back, else the next client's oldest (that client
         goes to the back of the rotation). IndexError when empty."""
         if self._fronts:
             self._len -= 1
             return self._fronts.popleft()
-        if not self._clients:
+        clients = self._new or self._served
+        if not clients:
             raise IndexError("pop from an empty waiting queue")
-        client, queue = next(iter(self._clients.items()))
+        client, queue = next(iter(clients.items()))
         request = queue.popleft()
+        del clients[client]
         if queue:
-            self._clients.move_to_end(client)
-        else:
-            del self._clients[client]
+            self._served[client] = queue
         self._len -= 1
         return request
 
@@ -82,12 +109,13 @@ class FairQueue:
             self._fronts.remove(request)
         else:
             key = self._key(request)
-            queue = self._clients.get(key)
+            clients = self._new if key in self._new else self._served
+            queue = clients.get(key)
             if queue is None:
                 raise ValueError(f"request {request.request_id!r} is not waiting")
             queue.remove(request)
             if not queue:
-                del self._clients[key]
+                del clients[key]
         self._len -= 1
 
     def __iter__(self) -> Iterator[Request]:
@@ -95,7 +123,7 @@ class FairQueue:
         that has one left, in rotation order."""
         yield from self._fronts
         turns: list[Iterator[Request]] = []
-        for queue in self._clients.values():      # the first round, one per client
+        for queue in (*self._new.values(), *self._served.values()):   # the first round
             turn = iter(queue)
             yield next(turn)
             turns.append(turn)
@@ -112,8 +140,10 @@ class FairQueue:
         """The request `index` places from the head in admission order (0: the next one)."""
         if index < 0:
             raise IndexError("the waiting queue is indexed from its head only")
-        if index == 0 and (self._fronts or self._clients):    # the head, checked per admission
-            return self._fronts[0] if self._fronts else next(iter(self._clients.values()))[0]
+        if index == 0 and self._len:                  # the head, checked per admission
+            if self._fronts:
+                return self._fronts[0]
+            return next(iter((self._new or self._served).values()))[0]
         for request in islice(self, index, None):
             return request
         raise IndexError("waiting queue index out of range")
@@ -125,6 +155,40 @@ class FairQueue:
         return self._len > 0
 
     @property
+    def num_put_back(self) -> int:
+        """Requests put back at the front (preempted for memory)."""
+        return len(self._fronts)
+
+    def newcomers(self) -> Iterator[str]:
+        """The clients that joined and have had no turn since, in the order they are next."""
+        return iter(self._new)
+
+    @property
     def num_clients(self) -> int:
         """Clients with a request queued in turn (those put back at the front not counted)."""
-        return len(self._clients)
+        return len(self._new) + len(self._served)
+
+
+def slots_to_share(waiting: FairQueue, running: list[Request], max_num_seqs: int,
+                   limit: int = MAX_SHARED_PER_STEP) -> list[Request]:
+    """Running requests to preempt so that newcomers run now (fair policy, every slot
+    taken): for each client that joined the queue without a turn yet (they are next to be
+    admitted, in order) and holds at least two fewer running requests than the client
+    holding most, that client's newest idle request (not in a step in flight). At most
+    `limit` per step; none under fcfs, nor while requests preempted for memory wait."""
+    if not waiting.fair or len(running) < max_num_seqs or waiting.num_put_back:
+        return []
+    held = Counter(r.client for r in running)
+    victims: list[Request] = []
+    for client in islice(waiting.newcomers(), limit):
+        richest, most = held.most_common(1)[0]
+        if held[client] + 1 >= most:
+            break                      # it would not be admitted ahead of a fair share
+        victim = next((r for r in reversed(running) if r.client == richest
+                       and not r.in_flight and r not in victims), None)
+        if victim is None:
+            break
+        victims.append(victim)
+        held[richest] -= 1
+        held[client] += 1
+    return victims

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from scheduler_svc.engine.chunking import Chunking
 from scheduler_svc.engine.config import SchedulerConfig
 from scheduler_svc.engine.decode_rows import DecodeRowBook
-from scheduler_svc.engine.fair_queue import SCHEDULING_POLICIES, FairQueue
+from scheduler_svc.engine.fair_queue import SCHEDULING_POLICIES, FairQueue, slots_to_share
 from scheduler_svc.engine.granted import apply_admission, apply_grow
 from scheduler_svc.engine.kv_blocks import KvBlocks
 from scheduler_svc.engine.plan_book import Grow, PlanBook
@@ -205,6 +205,13 @@ class Scheduler(StepResults):
         grows: list[Grow] = []
         must_plan = False
         preempted = False
+        # Every slot taken, and a waiting client holds fewer than another: that one gives
+        # up its newest slots to it (fair_queue.slots_to_share), admitted below.
+        shared = slots_to_share(self.waiting, self.running, cfg.max_num_seqs)
+        for victim in shared:
+            free += victim.num_held_blocks
+            self.running.remove(victim)
+            self._preempt(victim, release_blocks=True, own_turn=True)
 
         # Requests in a step still in flight are not touched (their next tokens are unknown and
         # their blocks are being written), except decodes under async scheduling.
@@ -266,7 +273,7 @@ class Scheduler(StepResults):
                                   tail_hash=request.tail_hash(),
                                   compute_after_load=self._layerwise_loads))
 
-        if not (must_plan or admits or preempted or self._frees_due()):
+        if not (must_plan or admits or preempted or shared or self._frees_due()):
             self._draft = _Draft(None, grows, [])
             return None
         plan = self.plans.plan(grows, admits, free, self.num_total_blocks)
@@ -277,14 +284,16 @@ class Scheduler(StepResults):
         return self.plans.frees_due(bool(self.running) and not self.waiting,
                                     self.num_free_blocks, self.num_total_blocks)
 
-    def _preempt(self, request: Request, release_blocks: bool) -> None:
+    def _preempt(self, request: Request, release_blocks: bool, own_turn: bool = False) -> None:
+        """Back to waiting, recomputed when admitted again: before every other request (for
+        memory), or (`own_turn`: its slot went to another client) first of its client's."""
         if release_blocks:
             self.plans.release(request, commit=True)
         if request.on_worker:
             self._drop_on_worker(request)
         self._new_token_ids.pop(request.request_id, None)
         request.reset_for_preemption()
-        self.waiting.appendleft(request)
+        (self.waiting.putback if own_turn else self.waiting.appendleft)(request)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ phase 2: apply reply

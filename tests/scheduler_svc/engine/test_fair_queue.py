@@ -26,11 +26,14 @@ def request(request_id: str, client: str) -> Request:
 class Reference:
     """The admission order, spelled out: `fronts` (the last put back first), then each round
     the next request of every client, clients in rotation order; the client served goes to
-    the back, a client that runs out leaves, a new one joins at the back."""
+    the back, a client that runs out leaves, a new one joins after the other newcomers (not
+    served since they joined) and before the rest; one whose request is put back in its own
+    turn (`putback`) heads its own queue, joining at the back."""
 
     def __init__(self) -> None:
         self.fronts: list[Request] = []
         self.rotation: list[str] = []
+        self.num_new = 0                 # the rotation's first clients: joined, not served
         self.queues: dict[str, list[Request]] = {}
 
     def order(self) -> list[Request]:
@@ -40,9 +43,16 @@ class Reference:
 
     def append(self, r: Request) -> None:
         if r.client not in self.rotation:
-            self.rotation.append(r.client)
+            self.rotation.insert(self.num_new, r.client)
+            self.num_new += 1
             self.queues[r.client] = []
         self.queues[r.client].append(r)
+
+    def putback(self, r: Request) -> None:
+        if r.client not in self.rotation:
+            self.rotation.append(r.client)
+            self.queues[r.client] = []
+        self.queues[r.client].insert(0, r)
 
     def appendleft(self, r: Request) -> None:
         self.fronts.insert(0, r)
@@ -51,6 +61,7 @@ class Reference:
         if self.fronts:
             return self.fronts.pop(0)
         client = self.rotation.pop(0)
+        self.num_new = max(0, self.num_new - 1)
         r = self.queues[client].pop(0)
         if self.queues[client]:
             self.rotation.append(client)
@@ -65,6 +76,8 @@ class Reference:
         self.queues[r.client].remove(r)
         if not self.queues[r.client]:
             del self.queues[r.client]
+            if self.rotation.index(r.client) < self.num_new:
+                self.num_new -= 1
             self.rotation.remove(r.client)
 
 
@@ -85,7 +98,8 @@ def test_random_operations_match_the_reference(seed: int) -> None:
     num_made = 0
     for _ in range(400):
         order = ref.order()
-        op = rng.choices(["append", "appendleft", "popleft", "remove"], [5, 1, 3, 1])[0]
+        op = rng.choices(["append", "appendleft", "putback", "popleft", "remove"],
+                         [5, 1, 1, 3, 1])[0]
         if op == "append" or (op != "append" and not order):
             r = request(f"r{num_made}", rng.choice(CLIENTS[:rng.randint(1, len(CLIENTS))]))
             num_made += 1
@@ -98,6 +112,11 @@ def test_random_operations_match_the_reference(seed: int) -> None:
             num_made += 1
             queue.appendleft(r)
             ref.appendleft(r)
+        elif op == "putback":         # preempted so that another client gets its slot
+            r = request(f"r{num_made}", rng.choice(CLIENTS))
+            num_made += 1
+            queue.putback(r)
+            ref.putback(r)
         elif op == "popleft":
             got = queue.popleft()
             assert got is ref.popleft() is order[0]
@@ -112,7 +131,7 @@ def test_random_operations_match_the_reference(seed: int) -> None:
     assert not queue and len(queue) == 0 and queue.num_clients == 0
 
 
-def test_a_client_with_one_request_waits_behind_one_of_each_other() -> None:
+def test_a_client_that_joins_waits_behind_newcomers_only_not_a_flood() -> None:
     queue = FairQueue()
     for i in range(1000):
         queue.append(request(f"flood-{i}", "flood"))
@@ -121,10 +140,13 @@ def test_a_client_with_one_request_waits_behind_one_of_each_other() -> None:
     late = request("late", "late")
     queue.append(late)
     head = [r.request_id for r in islice(queue, 6)]
+    # Every client joined without a turn yet: in the order they came.
     assert head == ["flood-0", "other-0", "other-1", "other-2", "late", "flood-1"]
     queue.popleft()                              # flood-0 was admitted: flood goes last
-    assert [r.request_id for r in islice(queue, 5)] == [
-        "other-0", "other-1", "other-2", "late", "flood-1"]
+    queue.popleft()                              # other-0 too: it has none left
+    queue.append(request("other-0b", "other-0"))     # it joins again: a newcomer again,
+    assert [r.request_id for r in islice(queue, 5)] == [  # ahead of the flood
+        "other-1", "other-2", "late", "other-0b", "flood-1"]
 
 
 def test_drafting_then_popping_the_admitted_finds_each_at_the_head() -> None:

@@ -1,7 +1,8 @@
 """The scheduler's waiting queue by policy (scheduler_svc.engine.fair_queue), driven with the
 real block manager and hand-made step outputs: under `fair` a second client's request is
-admitted in the first step after slots free, however many the first client has waiting;
-under `fcfs` it waits behind all of them."""
+admitted in the very next step, taking one of the first client's slots (none has freed),
+however many the first client has waiting, and more of its requests take more slots, up to an
+equal share; under `fcfs` it waits behind all of them."""
 
 import pytest
 
@@ -46,9 +47,43 @@ def steps_until_admitted(policy: str, max_steps: int) -> tuple[int | None, int |
     return freed, admitted
 
 
-def test_fair_admits_another_client_in_the_first_step_after_slots_free() -> None:
+def test_fair_admits_another_client_in_the_next_step_taking_a_slot() -> None:
     freed, admitted = steps_until_admitted("fair", 20)
-    assert freed is not None and admitted == freed, (freed, admitted)
+    assert freed is None and admitted == 1, (freed, admitted)
+
+
+def test_newcomers_take_slots_at_once_and_the_preempted_resume_first() -> None:
+    sched, kv = make_scheduler(num_blocks=256, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=64)
+    for i in range(NUM_FLOOD):
+        add_for(sched, f"flood-{i}", "flooder", max_tokens=50)
+    s = step(sched, kv)                          # the flood takes every slot
+    assert s is not None and len(s.new_requests) == MAX_NUM_SEQS
+    sched.update(sample(s, dict.fromkeys(scheduled(s), 7)))
+    for i in range(3):                           # three clients join, one request each
+        add_for(sched, f"control-{i}", f"control-{i}", max_tokens=50)
+    s = step(sched, kv)
+    assert s is not None
+    # In the next step, no slot having freed: each took one of the flood's newest.
+    assert sorted(r.request_id for r in s.new_requests) == [f"control-{i}" for i in range(3)]
+    held = [r.client for r in sched.running]
+    assert held.count("flooder") == MAX_NUM_SEQS - 3 and len(held) == MAX_NUM_SEQS
+    preempted = [r for r in sched.requests.values() if r.num_preemptions]
+    assert sorted(r.request_id for r in preempted) == ["flood-5", "flood-6", "flood-7"]
+    assert all(r.num_output_tokens == 1 for r in preempted)     # recomputed with their token
+    # They head the flooder's queue again, in their order, ahead of its requests never run.
+    assert [r.request_id for r in sched.waiting][:4] == ["flood-5", "flood-6", "flood-7",
+                                                         "flood-8"]
+    # control-0 sends one more at a time (each joins anew: none of its are queued): each
+    # takes a flood slot while it holds two fewer, then the shares stay.
+    for i in range(4):
+        add_for(sched, f"control-0-{i}", "control-0", max_tokens=50)
+        sched.update(sample(s, dict.fromkeys(scheduled(s), 7)))
+        s = step(sched, kv)
+        assert s is not None
+    held = [r.client for r in sched.running]
+    assert (held.count("flooder"), held.count("control-0")) == (3, 3), held
+    assert len(sched.waiting) > NUM_FLOOD - MAX_NUM_SEQS    # the last one waits its turn
 
 
 def test_fcfs_keeps_another_client_behind_the_whole_flood() -> None:

@@ -12,10 +12,12 @@ measures what the HTTP front end adds.
 
 import asyncio
 import json
-import multiprocessing
+import multiprocessing.connection
 import os
 import time
 from urllib.parse import urlsplit
+
+from splitserve_runs import in_child_process
 
 DONE = b"data: [DONE]"
 
@@ -83,17 +85,5 @@ def http_stream_process(base_url: str, model: str, prompts: list[str], max_token
     """Every prompt streamed at once from a fresh process at niceness `nice`: (tokens per
     prompt, wall seconds from the first request to the last token, the client's CPU
     seconds)."""
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(base_url, model, prompts, max_tokens, nice, send),
-                        name="bench-http-client")
-    child.start()
-    send.close()
-    try:
-        result = receive.recv()
-    except EOFError:
-        child.join()
-        raise RuntimeError(f"the HTTP client process failed (exit code {child.exitcode})"
-                           ) from None
-    child.join()
-    return result
+    return in_child_process(_child, (base_url, model, prompts, max_tokens, nice),
+                            "bench-http-client")

@@ -25,9 +25,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -159,17 +159,23 @@ def batch_client_process(address: str, prompts: list[str], max_tokens: int,
     """`run_batch` (`api`) in a fresh process at niceness `nice`: (tokens per prompt, arrivals, wall
     seconds from the first request to the last token, the client's CPU seconds). perf_counter
     is CLOCK_MONOTONIC, so the arrival times compare with this process's."""
-    ctx = multiprocessing.get_context("spawn")     # no fork of this process's gRPC channels
+    return in_child_process(_client_child, (address, prompts, max_tokens, nice, api),
+                            "bench-client")
+
+
+def in_child_process(target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
+    """`target(*args, conn)` in a fresh (spawned) process; what it sends on `conn`. Spawned,
+    not forked: no copy of this process's gRPC channels."""
+    ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_client_child, args=(address, prompts, max_tokens, nice, api, send),
-                        name="bench-client")
+    child = ctx.Process(target=target, args=(*args, send), name=name)
     child.start()
     send.close()
     try:
         result = receive.recv()
     except EOFError:
         child.join()
-        raise RuntimeError(f"the batch client process failed (exit code {child.exitcode})"
+        raise RuntimeError(f"the {name} process failed (exit code {child.exitcode})"
                            ) from None
     child.join()
     return result

@@ -45,6 +45,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def compile_in_thread(process: CompileProcess, errors: list[BaseException]) -> threading.Thread:
+    """The slow schema compiling under key "slow" on a thread of its own (what a compile
+    pool thread does); what it raises goes to `errors`."""
+    def compile_slow() -> None:
+        try:
+            process.compile("slow", "json_schema", slow_schema())
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            errors.append(exc)
+
+    thread = threading.Thread(target=compile_slow)
+    thread.start()
+    return thread
+
+
 @pytest.fixture(scope="module")
 def process(tokenizer) -> Iterator[CompileProcess]:  # type: ignore[no-untyped-def]
     p = CompileProcess(tokenizer.tokenizer.to_str(), VOCAB, [2])
@@ -80,15 +94,7 @@ def test_a_cancelled_compile_is_killed_with_its_cpu(process: CompileProcess) -> 
     server = process.pid
     assert server is not None
     errors: list[BaseException] = []
-
-    def compile_slow() -> None:
-        try:
-            process.compile("slow", "json_schema", slow_schema())
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            errors.append(exc)
-
-    thread = threading.Thread(target=compile_slow)
-    thread.start()
+    thread = compile_in_thread(process, errors)
     for _ in range(200):                     # its child starts
         if children(server):
             break
@@ -115,15 +121,7 @@ def test_a_lost_server_fails_its_compiles_and_is_replaced(tokenizer) -> None:  #
     try:
         p.vocabulary()
         errors: list[BaseException] = []
-
-        def compile_slow() -> None:
-            try:
-                p.compile("slow", "json_schema", slow_schema())
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                errors.append(exc)
-
-        thread = threading.Thread(target=compile_slow)
-        thread.start()
+        thread = compile_in_thread(p, errors)
         time.sleep(0.3)
         first = p.pid
         child = children(first)[0]  # type: ignore[arg-type]

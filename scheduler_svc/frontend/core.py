@@ -63,8 +63,7 @@ CLIENT_RESERVE_DIVISOR = 4  # a quarter of the live requests is kept from any on
 
 # Whose call the requests `generate` makes now belong to, for their turn in the engine core's
 # waiting queue (scheduler_svc.engine.fair_queue): set by the servicer for the call it serves,
-# so every choice of the call (n > 1, generated in tasks of their own) inherits it. Empty:
-# one client for every request that has none.
+# so every choice of the call (n > 1, tasks of their own) inherits it. Empty: no client.
 calling_client: ContextVar[str] = ContextVar("calling_client", default="")
 
 
@@ -194,9 +193,7 @@ class Frontend:
         if len(self.live) >= self.max_live_requests:
             raise QueueFull(f"{len(self.live)} requests are live; try again later")
         client = calling_client.get()
-        if self.live.num_of(client) >= self.max_live_per_client:
-            # The rest of the table is kept for other clients: one client's flood fills it
-            # up to here, and everyone else is still admitted.
+        if self.live.num_of(client) >= self.max_live_per_client:   # the rest: others'
             raise QueueFull(f"this client has {self.live.num_of(client)} requests live, the "
                             f"most one client may hold (a front end holds "
                             f"{self.max_live_requests}, a quarter kept for other clients); "

@@ -9,11 +9,12 @@ back of the rotation; a client that joins (its first request while none of its a
 takes its turn before every client already served, after those that joined before it. So a
 client with one request waits behind at most the other newcomers', not behind a flood.
 
-When every batch slot is taken, a newcomer that holds at least two fewer running requests
-than the client holding most takes one of that client's slots (`slots_to_share`: its newest
-idle request is preempted by recompute and heads its own client's queue again, `putback`), a
-few per step: a client that joins runs in the next step instead of waiting for the running
-requests to end. Clients already served take their turns as slots free.
+When every batch slot is taken, a waiting client that holds at least two fewer running
+requests than the client holding most takes one of that client's slots (`slots_to_share`: its
+newest idle request is preempted by recompute and heads its own client's queue again,
+`putback`; the client served takes the next turn, `promote`), a few per step: a client that
+joins runs in the next step instead of waiting for the running requests to end, and the
+slots converge to equal shares between the clients that want them.
 
 What must hold for the scheduler (scheduler_svc.engine.scheduler): iterating the queue
 yields the admission order, and taking the head (`popleft`) leaves a queue whose admission
@@ -34,6 +35,7 @@ from scheduler_svc.engine.request import Request
 
 SCHEDULING_POLICIES = ("fair", "fcfs")
 MAX_SHARED_PER_STEP = 4     # slots one step takes from clients that hold more for others
+MAX_CLIENTS_SCANNED = 64    # waiting clients a step looks at for that, in turn order
 
 
 class FairQueue:
@@ -159,9 +161,17 @@ class FairQueue:
         """Requests put back at the front (preempted for memory)."""
         return len(self._fronts)
 
-    def newcomers(self) -> Iterator[str]:
-        """The clients that joined and have had no turn since, in the order they are next."""
-        return iter(self._new)
+    def clients_in_turn(self) -> Iterator[str]:
+        """The clients with requests queued in turn, in the order of their next turns."""
+        yield from self._new
+        yield from self._served
+
+    def promote(self, client: str) -> None:
+        """`client` (queued) takes the next turn."""
+        queue = self._served.pop(client, None)
+        if queue is not None:
+            self._new[client] = queue
+        self._new.move_to_end(client, last=False)
 
     @property
     def num_clients(self) -> int:
@@ -170,25 +180,39 @@ class FairQueue:
 
 
 def slots_to_share(waiting: FairQueue, running: list[Request], max_num_seqs: int,
-                   limit: int = MAX_SHARED_PER_STEP) -> list[Request]:
-    """Running requests to preempt so that newcomers run now (fair policy, every slot
-    taken): for each client that joined the queue without a turn yet (they are next to be
-    admitted, in order) and holds at least two fewer running requests than the client
-    holding most, that client's newest idle request (not in a step in flight). At most
-    `limit` per step; none under fcfs, nor while requests preempted for memory wait."""
+                   limit: int = MAX_SHARED_PER_STEP) -> tuple[list[Request], list[Request]]:
+    """Running requests to preempt so that under-served clients run now (fair policy, every
+    slot taken), and those to hold back this step so that they can be next step: each
+    waiting client, in turn order (the first MAX_CLIENTS_SCANNED), that holds at least two
+    fewer running requests than the client holding most takes that client's newest request.
+    An idle one is preempted (the first list) and the client goes to the front of the
+    rotation, so that this step's admissions take exactly those slots; one in a step in
+    flight (async scheduling, the PP batch queue) cannot be, and sits this step out (the
+    second list), idle for the next. At most `limit` per step; none under fcfs, nor while
+    requests preempted for memory wait."""
     if not waiting.fair or len(running) < max_num_seqs or waiting.num_put_back:
-        return []
+        return [], []
     held = Counter(r.client for r in running)
     victims: list[Request] = []
-    for client in islice(waiting.newcomers(), limit):
+    holding: list[Request] = []
+    chosen: list[str] = []
+    for client in islice(waiting.clients_in_turn(), MAX_CLIENTS_SCANNED):
+        if len(victims) + len(holding) == limit:
+            break
         richest, most = held.most_common(1)[0]
         if held[client] + 1 >= most:
-            break                      # it would not be admitted ahead of a fair share
+            continue                   # it holds its share already
         victim = next((r for r in reversed(running) if r.client == richest
-                       and not r.in_flight and r not in victims), None)
+                       and r not in victims and r not in holding), None)
         if victim is None:
             break
-        victims.append(victim)
+        if victim.in_flight:
+            holding.append(victim)
+        else:
+            victims.append(victim)
+            chosen.append(client)
         held[richest] -= 1
         held[client] += 1
-    return victims
+    for client in reversed(chosen):    # the first chosen ends up first
+        waiting.promote(client)
+    return victims, holding

@@ -206,8 +206,9 @@ class Scheduler(StepResults):
         must_plan = False
         preempted = False
         # Every slot taken, and a waiting client holds fewer than another: that one gives
-        # up its newest slots to it (fair_queue.slots_to_share), admitted below.
-        shared = slots_to_share(self.waiting, self.running, cfg.max_num_seqs)
+        # up its newest slots to it (fair_queue.slots_to_share), admitted below; one still
+        # in a step in flight sits this step out, to give its slot up at the next.
+        shared, holding = slots_to_share(self.waiting, self.running, cfg.max_num_seqs)
         for victim in shared:
             free += victim.num_held_blocks
             self.running.remove(victim)
@@ -215,7 +216,7 @@ class Scheduler(StepResults):
 
         # Requests in a step still in flight are not touched (their next tokens are unknown and
         # their blocks are being written), except decodes under async scheduling.
-        queue = [r for r in self.running if self._schedulable(r)]
+        queue = [r for r in self.running if self._schedulable(r) and r not in holding]
         max_requests = cfg.max_num_seqs
         if self.num_batches > 1 and not self.async_scheduling:
             max_requests = -(-(len(self.running) + len(self.waiting)) // self.num_batches)

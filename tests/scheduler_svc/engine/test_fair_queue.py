@@ -48,6 +48,13 @@ class Reference:
             self.queues[r.client] = []
         self.queues[r.client].append(r)
 
+    def promote(self, client: str) -> None:
+        if self.rotation.index(client) < self.num_new:
+            self.num_new -= 1
+        self.rotation.remove(client)
+        self.rotation.insert(0, client)
+        self.num_new += 1
+
     def putback(self, r: Request) -> None:
         if r.client not in self.rotation:
             self.rotation.append(r.client)
@@ -98,8 +105,8 @@ def test_random_operations_match_the_reference(seed: int) -> None:
     num_made = 0
     for _ in range(400):
         order = ref.order()
-        op = rng.choices(["append", "appendleft", "putback", "popleft", "remove"],
-                         [5, 1, 1, 3, 1])[0]
+        op = rng.choices(["append", "appendleft", "putback", "promote", "popleft", "remove"],
+                         [5, 1, 1, 1, 3, 1])[0]
         if op == "append" or (op != "append" and not order):
             r = request(f"r{num_made}", rng.choice(CLIENTS[:rng.randint(1, len(CLIENTS))]))
             num_made += 1
@@ -112,6 +119,11 @@ def test_random_operations_match_the_reference(seed: int) -> None:
             num_made += 1
             queue.appendleft(r)
             ref.appendleft(r)
+        elif op == "promote" and ref.rotation:    # an under-served client goes first
+            client = rng.choice(ref.rotation)
+            queue.promote(client)
+            ref.promote(client)
+            assert next(queue.clients_in_turn()) == client
         elif op == "putback":         # preempted so that another client gets its slot
             r = request(f"r{num_made}", rng.choice(CLIENTS))
             num_made += 1

@@ -75,7 +75,7 @@ def test_newcomers_take_slots_at_once_and_the_preempted_resume_first() -> None:
     assert [r.request_id for r in sched.waiting][:4] == ["flood-5", "flood-6", "flood-7",
                                                          "flood-8"]
     # control-0 sends one more at a time (each joins anew: none of its are queued): each
-    # takes a flood slot while it holds two fewer, then the shares stay.
+    # takes a flood slot while it holds two fewer, then the shares stay (a turn each).
     for i in range(4):
         add_for(sched, f"control-0-{i}", "control-0", max_tokens=50)
         sched.update(sample(s, dict.fromkeys(scheduled(s), 7)))
@@ -96,3 +96,52 @@ def test_fcfs_keeps_another_client_behind_the_whole_flood() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_scheduler(scheduling_policy="lottery")
+
+
+def test_a_client_with_many_queued_converges_to_an_equal_share() -> None:
+    """A client already served, with requests queued, takes a slot a step from the client
+    holding most until they hold equal shares; then nothing more is preempted."""
+    sched, kv = make_scheduler(num_blocks=256, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=64)
+    for i in range(NUM_FLOOD):
+        add_for(sched, f"flood-{i}", "flooder", max_tokens=50)
+    s = step(sched, kv)
+    assert s is not None
+    for i in range(MAX_NUM_SEQS):                # one client, many at once
+        add_for(sched, f"control-{i}", "control", max_tokens=50)
+    shares = []
+    for _ in range(8):
+        sched.update(sample(s, dict.fromkeys(scheduled(s), 7)))
+        s = step(sched, kv)
+        assert s is not None
+        held = [r.client for r in sched.running]
+        shares.append((held.count("flooder"), held.count("control")))
+    assert shares[:4] == [(7, 1), (6, 2), (5, 3), (4, 4)], shares
+    assert shares[4:] == [(4, 4)] * 4, shares
+    assert sched.num_preemptions == 4
+
+
+def test_under_async_scheduling_a_slot_in_flight_is_given_up_a_step_later() -> None:
+    """Async scheduling keeps a decode's next step in flight: its request cannot be
+    preempted then. It sits the next step out instead, and gives its slot up at the one
+    after, idle."""
+    sched, kv = make_scheduler(num_blocks=256, max_num_seqs=MAX_NUM_SEQS,
+                               max_num_batched_tokens=64, async_scheduling=True)
+    for i in range(NUM_FLOOD):
+        add_for(sched, f"flood-{i}", "flooder", max_tokens=50)
+    first = step(sched, kv)                      # the flood's prefills
+    assert first is not None and len(first.new_requests) == MAX_NUM_SEQS
+    second = step(sched, kv)                     # its first decodes, planned ahead
+    assert second is not None
+    sched.update(sample(first, dict.fromkeys(scheduled(first), 7)))
+    add_for(sched, "control", "control")
+    # flood-7 is in `second`, in flight: held back, the control not admitted yet.
+    third = step(sched, kv)
+    assert third is not None and "flood-7" not in scheduled(third)
+    assert "control" not in scheduled(third) and sched.num_preemptions == 0
+    sched.update(sample(second, dict.fromkeys(scheduled(second), 7)))
+    # flood-7 is idle now: preempted, and the control takes its slot.
+    fourth = step(sched, kv)
+    assert fourth is not None and [r.request_id for r in fourth.new_requests] == ["control"]
+    assert sched.num_preemptions == 1
+    assert sched.requests["flood-7"].num_preemptions == 1

@@ -190,7 +190,8 @@ def slots_to_share(waiting: FairQueue, running: list[Request], max_num_seqs: int
     flight (async scheduling, the PP batch queue) cannot be, and sits this step out (the
     second list), idle for the next. At most `limit` per step; none under fcfs, nor while
     requests preempted for memory wait."""
-    if not waiting.fair or len(running) < max_num_seqs or waiting.num_put_back:
+    if (not waiting.fair or not waiting or len(running) < max_num_seqs
+            or waiting.num_put_back):
         return [], []
     held = Counter(r.client for r in running)
     victims: list[Request] = []

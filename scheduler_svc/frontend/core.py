@@ -174,10 +174,17 @@ class Frontend:
             grammar = await self.prompts.compile_grammar(sampling.structured_output)
         return PreparedRequest(request_id, token_ids, sampling, salt, grammar)
 
-    @property
-    def max_live_per_client(self) -> int:
-        """The most live requests one client may hold here: the rest are kept for others."""
-        return self.max_live_requests - self.max_live_requests // CLIENT_RESERVE_DIVISOR
+    def check_room(self, client: str) -> None:
+        """QueueFull unless `client` may have one more live request here (a quarter of the
+        table is kept from any one client); asked before tokenizing too: cheap refusals."""
+        if len(self.live) >= self.max_live_requests:
+            raise QueueFull(f"{len(self.live)} requests are live; try again later")
+        most = self.max_live_requests - self.max_live_requests // CLIENT_RESERVE_DIVISOR
+        if self.live.num_of(client) >= most:
+            raise QueueFull(f"this client has {self.live.num_of(client)} requests live, the "
+                            f"most one client may hold (a front end holds "
+                            f"{self.max_live_requests}, a quarter kept for other clients); "
+                            f"try again later")
 
     # ------------------------------------------------------------------ a request's life
 
@@ -190,14 +197,7 @@ class Frontend:
         run there)."""
         if self.draining or (self.state is not None and self.state.draining):
             raise Draining("the server is draining; send new requests elsewhere")
-        if len(self.live) >= self.max_live_requests:
-            raise QueueFull(f"{len(self.live)} requests are live; try again later")
-        client = calling_client.get()
-        if self.live.num_of(client) >= self.max_live_per_client:   # the rest: others'
-            raise QueueFull(f"this client has {self.live.num_of(client)} requests live, the "
-                            f"most one client may hold (a front end holds "
-                            f"{self.max_live_requests}, a quarter kept for other clients); "
-                            f"try again later")
+        self.check_room(calling_client.get())
         now = time.monotonic()
         # End before the client's own deadline fires.
         client_deadline = None if time_remaining is None else now + time_remaining - 0.5

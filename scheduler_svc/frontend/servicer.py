@@ -217,6 +217,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         internal = internal_id(owner, request_id)
         try:
             client = call_client(context.invocation_metadata(), owner, context.peer())
+            self.frontend.check_room(client)       # before tokenizing: refusals are cheap
             check_length(owner, request_id)
             prepared = await self.frontend.prepare(internal, request.model,
                                                    prompt_from_pb(request),
@@ -227,7 +228,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 client_message(str(exc), internal, request_id))
-        except CompilePoolBusy as exc:
+        except (CompilePoolBusy, QueueFull) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except CompileServerLost as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"structured_output: {exc}")

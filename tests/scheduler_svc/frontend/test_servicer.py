@@ -79,6 +79,9 @@ class FailingFrontend:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
+    def check_room(self, client: str) -> None:
+        pass
+
     async def prepare(self, *_: object) -> PreparedRequest:
         return PreparedRequest("r", [1, 2], SamplingParams())
 
@@ -103,6 +106,31 @@ def test_the_cores_errors_are_status_codes(model_path: Path, error: Exception,
     with pytest.raises(Aborted) as refused:
         asyncio.run(servicer.GenerateOnce(request, FakeContext()))  # type: ignore[arg-type]
     assert refused.value.code == code and str(error) in refused.value.details
+
+
+def test_a_client_past_its_share_is_refused_before_tokenizing(
+        frontend: Frontend, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood's calls past its share of the live requests cost no tokenizing: the servicer
+    asks the core for room first."""
+    servicer = GenerationServicer(frontend, load_model_config(model_path), SchedulerConfig())
+    frontend.max_live_requests = 4                        # one client may hold 3
+    prepared: list[str] = []
+    real_prepare = frontend.prepare
+
+    async def counting_prepare(*args: object, **kwargs: object) -> PreparedRequest:
+        prepared.append(str(args[0]))
+        return await real_prepare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(frontend, "prepare", counting_prepare)
+    monkeypatch.setattr(frontend.live, "num_of", lambda client: 3 if client == "flood" else 0)
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1, 2]))
+    flood = FakeContext()
+    flood.invocation_metadata = lambda: (("splitserve-client", "flood"),)  # type: ignore[method-assign]
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(servicer.GenerateOnce(request, flood))  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "this client has 3 requests live" in refused.value.details
+    assert prepared == []
 
 
 class FakeClusterLink:
